@@ -1,0 +1,513 @@
+"""Typed job configuration: dataclasses <- TOML file <- `--section.key=value` overrides.
+
+Every field carries its documentation. An unknown section or key, a value of the wrong type, or
+an inconsistent combination is an error that names the fix; nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message says how to fix it."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    """TOML file this config was read from (set by --job.config_file)."""
+    dump_folder: str = "./outputs"
+    """Root folder for all run outputs."""
+    run_name: str = "debug"
+    """Sub-folder of dump_folder for this run: TensorBoard events, metrics.jsonl, checkpoints."""
+    description: str = ""
+    seed: int = 0
+    """Seed for weight initialisation and data order (same weights at every parallel layout)."""
+    device: str = "auto"
+    """auto | cpu | cuda | npu. auto picks cuda, then npu, then cpu."""
+    deterministic: bool = False
+    """Ask torch for deterministic kernels (slower)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.device in ("auto", "cpu", "cuda", "npu"),
+            f"job.device must be auto, cpu, cuda or npu, got {self.device!r}",
+        )
+        _check(bool(self.run_name), "job.run_name must not be empty")
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Architecture family: llama3 | qwen2 | qwen3 (see engram/models/args.py)."""
+    flavor: str = "debug"
+    """Shape within the family, e.g. debug, 8B, 32B."""
+    tokenizer_path: str = ""
+    """Path to a HF tokenizer.json. Empty: the debug tokenizer shipped in engram/assets."""
+    vocab_size: int = 0
+    """Embedding rows. 0: the flavor's vocab size, or the tokenizer's size for debug flavors."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.name in ("llama3", "qwen2", "qwen3"),
+            f"model.name {self.name!r} is not one of llama3, qwen2, qwen3",
+        )
+        _check(
+            self.vocab_size >= 0,
+            "model.vocab_size must be >= 0 (0 = take it from the flavor/tokenizer)",
+        )
+
+
+@dataclass
+class Engram:
+    enabled: bool = True
+    """Attach Engram blocks at layer_ids. false: the plain backbone."""
+    layer_ids: list[int] = field(default_factory=lambda: [1])
+    """0-based decoder layer indices that get an Engram block (before attention)."""
+    max_ngram: int = 3
+    """Largest n-gram order; orders 2..max_ngram are hashed."""
+    n_head_per_ngram: int = 8
+    """Hash heads (tables) per n-gram order."""
+    vocab_size_per_ngram: list[int] = field(default_factory=lambda: [646400, 646400])
+    """Start of the prime search for each order's head tables (one entry per order 2..max_ngram)."""
+    n_embed_per_ngram: int = 512
+    """Embedding width per order; each head is n_embed_per_ngram / n_head_per_ngram wide."""
+    kernel_size: int = 4
+    """ShortConv kernel size (dilation = max_ngram)."""
+    hc_mult: int = 1
+    """Hyper-connection branches of the backbone; 1 for plain dense models."""
+    seed: int = 0
+    """Hash seed: multipliers come from default_rng(seed + 10007 * layer_id)."""
+    pad_id: int = -1
+    """Original token id used to left-pad n-grams. -1: the tokenizer's pad/eos id."""
+    compress_tokenizer: bool = True
+    """Map token ids through the normalised-text compression table before hashing."""
+    respect_doc_boundaries: bool = False
+    """Do not let n-grams reach across document boundaries of packed sequences."""
+    use_bias: bool = False
+    """Biases on the key/value projections (the official demo has them; the paper does not)."""
+    init: str = "identity"
+    """identity: zero value projection (ShortConv small normal), so the block outputs exactly 0 and a
+    pretrained backbone is unchanged at step 0 (fine-tuning). paper: normal init everywhere
+    (pre-training)."""
+    table_init_std: float = 0.02
+    """Std of the normal init of the embedding tables."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.max_ngram >= 2,
+            f"engram.max_ngram must be >= 2 (n-gram orders start at 2), got {self.max_ngram}",
+        )
+        _check(
+            len(self.vocab_size_per_ngram) == self.max_ngram - 1,
+            f"engram.vocab_size_per_ngram needs one entry per order 2..{self.max_ngram} "
+            f"({self.max_ngram - 1} entries), got {len(self.vocab_size_per_ngram)}",
+        )
+        _check(
+            all(v > 0 for v in self.vocab_size_per_ngram),
+            "engram.vocab_size_per_ngram entries must be > 0",
+        )
+        for name in ("n_head_per_ngram", "n_embed_per_ngram", "kernel_size", "hc_mult"):
+            _check(getattr(self, name) > 0, f"engram.{name} must be > 0, got {getattr(self, name)}")
+        _check(
+            self.n_embed_per_ngram % self.n_head_per_ngram == 0,
+            f"engram.n_embed_per_ngram ({self.n_embed_per_ngram}) must be divisible by "
+            f"engram.n_head_per_ngram ({self.n_head_per_ngram})",
+        )
+        _check(
+            len(set(self.layer_ids)) == len(self.layer_ids),
+            f"engram.layer_ids has duplicates: {self.layer_ids}",
+        )
+        _check(
+            all(i >= 0 for i in self.layer_ids),
+            f"engram.layer_ids must be >= 0, got {self.layer_ids}",
+        )
+        _check(
+            self.init in ("identity", "paper"),
+            f"engram.init must be identity or paper, got {self.init!r}",
+        )
+        _check(self.pad_id >= -1, "engram.pad_id must be a token id or -1 (tokenizer's pad/eos)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embed_per_ngram // self.n_head_per_ngram
+
+    @property
+    def num_heads(self) -> int:
+        """Hash heads per Engram layer (all orders)."""
+        return (self.max_ngram - 1) * self.n_head_per_ngram
+
+
+@dataclass
+class Training:
+    mode: str = "full"
+    """full: train everything. engram_only: freeze the backbone, train Engram blocks."""
+    seq_len: int = 128
+    local_batch_size: int = 8
+    """Sequences per data-parallel rank per micro-batch."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step."""
+    steps: int = 100
+    """Optimizer steps to run."""
+    max_norm: float = 1.0
+    """Global gradient-norm clipping threshold; <= 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.mode in ("full", "engram_only"),
+            f"training.mode must be full or engram_only, got {self.mode!r}",
+        )
+        for name in ("seq_len", "local_batch_size", "grad_accum_steps", "steps"):
+            _check(
+                getattr(self, name) > 0, f"training.{name} must be > 0, got {getattr(self, name)}"
+            )
+
+
+@dataclass
+class Data:
+    dataset: str = "synthetic_facts"
+    """synthetic_facts (generated, deterministic) | text (a .txt file or folder) | jsonl ("text" field)."""
+    path: str = ""
+    """File or folder for text/jsonl datasets."""
+    num_workers: int = 0
+    """Data-loader worker processes (hash ids are computed there)."""
+    synthetic_num_entities: int = 512
+    """Entities in the synthetic fact base."""
+    synthetic_seed: int = 1234
+    """Seed of the synthetic fact base."""
+    eval_every: int = 0
+    """Evaluate held-out loss every N steps (0: only at the end when eval_batches > 0)."""
+    eval_batches: int = 0
+    """Held-out batches per evaluation (0: no evaluation)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.dataset in ("synthetic_facts", "text", "jsonl"),
+            f"data.dataset must be synthetic_facts, text or jsonl, got {self.dataset!r}",
+        )
+        _check(
+            self.dataset == "synthetic_facts" or bool(self.path),
+            f"data.path is required for data.dataset={self.dataset!r}",
+        )
+        for name in ("num_workers", "eval_every", "eval_batches"):
+            _check(getattr(self, name) >= 0, f"data.{name} must be >= 0")
+        _check(self.synthetic_num_entities > 0, "data.synthetic_num_entities must be > 0")
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    """Optimizer for backbone and Engram dense parts (AdamW)."""
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    engram_lr_mult: float = 1.0
+    """Learning-rate multiplier for Engram dense parts (projections, norms, conv)."""
+    table_lr_mult: float = 5.0
+    """Learning-rate multiplier for the Engram embedding tables (paper: 5)."""
+    table_weight_decay: float = 0.0
+    """Weight decay of the Engram tables (paper: 0)."""
+    table_lazy: bool = False
+    """Row-wise lazy Adam for the tables: only rows touched this step are updated."""
+
+    def __post_init__(self) -> None:
+        _check(self.name == "AdamW", f"optimizer.name must be AdamW, got {self.name!r}")
+        _check(self.lr > 0, "optimizer.lr must be > 0")
+        _check(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "optimizer.betas must be two values in [0, 1)",
+        )
+        _check(
+            self.table_lr_mult > 0 and self.engram_lr_mult > 0,
+            "optimizer lr multipliers must be > 0",
+        )
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 10
+    decay_type: str = "cosine"
+    """cosine | linear | constant (after warmup)."""
+    min_lr_ratio: float = 0.1
+    """Final lr as a fraction of the peak lr."""
+
+    def __post_init__(self) -> None:
+        _check(self.warmup_steps >= 0, "lr_scheduler.warmup_steps must be >= 0")
+        _check(
+            self.decay_type in ("cosine", "linear", "constant"),
+            "lr_scheduler.decay_type must be cosine, linear or constant",
+        )
+        _check(0 <= self.min_lr_ratio <= 1, "lr_scheduler.min_lr_ratio must be in [0, 1]")
+
+
+@dataclass
+class Parallelism:
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP across replicas; HSDP when dp_shard > 1 too)."""
+    dp_shard: int = -1
+    """FSDP2 shard degree. -1: all ranks left after dp_replicate, tp and pp."""
+    tp: int = 1
+    """Tensor parallel degree (not supported yet: must be 1)."""
+    pp: int = 1
+    """Pipeline parallel degree (not supported yet: must be 1)."""
+    fsdp_reshard_after_forward: str = "default"
+    """always (ZeRO-3-like) | never (ZeRO-2-like) | default (always, except the root)."""
+    engram_table_dedup: bool = True
+    """De-duplicate hash ids before the all-to-all of the sharded table lookup."""
+    cpu_offload: bool = False
+    """FSDP2 CPU offload of parameters, gradients and optimizer state (ZeRO-Offload)."""
+    mixed_precision_param: str = "float32"
+    """FSDP2 compute dtype of parameters: float32 | bfloat16."""
+    mixed_precision_reduce: str = "float32"
+    """FSDP2 gradient reduction dtype: float32 | bfloat16."""
+
+    def __post_init__(self) -> None:
+        _check(self.dp_replicate >= 1, "parallelism.dp_replicate must be >= 1")
+        _check(
+            self.dp_shard == -1 or self.dp_shard >= 1,
+            "parallelism.dp_shard must be >= 1 or -1 (use the remaining ranks)",
+        )
+        _check(self.tp >= 1 and self.pp >= 1, "parallelism.tp and parallelism.pp must be >= 1")
+        _check(
+            self.fsdp_reshard_after_forward in ("always", "never", "default"),
+            "parallelism.fsdp_reshard_after_forward must be always, never or default",
+        )
+        for name in ("mixed_precision_param", "mixed_precision_reduce"):
+            _check(
+                getattr(self, name) in ("float32", "bfloat16"),
+                f"parallelism.{name} must be float32 or bfloat16",
+            )
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = "none"
+    """none | full (every decoder layer) | selective (every selective_every-th layer)."""
+    selective_every: int = 2
+
+    def __post_init__(self) -> None:
+        _check(
+            self.mode in ("none", "full", "selective"),
+            "activation_checkpoint.mode must be none, full or selective",
+        )
+        _check(self.selective_every >= 1, "activation_checkpoint.selective_every must be >= 1")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    folder: str = "checkpoint"
+    """Sub-folder of the run folder that holds step-N checkpoints."""
+    interval: int = 500
+    """Save every N steps (and at the last step)."""
+    keep_latest_k: int = 3
+    """Keep the newest k checkpoints; 0 keeps all."""
+    load_step: int = -1
+    """Resume from this step; -1: the newest complete checkpoint if any."""
+
+    def __post_init__(self) -> None:
+        _check(self.interval >= 1, "checkpoint.interval must be >= 1")
+        _check(self.keep_latest_k >= 0, "checkpoint.keep_latest_k must be >= 0")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1
+    """Log to console / TensorBoard / metrics.jsonl every N steps."""
+    enable_tensorboard: bool = True
+    tb_folder: str = "tb"
+    """Sub-folder of the run folder for TensorBoard events."""
+
+    def __post_init__(self) -> None:
+        _check(self.log_freq >= 1, "metrics.log_freq must be >= 1")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """torch.profiler traces (TensorBoard-viewable) every profile_freq steps."""
+    profile_freq: int = 10
+    traces_folder: str = "profile_traces"
+
+    def __post_init__(self) -> None:
+        _check(self.profile_freq >= 1, "profiling.profile_freq must be >= 1")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    engram: Engram = field(default_factory=Engram)
+    training: Training = field(default_factory=Training)
+    data: Data = field(default_factory=Data)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+
+    @property
+    def run_folder(self) -> Path:
+        return Path(self.job.dump_folder) / self.job.run_name
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    """Check/convert a TOML or CLI value to the annotated field type."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):  # CLI: --engram.layer_ids=1,3
+            value = [v for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
+        _check(isinstance(value, list), f"{where} must be a list, got {value!r}")
+        return [_convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in ("true", "1", "false", "0"):
+            return value.lower() in ("true", "1")
+        _check(isinstance(value, bool), f"{where} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"{where} must be an integer, got {value!r}") from None
+        _check(
+            isinstance(value, int) and not isinstance(value, bool),
+            f"{where} must be an integer, got {value!r}",
+        )
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{where} must be a number, got {value!r}") from None
+        _check(
+            isinstance(value, (int, float)) and not isinstance(value, bool),
+            f"{where} must be a number, got {value!r}",
+        )
+        return float(value)
+    if tp is str:
+        _check(isinstance(value, str), f"{where} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config field type {tp} at {where}")
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+def _build(raw: dict[str, dict[str, Any]], source: str) -> JobConfig:
+    sections = _section_types()
+    kwargs = {}
+    for name, values in raw.items():
+        _check(
+            name in sections,
+            f"{source}: unknown section [{name}]; valid sections: {', '.join(sections)}",
+        )
+        _check(isinstance(values, dict), f"{source}: [{name}] must be a table of key = value")
+        cls = sections[name]
+        hints = typing.get_type_hints(cls)
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            _check(
+                key in known,
+                f"{source}: unknown key {name}.{key}; valid keys of [{name}]: {', '.join(sorted(known))}",
+            )
+        converted = {k: _convert(v, hints[k], f"{name}.{k}") for k, v in values.items()}
+        kwargs[name] = cls(**converted)
+    return JobConfig(**kwargs)
+
+
+def _merge(raw: dict[str, dict[str, Any]], overrides: list[str]) -> dict[str, dict[str, Any]]:
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for item in overrides:
+        _check(
+            item.startswith("--") and "." in item,
+            f"bad override {item!r}: use --section.key=value (e.g. --training.steps=10)",
+        )
+        key, eq, value = item[2:].partition("=")
+        _check(bool(eq), f"bad override {item!r}: missing '=value' (use --section.key=value)")
+        section, _, name = key.partition(".")
+        merged.setdefault(section, {})
+        _check(isinstance(merged[section], dict), f"bad override {item!r}")
+        merged[section][name] = value
+    return merged
+
+
+def load_config(argv: list[str] | None = None) -> JobConfig:
+    """Parse `--job.config_file PATH` plus `--section.key=value` overrides (CLI wins over TOML)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(add_help=True, description="Engram training job")
+    parser.add_argument("--job.config_file", dest="config_file", default="")
+    args, rest = parser.parse_known_args(argv)
+    raw: dict[str, dict[str, Any]] = {}
+    source = "command line"
+    if args.config_file:
+        path = Path(args.config_file)
+        _check(
+            path.is_file(),
+            f"config file {path} does not exist (set CONFIG_FILE / --job.config_file to a TOML file)",
+        )
+        with path.open("rb") as f:
+            try:
+                raw = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        source = str(path)
+    merged = _merge(raw, rest)
+    merged.setdefault("job", {})["config_file"] = args.config_file
+    return _build(merged, source)
+
+
+def config_from_dict(raw: dict[str, dict[str, Any]]) -> JobConfig:
+    """Build a JobConfig from nested dicts (tests, programmatic use); same checks as TOML."""
+    return _build(raw, "config dict")
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """Serialise a JobConfig to TOML (round-trips through load_config)."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)

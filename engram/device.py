@@ -1,0 +1,187 @@
+"""One device layer for CUDA GPUs, Ascend NPUs and the CPU.
+
+Everything device-specific goes through these functions so the recipes never name torch.cuda or
+torch.npu. torch_npu is imported only when the device type is "npu" (or "auto" finds it
+installed): importing this module, or running on cuda / cpu, never imports it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import resource
+import sys
+import warnings
+from types import ModuleType
+
+import torch
+
+DEVICE_TYPES = ("cuda", "npu", "cpu")
+_GIB = float(1 << 30)
+
+_NPU_INSTALL_HINT = (
+    "install the Ascend CANN toolkit and source its environment "
+    "(e.g. `source /usr/local/Ascend/ascend-toolkit/set_env.sh`), then "
+    "`pip install torch_npu` at the version that matches your torch (torch_npu needs the CPU "
+    "build of torch); or set the device type to 'cuda' / 'cpu'"
+)
+
+
+def _check_type(device_type: str) -> None:
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(
+            f"unknown device type {device_type!r}: use one of {', '.join(DEVICE_TYPES)} or 'auto'"
+        )
+
+
+def import_device_backend(device_type: str) -> None:
+    """Import the out-of-tree backend for `device_type` (torch_npu for "npu"); no-op otherwise."""
+    _check_type(device_type)
+    if device_type != "npu" or sys.modules.get("torch_npu") is not None:
+        return
+    try:
+        importlib.import_module("torch_npu")
+    except ImportError as e:  # the package, or CANN's shared libraries, are missing
+        raise RuntimeError(
+            f"device type 'npu' needs torch_npu, which failed to import ({e}): {_NPU_INSTALL_HINT}"
+        ) from e
+
+
+def _npu_available() -> bool:
+    """True if torch_npu is installed, imports, and sees at least one NPU."""
+    if sys.modules.get("torch_npu") is None and importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        import_device_backend("npu")
+    except RuntimeError as e:
+        warnings.warn(f"torch_npu is installed but unusable, falling back: {e}", stacklevel=3)
+        return False
+    return bool(torch.npu.is_available())
+
+
+def resolve_device_type(requested: str = "auto") -> str:
+    """Map "auto" / "cuda" / "npu" / "cpu" to a usable device type, importing torch_npu for npu.
+
+    "auto" picks cuda if available, else npu if torch_npu imports and sees a device, else cpu.
+    An explicit accelerator that is not available is an error, never a silent CPU fallback.
+    """
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        return "npu" if _npu_available() else "cpu"
+    _check_type(requested)
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "device type 'cuda' requested but torch.cuda.is_available() is False: install a CUDA "
+            "build of torch and check the driver / CUDA_VISIBLE_DEVICES, or use 'cpu'"
+        )
+    if requested == "npu":
+        import_device_backend("npu")
+        if not torch.npu.is_available():
+            raise RuntimeError(
+                "device type 'npu' requested but torch.npu.is_available() is False: check the "
+                "driver (`npu-smi info`), the CANN environment and ASCEND_RT_VISIBLE_DEVICES"
+            )
+    return requested
+
+
+def device_module(device_type: str) -> ModuleType | None:
+    """torch.cuda / torch.npu for accelerators, None for cpu."""
+    _check_type(device_type)
+    if device_type == "cpu":
+        return None
+    import_device_backend(device_type)
+    return getattr(torch, device_type)
+
+
+def dist_backend(device_type: str) -> str:
+    """The torch.distributed backend for the device: nccl / hccl / gloo."""
+    _check_type(device_type)
+    return {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}[device_type]
+
+
+def visible_devices_var(device_type: str) -> str | None:
+    """The environment variable that restricts which devices a process sees (None on cpu)."""
+    _check_type(device_type)
+    return {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES", "cpu": None}[
+        device_type
+    ]
+
+
+def local_device(device_type: str, local_rank: int) -> torch.device:
+    """The device for this local rank; on accelerators also makes it the current device.
+
+    `local_rank` indexes the *visible* devices (the runtime has already applied
+    CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES), so with ASCEND_RT_VISIBLE_DEVICES=4,5
+    local rank 1 is physical NPU 5 and is addressed as npu:1.
+    """
+    mod = device_module(device_type)
+    if mod is None:
+        return torch.device("cpu")
+    if local_rank < 0:
+        raise ValueError(f"local_rank must be >= 0, got {local_rank}")
+    count = mod.device_count()
+    if local_rank >= count:
+        var = visible_devices_var(device_type)
+        raise RuntimeError(
+            f"local rank {local_rank} needs {local_rank + 1} visible {device_type} devices but "
+            f"only {count} are visible ({var}={os.environ.get(var, '<unset>')}): launch at most "
+            f"{count} processes per node (NGPU={count}) or widen {var}"
+        )
+    device = torch.device(device_type, local_rank)
+    mod.set_device(device)
+    return device
+
+
+def bf16_supported(device_type: str) -> bool:
+    """Whether the device computes in bfloat16 (Atlas A2/A3 yes; older Ascend 910 and pre-Ampere
+    GPUs no)."""
+    mod = device_module(device_type)
+    return True if mod is None else bool(mod.is_bf16_supported())
+
+
+def _as_device(device: torch.device | str) -> torch.device:
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+def memory_stats(device: torch.device | str) -> dict[str, float]:
+    """Peak memory since the last reset_peak_memory.
+
+    Accelerators: peak_allocated_gib, peak_reserved_gib, capacity_gib, peak_allocated_pct,
+    peak_reserved_pct. CPU: max_rss_gib (the process's peak resident set; it cannot be reset).
+    """
+    device = _as_device(device)
+    if device.type == "cpu":
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # Linux reports KiB, macOS bytes.
+        rss_bytes = rss if sys.platform == "darwin" else rss * 1024
+        return {"max_rss_gib": rss_bytes / _GIB}
+    mod = device_module(device.type)
+    assert mod is not None
+    allocated = mod.max_memory_allocated(device)
+    reserved = mod.max_memory_reserved(device)
+    capacity = mod.get_device_properties(device).total_memory
+    return {
+        "peak_allocated_gib": allocated / _GIB,
+        "peak_reserved_gib": reserved / _GIB,
+        "capacity_gib": capacity / _GIB,
+        "peak_allocated_pct": 100.0 * allocated / capacity,
+        "peak_reserved_pct": 100.0 * reserved / capacity,
+    }
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    """Reset the accelerator's peak-memory counters (no-op on cpu)."""
+    device = _as_device(device)
+    mod = device_module(device.type)
+    if mod is not None:
+        mod.reset_peak_memory_stats(device)
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued kernels on the device (no-op on cpu), e.g. before reading a timer."""
+    device = _as_device(device)
+    mod = device_module(device.type)
+    if mod is not None:
+        mod.synchronize(device)

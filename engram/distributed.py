@@ -1,0 +1,54 @@
+"""Process-group start-up: the same code path under torchrun and as a plain `python` process."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from engram.device import dist_backend, local_device
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise RuntimeError(
+            f"RANK is set but {name} is not: launch with torchrun (./run_train.sh), or unset RANK "
+            "to run as a single process"
+        )
+    return int(value)
+
+
+def init_distributed(device_type: str, timeout_s: float = 1800) -> tuple[int, int, int]:
+    """Join (or create) the default process group; return (rank, local_rank, world_size).
+
+    Under torchrun the numbers come from RANK / LOCAL_RANK / WORLD_SIZE (rendezvous via
+    MASTER_ADDR / MASTER_PORT). Without torchrun (no RANK) a world-size-1 group is created on a
+    free 127.0.0.1 port, so single-process runs use the same collectives and checkpoint code.
+    On accelerators the local device is made current first, so NCCL/HCCL bind the right device.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), dist.get_world_size()
+
+    backend = dist_backend(device_type)
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" not in os.environ:
+        if device_type != "cpu":
+            local_device(device_type, 0)
+        # Port 0: the store binds a free port itself, so there is no probe-then-bind race.
+        store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        return 0, 0, 1
+
+    rank, local_rank, world_size = _env_int("RANK"), _env_int("LOCAL_RANK"), _env_int("WORLD_SIZE")
+    if device_type != "cpu":
+        local_device(device_type, local_rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    return rank, local_rank, world_size
+
+
+def destroy_distributed() -> None:
+    """Tear down the default process group if one exists (safe to call twice)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

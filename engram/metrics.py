@@ -1,0 +1,152 @@
+"""Console, TensorBoard and metrics.jsonl logging of training metrics (rank 0 writes)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from engram.config import Metrics
+
+logger = logging.getLogger("engram")
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """The handler init_logger installs (a subclass, so a second call can find and replace it)."""
+
+
+def init_logger(rank: int, level: int = logging.INFO) -> logging.Logger:
+    """Configure the "engram" logger: rank 0 shows INFO, other ranks only WARNING and above.
+
+    Idempotent: calling it again replaces the handler instead of adding a second one.
+    """
+    log = logging.getLogger("engram")
+    for h in list(log.handlers):
+        if isinstance(h, _ConsoleHandler):
+            log.removeHandler(h)
+    handler = _ConsoleHandler(sys.stdout)
+    handler.setFormatter(
+        logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    )
+    log.addHandler(handler)
+    log.setLevel(level if rank == 0 else max(level, logging.WARNING))
+    log.propagate = False  # one line per message even when the root logger has handlers
+    return log
+
+
+def _fmt_value(key: str, value: float) -> str:
+    if key == "lr":
+        return f"lr {value:.1e}"
+    if key == "loss" or key.endswith("_loss"):
+        return f"{key} {value:.4f}"
+    if key == "tokens_per_s":
+        return f"tok/s {value:,.0f}"
+    if key == "mem_gib":
+        return f"mem {value:.1f} GiB"
+    if key.endswith("_gib"):
+        return f"{key[:-4]} {value:.2f} GiB"
+    if isinstance(value, int) or (math.isfinite(value) and float(value).is_integer()):
+        return f"{key} {int(value):,}"
+    return f"{key} {value:.4g}"
+
+
+def format_metrics(step: int, metrics: dict[str, float]) -> str:
+    """'step 10 | loss 3.2100 | lr 3.0e-04 | grad_norm 1.23 | tok/s 12,345 | mem 1.2 GiB'."""
+    return " | ".join([f"step {step}"] + [_fmt_value(k, v) for k, v in metrics.items()])
+
+
+def _to_float(key: str, value: Any) -> float:
+    try:
+        return float(value)  # python / numpy numbers and one-element tensors
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"metric {key!r} must be a number or a one-element tensor, got {type(value).__name__}"
+        ) from None
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string literal is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def _to_toml(config: dict[str, Any]) -> str:
+    """Sections of scalars/lists (the JobConfig shape) as TOML."""
+    lines = []
+    for section, values in config.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+class MetricsLogger:
+    """Rank 0: console line, TensorBoard scalars and one JSON object per logged step in
+    `<run_folder>/metrics.jsonl` (appended, flushed each step, so a crash loses nothing and a
+    resumed run continues the file). Other ranks write nothing."""
+
+    def __init__(
+        self,
+        run_folder: Path,
+        cfg: Metrics,
+        rank: int,
+        config_dict: dict[str, Any] | None = None,
+    ):
+        self.cfg = cfg
+        self.rank = rank
+        self.run_folder = Path(run_folder)
+        self.writer = None
+        self.jsonl = None
+        if rank != 0:
+            return
+        self.run_folder.mkdir(parents=True, exist_ok=True)
+        if config_dict is not None:
+            (self.run_folder / "config.json").write_text(
+                json.dumps(config_dict, indent=2, sort_keys=True) + "\n"
+            )
+            if all(isinstance(v, dict) for v in config_dict.values()):
+                (self.run_folder / "config.toml").write_text(_to_toml(config_dict))
+        if cfg.enable_tensorboard:
+            # Imported here: tensorboard start-up is slow and only rank 0 needs it.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(self.run_folder / cfg.tb_folder))
+            if config_dict is not None:
+                text = json.dumps(config_dict, indent=2, sort_keys=True)
+                self.writer.add_text("config", "```\n" + text + "\n```", 0)
+        self.jsonl = (self.run_folder / "metrics.jsonl").open("a")
+
+    def should_log(self, step: int, last_step: bool = False) -> bool:
+        """Log on step 1, every `log_freq` steps and at the last step (same on every rank, so
+        callers can gate collective metric reductions on it)."""
+        return step == 1 or last_step or step % self.cfg.log_freq == 0
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        values = {k: _to_float(k, v) for k, v in metrics.items()}
+        logger.info(format_metrics(step, values))
+        if self.writer is not None:
+            for k, v in values.items():
+                self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+        if self.jsonl is not None:
+            record = {"step": step, "time": round(time.time(), 3), **values}
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None

@@ -1,0 +1,77 @@
+"""Config -> model: resolve the shape, validate the Engram placement, build (on meta by default)."""
+
+from __future__ import annotations
+
+import torch
+
+from engram.config import Engram as EngramConfig
+from engram.config import Model as ModelConfig
+from engram.models.args import ModelArgs, get_model_args
+from engram.models.transformer import Transformer
+
+
+def model_args_for(
+    model_cfg: ModelConfig, vocab_size: int, max_seq_len: int | None = None
+) -> ModelArgs:
+    """The flavor's shape with the vocabulary resolved.
+
+    Embedding rows: model.vocab_size if set, else the flavor's (big flavors), else `vocab_size`
+    (the tokenizer's size; debug flavors). A tokenizer larger than the embedding is an error.
+    """
+    args = get_model_args(model_cfg.name, model_cfg.flavor)
+    rows = model_cfg.vocab_size or args.vocab_size or vocab_size
+    if rows <= 0:
+        raise ValueError(
+            f"{model_cfg.name}/{model_cfg.flavor} has no fixed vocabulary: pass the tokenizer's "
+            "vocab size or set model.vocab_size"
+        )
+    if vocab_size > rows:
+        raise ValueError(
+            f"the tokenizer has {vocab_size} tokens but the model has {rows} embedding rows: "
+            "set model.vocab_size >= the tokenizer size, or use the model's own tokenizer"
+        )
+    changes: dict[str, object] = {"vocab_size": rows}
+    if max_seq_len is not None:
+        changes["max_seq_len"] = max(max_seq_len, 1)
+    return args.replace(**changes)
+
+
+def validate_engram(engram_cfg: EngramConfig, args: ModelArgs, table_rows: dict[int, int]) -> None:
+    if engram_cfg.hc_mult != 1:
+        raise ValueError(
+            f"engram.hc_mult = {engram_cfg.hc_mult}, but these dense models have a single "
+            "residual stream: set engram.hc_mult = 1"
+        )
+    bad = [i for i in engram_cfg.layer_ids if not 0 <= i < args.n_layers]
+    if bad:
+        raise ValueError(
+            f"engram.layer_ids {bad} out of range: this model has {args.n_layers} layers, valid "
+            f"ids are 0..{args.n_layers - 1}"
+        )
+    missing = [i for i in engram_cfg.layer_ids if table_rows.get(i, 0) <= 0]
+    if missing:
+        raise ValueError(
+            f"table_rows has no positive row count for Engram layers {missing} "
+            "(compute it with NgramHasher(...).table_rows)"
+        )
+
+
+def build_model(
+    model_cfg: ModelConfig,
+    engram_cfg: EngramConfig,
+    vocab_size: int,
+    table_rows: dict[int, int],
+    device: torch.device | str = "meta",
+    max_seq_len: int | None = None,
+) -> Transformer:
+    """Build the float32 model on `device` (meta: no memory; then to_empty() + init_weights(seed)).
+
+    With engram.enabled false (or no layer ids) the plain backbone is built.
+    """
+    args = model_args_for(model_cfg, vocab_size, max_seq_len)
+    use_engram = engram_cfg.enabled and bool(engram_cfg.layer_ids)
+    if use_engram:
+        validate_engram(engram_cfg, args, table_rows)
+    with torch.device(device):
+        model = Transformer(args, engram_cfg if use_engram else None, table_rows)
+    return model

@@ -1,0 +1,88 @@
+"""Layout-independent deterministic weight initialisation.
+
+The full (global) tensor of a parameter is defined as a sequence of fixed row chunks; chunk `c`
+is drawn from a CPU generator seeded by a stable hash of (seed, key, c). The chunk size depends
+only on the global shape. A shard (FSDP2 Shard(0), TP Shard(0)/Shard(1), an uneven row-sharded
+Engram table, Replicate) generates only the chunks that overlap its global row range and slices
+out its block. So the assembled weights are bit-identical for every parallel layout, and equal
+to what one process computes for the unsharded tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+# Elements per generated chunk (~4 MiB of fp32): big enough to be fast, small enough that a
+# shard never generates much more than it keeps.
+CHUNK_NUMEL = 2**20
+
+
+def chunk_rows(global_shape: tuple[int, ...]) -> int:
+    """Rows per chunk; depends only on the global shape."""
+    row_numel = math.prod(global_shape[1:]) if len(global_shape) > 1 else 1
+    return max(1, CHUNK_NUMEL // max(1, row_numel))
+
+
+def chunk_seed(seed: int, key: str, chunk: int) -> int:
+    """A stable 63-bit seed for one chunk (independent of Python's per-process hash salt)."""
+    digest = hashlib.blake2b(f"{seed}\x00{key}\x00{chunk}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def _local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(local tensor, local shape, global offset) for a plain tensor or a DTensor."""
+    if isinstance(param, DTensor):
+        local = param.to_local()
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
+        if tuple(local.shape) != tuple(shape):
+            raise RuntimeError(
+                f"local shard shape {tuple(local.shape)} != expected {tuple(shape)} for a DTensor "
+                f"of global shape {tuple(param.shape)} with placements {param.placements}"
+            )
+        return local, tuple(shape), tuple(offset)
+    return param, tuple(param.shape), (0,) * param.dim()
+
+
+@torch.no_grad()
+def init_normal_(param: torch.Tensor, std: float, seed: int, key: str, mean: float = 0.0) -> None:
+    """Fill `param` (or its local shard) with N(mean, std^2) values of the layout-independent
+    global tensor identified by (seed, key)."""
+    local, shape, offset = _local_view(param)
+    if local.numel() == 0:
+        return
+    global_shape = tuple(param.shape)
+    if len(global_shape) == 0:  # a scalar is one row of one element
+        global_shape, shape, offset = (1,), (1,), (0,)
+        local = local.view(1)
+    rows_per_chunk = chunk_rows(global_shape)
+    row_shape = global_shape[1:]
+    row_numel = math.prod(row_shape)
+    r0, r1 = offset[0], offset[0] + shape[0]
+    col_slices = tuple(slice(o, o + s) for o, s in zip(offset[1:], shape[1:], strict=True))
+    for c in range(r0 // rows_per_chunk, (r1 - 1) // rows_per_chunk + 1):
+        c0 = c * rows_per_chunk
+        c1 = min(c0 + rows_per_chunk, global_shape[0])
+        gen = torch.Generator(device="cpu").manual_seed(chunk_seed(seed, key, c))
+        block = torch.randn((c1 - c0) * row_numel, generator=gen, dtype=torch.float32)
+        block = block.view(c1 - c0, *row_shape)
+        lo, hi = max(r0, c0), min(r1, c1)
+        piece = block[(slice(lo - c0, hi - c0), *col_slices)]
+        if std != 1.0:
+            piece = piece * std
+        if mean != 0.0:
+            piece = piece + mean
+        local[lo - r0 : hi - r0].copy_(piece)
+
+
+@torch.no_grad()
+def init_constant_(param: torch.Tensor, value: float) -> None:
+    """Fill `param` (or its local shard) with a constant."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    local.fill_(value)

@@ -1,0 +1,282 @@
+"""Dense decoder (Llama-3 / Qwen2 / Qwen2.5 / Qwen3 shapes) with Engram blocks at chosen layers.
+
+Module names follow torchtitan (tok_embeddings, layers["i"], attention.wq/wk/wv/wo,
+feed_forward.w1/w2/w3, attention_norm, ffn_norm, norm, output) so per-layer FSDP, TP plans and
+pipeline splits address modules by name. RoPE uses the rotate-half convention of Hugging Face, so
+HF checkpoints load without permuting q/k rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engram.config import Engram as EngramConfig
+from engram.models.args import ModelArgs, RopeScaling
+from engram.models.init import init_constant_, init_normal_
+from engram.module import EngramBlock, RMSNorm
+
+# Prefixes that wrappers insert into parameter names; stripped so init keys (and hence the
+# weights) do not depend on activation checkpointing or torch.compile.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def clean_fqn(name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], with HF's "llama3" scaling when given."""
+    # float32 throughout, as HF computes it, for logit parity with HF checkpoints.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """[2, max_seq_len, head_dim] float32: cos and sin, each frequency repeated for both halves."""
+    assert args.head_dim is not None
+    inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
+    pos = torch.arange(args.max_seq_len, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return torch.stack([emb.cos(), emb.sin()]).to(device)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, Dh]; cos/sin: [T, Dh]. Computed in float32."""
+    xf = x.float()
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        assert args.head_dim is not None
+        self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.n_kv_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, H, T, Dh]
+        if self.n_rep > 1:
+            # repeat_kv instead of enable_gqa: every backend (incl. torch_npu) supports it.
+            k = k.repeat_interleave(self.n_rep, dim=1)
+            v = v.repeat_interleave(self.n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(
+        self, layer_id: int, args: ModelArgs, engram: EngramConfig | None, table_rows: int | None
+    ) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.engram: EngramBlock | None = None
+        if engram is not None:
+            assert table_rows is not None
+            self.engram = EngramBlock(args.dim, engram, table_rows)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        hash_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.engram is not None:
+            if hash_ids is None:
+                raise ValueError(f"layer {self.layer_id} has an Engram block but got no hash_ids")
+            h = h + self.engram(h, hash_ids)
+        h = h + self.attention(self.attention_norm(h), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(
+        self,
+        args: ModelArgs,
+        engram_cfg: EngramConfig | None = None,
+        table_rows: dict[int, int] | None = None,
+    ) -> None:
+        super().__init__()
+        if args.vocab_size is None:
+            raise ValueError("ModelArgs.vocab_size is None: resolve it with model_args_for()")
+        self.args = args
+        self.engram_cfg = engram_cfg
+        self.engram_layer_order: list[int] = list(engram_cfg.layer_ids) if engram_cfg else []
+        self._engram_slot = {lid: i for i, lid in enumerate(self.engram_layer_order)}
+        table_rows = table_rows or {}
+        for lid in self.engram_layer_order:
+            if lid not in table_rows:
+                raise ValueError(f"table_rows has no entry for Engram layer {lid}")
+
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict()
+        for i in range(args.n_layers):
+            has = i in self._engram_slot
+            self.layers[str(i)] = TransformerBlock(
+                i, args, engram_cfg if has else None, table_rows.get(i) if has else None
+            )
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Non-persistent: recomputed in init_weights() (meta-built models have no values).
+        self.register_buffer("rope_cache", rope_cos_sin(args), persistent=False)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self, input_ids: torch.Tensor, hash_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """input_ids [B, T] (or hidden states [B, T, D] on a later pipeline stage);
+        hash_ids [B, T, L, H] with L = len(engram_layer_order) -> logits [B, T, V] (or hidden
+        states when this stage has no output head)."""
+        b, t = input_ids.shape[:2]
+        if t > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence length {t} exceeds max_seq_len {self.args.max_seq_len} of the RoPE "
+                "table; build the model with a larger max_seq_len"
+            )
+        self._check_hash_ids(hash_ids, b, t)
+        h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
+        cos, sin = self.rope_cache[0, :t], self.rope_cache[1, :t]
+        for layer in self.layers.values():
+            slot = self._engram_slot.get(_unwrap(layer).layer_id)
+            ids = hash_ids[:, :, slot] if slot is not None and hash_ids is not None else None
+            h = layer(h, cos, sin, ids)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def _check_hash_ids(self, hash_ids: torch.Tensor | None, b: int, t: int) -> None:
+        if not self.engram_layer_order:
+            return
+        assert self.engram_cfg is not None
+        expected = (b, t, len(self.engram_layer_order), self.engram_cfg.num_heads)
+        if hash_ids is None:
+            raise ValueError(
+                f"this model has Engram layers {self.engram_layer_order}: pass hash_ids of shape "
+                f"[B, T, L, H] = {expected} (from the data loader's NgramHasher)"
+            )
+        if tuple(hash_ids.shape) != expected:
+            raise ValueError(
+                f"hash_ids shape {tuple(hash_ids.shape)} != expected [B, T, L, H] = {expected} "
+                f"(L = Engram layers {self.engram_layer_order}, H = hash heads per layer)"
+            )
+
+    # ------------------------------------------------------------------ init
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute the RoPE table (needed after to_empty() of a meta-built model)."""
+        if device is None:
+            device = self.rope_cache.device
+        self.rope_cache = rope_cos_sin(self.args, torch.device(device))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, buffer_device: torch.device | str | None = None) -> None:
+        """Deterministic init of every parameter (same weights at every parallel layout and
+        wrapping), then the buffers. Linears std 0.02; wo / w2 depth-scaled; norms 1; biases 0;
+        Engram blocks per engram_cfg.init."""
+        std = 0.02
+        out_std = std / math.sqrt(2 * self.args.n_layers)
+        done: set[int] = set()
+        for name, module in self.named_modules():
+            if isinstance(module, EngramBlock):
+                module.init_weights(seed, clean_fqn(name), std)
+                done.update(id(p) for p in module.parameters())
+        for raw_name, param in self.named_parameters():
+            if id(param) in done:
+                continue
+            name = clean_fqn(raw_name)
+            leaf = name.rsplit(".", 2)
+            if name.endswith(".bias"):
+                init_constant_(param, 0.0)
+            elif "norm" in leaf[-2]:
+                init_constant_(param, 1.0)
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                init_normal_(param, out_std, seed, name)
+            elif name.endswith(".weight") and leaf[-2] in (
+                "wq", "wk", "wv", "w1", "w3", "tok_embeddings", "output"
+            ):  # fmt: skip
+                init_normal_(param, std, seed, name)
+            else:
+                raise RuntimeError(f"init_weights has no rule for parameter {name}")
+            done.add(id(param))
+        self.init_buffers(buffer_device)
+
+    def engram_blocks(self) -> dict[int, EngramBlock]:
+        """Engram blocks present in this module (a pipeline stage may hold only some)."""
+        blocks = {}
+        for layer in self.layers.values():
+            inner = _unwrap(layer)
+            if inner.engram is not None:
+                blocks[inner.layer_id] = inner.engram
+        return blocks
+
+
+def _unwrap(layer: nn.Module) -> TransformerBlock:
+    """The TransformerBlock inside activation-checkpoint / compile wrappers."""
+    while not isinstance(layer, TransformerBlock):
+        inner = getattr(layer, "_checkpoint_wrapped_module", None) or getattr(
+            layer, "_orig_mod", None
+        )
+        if inner is None:
+            raise TypeError(f"unexpected module in Transformer.layers: {type(layer).__name__}")
+        layer = inner
+    return layer

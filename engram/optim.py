@@ -1,0 +1,157 @@
+"""Optimizers, learning-rate schedules and global gradient clipping.
+
+Parameter groups (the paper's and Megatron's defaults):
+  backbone       AdamW(lr, weight_decay) - matrices decay, 1-D params (norms, biases) do not
+  engram dense   AdamW(lr * engram_lr_mult) - projections, norms, ShortConv
+  engram tables  Adam(lr * table_lr_mult, weight_decay = table_weight_decay = 0) or the lazy
+                 row-wise variant. Tables live in their own optimizer because they are DTensors on
+                 the "engram" mesh while FSDP parameters live on the data-parallel shard mesh, and
+                 foreach kernels must not mix meshes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim.lr_scheduler import LambdaLR
+
+from engram.config import JobConfig
+from engram.lazy_adam import LazyRowAdam
+
+
+def is_engram_param(name: str) -> bool:
+    return ".engram." in f".{name}"
+
+
+def is_table_param(name: str) -> bool:
+    return is_engram_param(name) and ".table." in f".{name}"
+
+
+def apply_training_mode(model: nn.Module, mode: str) -> None:
+    """engram_only freezes every non-Engram parameter; full trains everything."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(mode == "full" or is_engram_param(name))
+
+
+def build_optimizers(model: nn.Module, cfg: JobConfig) -> list[torch.optim.Optimizer]:
+    o = cfg.optimizer
+    betas = (o.betas[0], o.betas[1])
+    backbone_decay, backbone_no_decay, engram_decay, engram_no_decay, tables = [], [], [], [], []
+    for name, p in model.named_parameters():  # module order: identical on every rank
+        if not p.requires_grad:
+            continue
+        if is_table_param(name):
+            tables.append(p)
+        elif is_engram_param(name):
+            (engram_decay if p.ndim >= 2 else engram_no_decay).append(p)
+        else:
+            (backbone_decay if p.ndim >= 2 else backbone_no_decay).append(p)
+    groups = [
+        {"params": backbone_decay, "lr": o.lr, "weight_decay": o.weight_decay, "name": "backbone"},
+        {"params": backbone_no_decay, "lr": o.lr, "weight_decay": 0.0, "name": "backbone_no_decay"},
+        {
+            "params": engram_decay,
+            "lr": o.lr * o.engram_lr_mult,
+            "weight_decay": o.weight_decay,
+            "name": "engram",
+        },
+        {
+            "params": engram_no_decay,
+            "lr": o.lr * o.engram_lr_mult,
+            "weight_decay": 0.0,
+            "name": "engram_no_decay",
+        },
+    ]
+    groups = [g for g in groups if g["params"]]
+    optimizers: list[torch.optim.Optimizer] = []
+    if groups:
+        optimizers.append(torch.optim.AdamW(groups, lr=o.lr, betas=betas, eps=o.eps))
+    if tables:
+        table_lr = o.lr * o.table_lr_mult
+        table_group = [
+            {
+                "params": tables,
+                "lr": table_lr,
+                "weight_decay": o.table_weight_decay,
+                "name": "engram_tables",
+            }
+        ]
+        if o.table_lazy:
+            optimizers.append(LazyRowAdam(table_group, lr=table_lr, betas=betas, eps=o.eps))
+        else:
+            # AdamW with weight_decay 0 is exactly Adam; decoupled decay if table_weight_decay > 0.
+            optimizers.append(torch.optim.AdamW(table_group, lr=table_lr, betas=betas, eps=o.eps))
+    if not optimizers:
+        raise ValueError("no trainable parameters: check training.mode and engram.enabled")
+    return optimizers
+
+
+def lr_lambda(
+    step: int, warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float
+) -> float:
+    """Multiplier on the peak lr for optimizer step `step` (0-based)."""
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if decay_type == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    if decay_type == "linear":
+        frac = 1.0 - progress
+    else:
+        frac = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * frac
+
+
+def build_lr_schedulers(optimizers: list[torch.optim.Optimizer], cfg: JobConfig) -> list[LambdaLR]:
+    s = cfg.lr_scheduler
+    fn = functools.partial(
+        lr_lambda,
+        warmup_steps=s.warmup_steps,
+        total_steps=cfg.training.steps,
+        decay_type=s.decay_type,
+        min_lr_ratio=s.min_lr_ratio,
+    )
+    return [LambdaLR(opt, fn) for opt in optimizers]
+
+
+def _shard_groups(t: DTensor) -> tuple[dist.ProcessGroup, ...]:
+    """Process groups over which a DTensor's local pieces must be summed (its Shard dims)."""
+    mesh = t.device_mesh
+    return tuple(mesh.get_group(i) for i, pl in enumerate(t.placements) if isinstance(pl, Shard))
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 grad norm over every parameter, each shard counted exactly once; clip if max_norm > 0.
+
+    Works across meshes (FSDP shards on dp_shard, HSDP replicas, Engram tables on the engram axis):
+    the squared local norms are summed per set of shard groups, all-reduced over those groups
+    only, then added up.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    buckets: dict[tuple, torch.Tensor] = {}
+    for g in grads:
+        key = _shard_groups(g) if isinstance(g, DTensor) else ()
+        local = g.to_local() if isinstance(g, DTensor) else g
+        sq = local.detach().float().pow(2).sum()
+        buckets[key] = buckets[key] + sq if key in buckets else sq
+    total_sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    for groups, sq in buckets.items():
+        for group in groups:
+            dist.all_reduce(sq, group=group)
+        total_sq = total_sq + sq.to(total_sq.device)
+    total = total_sq.sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
+    return total

@@ -1,0 +1,304 @@
+"""Row-sharded Engram tables with an all-to-all lookup.
+
+Each table is a DTensor with placement Shard(0) on a 1-D "engram" mesh: rank r owns rows
+[r * c, min((r + 1) * c, R)) with c = ceil(R / W) (the torch.chunk split, so DCP saves and
+reshards it, and the last ranks may hold fewer rows or none). A lookup sends each id to the rank
+that owns its row and brings the row back; the backward sends the row gradients to the owners,
+which add them into a dense gradient of their shard. No table is ever gathered or replicated, and
+no sparse tensor is used (HCCL rejects them). Only the plain c10d `all_to_all_single` is used, with
+explicit split sizes (the list form fails on gloo with uneven sizes).
+
+Gradient semantics: each rank's loss is the mean over its local batch, so the owners receive the
+sum over ranks; `grad_scale = 1 / W` turns that into the data-parallel mean exactly once. FSDP must
+not manage these parameters: pass the returned list to `fully_shard(..., ignored_params=...)`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = [
+    "ShardedEngramTable",
+    "apply_engram_table_sharding",
+    "local_row_range",
+    "row_chunk",
+    "sharded_embedding_lookup",
+    "table_grad_norm_sq",
+]
+
+
+def row_chunk(num_rows: int, world_size: int) -> int:
+    """Rows per rank under the torch.chunk split: ceil(num_rows / world_size)."""
+    return max(1, math.ceil(num_rows / world_size))
+
+
+def local_row_range(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """[start, stop) of the rows `rank` owns (empty when the split runs out before it)."""
+    c = row_chunk(num_rows, world_size)
+    start = min(num_rows, rank * c)
+    return start, min(num_rows, start + c)
+
+
+def _check_ids(ids: torch.Tensor, num_rows: int) -> None:
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"Engram table ids must be int64 or int32, got {ids.dtype}")
+    if ids.numel() == 0:
+        return
+    lo, hi = torch.aminmax(ids)
+    lo_v, hi_v = int(lo), int(hi)  # one host sync; the count exchange needs one anyway
+    if lo_v < 0 or hi_v >= num_rows:
+        raise IndexError(
+            f"Engram table ids must lie in [0, {num_rows}), got [{lo_v}, {hi_v}]: the hash "
+            "offsets or the table size (vocab_size_per_ngram / primes) do not match the table"
+        )
+
+
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Sum duplicate-row gradients in fp32 when the table is bf16 / fp16.
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _exchange(
+    x: torch.Tensor,
+    out_rows: int,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    out = x.new_empty((out_rows, *x.shape[1:]))
+    dist.all_to_all_single(
+        out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits, group=group
+    )
+    return out
+
+
+class _ShardedLookup(torch.autograd.Function):
+    """out[i] = table[ids[i]] for a row-sharded table; see sharded_embedding_lookup."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        local_weight: torch.Tensor,
+        flat_ids: torch.Tensor,
+        num_rows: int,
+        group: dist.ProcessGroup,
+        dedup: bool,
+        grad_scale: float,
+    ) -> torch.Tensor:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        c = row_chunk(num_rows, world)
+        start, stop = local_row_range(num_rows, rank, world)
+        if local_weight.shape[0] != stop - start:
+            raise ValueError(
+                f"rank {rank} holds {local_weight.shape[0]} table rows but the torch.chunk split "
+                f"of {num_rows} rows over {world} ranks gives it {stop - start}: shard the table "
+                "with apply_engram_table_sharding (Shard(0) on the same group)"
+            )
+        ids = flat_ids.to(device=local_weight.device, dtype=torch.long)
+        # Ids sorted by owner: unique() sorts, and the owner is monotonic in the id.
+        if dedup:
+            send_ids, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+            order = None
+        else:
+            order = torch.argsort(ids, stable=True)
+            send_ids, inverse = ids[order], None
+        send_counts = torch.bincount(send_ids // c, minlength=world)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        counts = torch.cat([send_counts, recv_counts]).tolist()
+        send_splits, recv_splits = counts[:world], counts[world:]
+        n_send, n_recv = sum(send_splits), sum(recv_splits)
+
+        recv_ids = _exchange(send_ids, n_recv, recv_splits, send_splits, group)
+        local_idx = recv_ids - start
+        rows = local_weight.index_select(0, local_idx)
+        rows_back = _exchange(rows, n_send, send_splits, recv_splits, group)
+        if dedup:
+            out = rows_back.index_select(0, inverse)
+        else:
+            out = torch.empty_like(rows_back)
+            out[order] = rows_back
+
+        ctx.save_for_backward(local_idx, inverse if dedup else order)
+        ctx.meta = (dedup, grad_scale, group, send_splits, recv_splits, n_send, n_recv)
+        ctx.local_shape, ctx.dtype = local_weight.shape, local_weight.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        local_idx, restore = ctx.saved_tensors
+        dedup, grad_scale, group, send_splits, recv_splits, n_send, n_recv = ctx.meta
+        acc = _accumulate_dtype(ctx.dtype)
+        grad_out = grad_out.contiguous()
+        if dedup:  # rows repeated in this rank's batch: sum them before sending
+            grad_send = grad_out.new_zeros((n_send, grad_out.shape[1]), dtype=acc)
+            grad_send.index_add_(0, restore, grad_out.to(acc))
+        else:
+            grad_send = grad_out.index_select(0, restore).to(acc)
+        if grad_scale != 1.0:
+            grad_send.mul_(grad_scale)
+        grad_recv = _exchange(grad_send.to(ctx.dtype), n_recv, recv_splits, send_splits, group)
+        grad_local = grad_recv.new_zeros(ctx.local_shape, dtype=acc)
+        grad_local.index_add_(0, local_idx, grad_recv.to(acc))
+        return grad_local.to(ctx.dtype), None, None, None, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+def sharded_embedding_lookup(
+    ids: torch.Tensor,
+    local_weight: torch.Tensor,
+    num_rows: int,
+    group: dist.ProcessGroup,
+    dedup: bool = True,
+    grad_scale: float = 1.0,
+) -> torch.Tensor:
+    """Look up rows of a table row-sharded over `group`; returns [*ids.shape, d].
+
+    `local_weight` is this rank's shard (torch.chunk split of `num_rows` rows). Collective: every
+    rank of `group` must call it, in the same order, even with an empty `ids`. With `dedup`, each
+    distinct id is sent once per rank. The table gradient is scaled by `grad_scale` (use 1 / W for
+    data-parallel mean semantics when each rank's loss is its local mean). A group of one rank is a
+    plain gather with no communication.
+    """
+    if local_weight.dim() != 2:
+        raise ValueError(f"local_weight must be [rows, dim], got shape {tuple(local_weight.shape)}")
+    _check_ids(ids, num_rows)
+    if dist.get_world_size(group) == 1:
+        if local_weight.shape[0] != num_rows:
+            raise ValueError(f"one rank must hold all {num_rows} rows, has {local_weight.shape[0]}")
+        weight = local_weight if grad_scale == 1.0 else _ScaleGrad.apply(local_weight, grad_scale)
+        return F.embedding(ids, weight)
+    out = _ShardedLookup.apply(local_weight, ids.reshape(-1), num_rows, group, dedup, grad_scale)
+    return out.view(*ids.shape, local_weight.shape[1])
+
+
+class ShardedEngramTable(nn.Module):
+    """Mixin put in front of a table's class by apply_engram_table_sharding.
+
+    The table keeps its attributes (reset_parameters, ...); only forward changes: the lookup runs
+    on the local Shard(0) of `weight` and returns full rows.
+    """
+
+    weight: nn.Parameter
+    _engram_group: dist.ProcessGroup
+    _engram_dedup: bool
+    _engram_grad_scale: float
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return sharded_embedding_lookup(
+            ids,
+            self.weight.to_local(),
+            self.weight.shape[0],
+            self._engram_group,
+            self._engram_dedup,
+            self._engram_grad_scale,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"rows={self.weight.shape[0]}, dim={self.weight.shape[1]}, "
+            f"sharded over {dist.get_world_size(self._engram_group)} ranks, dedup={self._engram_dedup}"
+        )
+
+
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    if cls not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedEngramTable, cls), {})
+    return _SHARDED_CLASSES[cls]
+
+
+def _default_table_types() -> tuple[type, ...]:
+    from engram.module import EngramTable  # lazy: keeps this module importable on its own
+
+    return (EngramTable,)
+
+
+def apply_engram_table_sharding(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    dedup: bool = True,
+    grad_scale: float | None = None,
+    table_types: tuple[type, ...] | None = None,
+) -> list[nn.Parameter]:
+    """Row-shard every Engram table of `model` over the 1-D `mesh`; return the table params.
+
+    Each table's `weight` becomes `nn.Parameter(DTensor)` with Shard(0) (works on the meta device;
+    a materialised weight is sliced to the local rows) and its forward becomes the all-to-all
+    lookup. `grad_scale` defaults to 1 / mesh size (data-parallel mean). The returned list is in
+    module order (identical on every rank): pass it to `fully_shard(..., ignored_params=...)` and
+    give it its own optimizer group. `table_types` defaults to engram.module.EngramTable.
+    """
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"Engram tables shard over a 1-D mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}: "
+            "pass the 'engram' sub-mesh, e.g. world_mesh['engram']"
+        )
+    types = table_types if table_types is not None else _default_table_types()
+    world, rank = mesh.size(), mesh.get_local_rank()
+    scale = 1.0 / world if grad_scale is None else float(grad_scale)
+    group = mesh.get_group()
+    params: list[nn.Parameter] = []
+    for module in model.modules():
+        if not isinstance(module, types):
+            continue
+        if isinstance(module, ShardedEngramTable):
+            raise ValueError(f"{type(module).__name__} is already sharded: apply the sharding once")
+        weight = module.weight
+        if weight.dim() != 2:
+            raise ValueError(f"Engram table weight must be [rows, dim], got {tuple(weight.shape)}")
+        start, stop = local_row_range(weight.shape[0], rank, world)
+        local = weight.detach()[start:stop].clone()  # on meta this allocates nothing
+        dt = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=weight.shape, stride=weight.stride()
+        )
+        module.weight = nn.Parameter(dt, requires_grad=weight.requires_grad)
+        module.__class__ = _sharded_class(type(module))
+        module._engram_group = group
+        module._engram_dedup = dedup
+        module._engram_grad_scale = scale
+        params.append(module.weight)
+    return params
+
+
+def table_grad_norm_sq(params: list[nn.Parameter]) -> torch.Tensor:
+    """Sum of squared gradient norms of row-sharded tables, each shard counted once (fp32).
+
+    Collective over the tables' mesh (all-reduce SUM of the local sums): every rank of the mesh
+    must call it. Params without a gradient count as zero. Add the result to the squared norm of
+    the other (FSDP) parameters for global clipping.
+    """
+    if not params:
+        return torch.zeros((), dtype=torch.float32)
+    meshes = {id(p.device_mesh): p.device_mesh for p in params if isinstance(p, DTensor)}
+    if len(meshes) != 1 or not all(isinstance(p, DTensor) for p in params):
+        raise ValueError("table_grad_norm_sq expects DTensor tables that share one mesh")
+    (mesh,) = meshes.values()
+    device = params[0].to_local().device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            total += g.float().pow(2).sum()
+    if mesh.size() > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mesh.get_group())
+    return total

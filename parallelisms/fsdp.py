@@ -1,0 +1,59 @@
+"""FSDP2 / HSDP / DDP through one mechanism: `fully_shard` per decoder layer, then the root.
+
+    dp_shard > 1, dp_replicate = 1   FSDP (ZeRO-3 with reshard "always", ZeRO-2-like with "never")
+    dp_shard > 1, dp_replicate > 1   HSDP: replicate across the first mesh dim, shard within the second
+    dp_shard = 1, dp_replicate > 1   DDP: full replicas, gradients all-reduced (HSDP with shard size 1)
+
+The Engram tables are passed as `ignored_params`: FSDP never all-gathers, shards or reduces them;
+they are row-sharded over the "engram" axis by parallelisms/engram_tables.py instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from engram.config import Parallelism
+from parallelisms.parallel_dims import ParallelDims
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def apply_fsdp(
+    model: nn.Module, dims: ParallelDims, cfg: Parallelism, ignored_params: list[nn.Parameter]
+) -> None:
+    """Wrap `model.layers[*]` and the root with fully_shard (no-op when there is one dp rank)."""
+    if dims.dp_size == 1:
+        return
+    if dims.dp_replicate > 1:
+        mesh = dims.mesh("world")[
+            "dp_replicate", "dp_shard"
+        ]  # 2-D mesh: HSDP, or DDP if dp_shard == 1
+    else:
+        mesh = dims.mesh("dp_shard")
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=_DTYPES[cfg.mixed_precision_param],
+        reduce_dtype=_DTYPES[cfg.mixed_precision_reduce],
+    )
+    offload: OffloadPolicy = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
+    # DDP keeps full parameters anyway; resharding only matters when parameters are sharded.
+    layer_reshard = dims.fsdp_enabled and cfg.fsdp_reshard_after_forward != "never"
+    root_reshard = dims.fsdp_enabled and cfg.fsdp_reshard_after_forward == "always"
+    common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
+    for layer in model.layers.values():
+        ignored = {p for p in layer.parameters() if any(p is q for q in ignored_params)}
+        fully_shard(
+            layer, reshard_after_forward=layer_reshard, ignored_params=ignored or None, **common
+        )
+    fully_shard(
+        model,
+        reshard_after_forward=root_reshard,
+        ignored_params=set(ignored_params) or None,
+        **common,
+    )

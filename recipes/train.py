@@ -1,0 +1,246 @@
+"""Train a dense LLM with Engram memory. Copy this file and edit it; it reads top to bottom.
+
+    CONFIG_FILE=train_configs/debug_model.toml ./run_train.sh [--section.key=value ...]
+
+Order of application (torchtitan's): build on meta -> Engram table row-sharding -> activation
+checkpointing -> FSDP2 / HSDP / DDP -> materialise + initialise (init independent of the layout).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from engram import device as dev
+from engram.checkpoint import CheckpointManager, ModelState, OptimizerState, TrainState
+from engram.config import JobConfig, load_config
+from engram.data.loader import build_dataloader
+from engram.data.tokenizer import load_tokenizer
+from engram.distributed import destroy_distributed, init_distributed
+from engram.hashing import NgramHasher
+from engram.metrics import MetricsLogger, init_logger, logger
+from engram.models.builder import build_model
+from engram.optim import apply_training_mode, build_lr_schedulers, build_optimizers, clip_grad_norm_
+from engram.profiling import maybe_profile
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.engram_tables import apply_engram_table_sharding
+from parallelisms.fsdp import apply_fsdp
+from parallelisms.parallel_dims import parallel_dims_from_config
+
+
+@dataclass
+class TrainResult:
+    """What a run leaves behind in memory (tests and notebooks use it; files are the real record)."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    model: torch.nn.Module | None = None
+    start_step: int = 0
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def dp_mean(value: torch.Tensor, group: dist.ProcessGroup) -> float:
+    """Mean of a per-rank scalar over the data-parallel ranks (for logging only)."""
+    value = value.detach().float().clone()
+    dist.all_reduce(value, group=group)
+    return value.item() / dist.get_world_size(group)
+
+
+@torch.no_grad()
+def evaluate(model, loader, num_batches: int, device, dp_group) -> float:
+    model.eval()
+    total = torch.zeros((), device=device)
+    it = iter(loader)
+    for _ in range(num_batches):
+        batch = to_device(next(it), device)
+        total += cross_entropy(model(batch["input_ids"], batch.get("hash_ids")), batch["labels"])
+    model.train()
+    return dp_mean(total / num_batches, dp_group)
+
+
+def train(cfg: JobConfig) -> TrainResult:
+    # --- devices and process groups -------------------------------------------------------
+    device_type = dev.resolve_device_type(cfg.job.device)
+    dev.import_device_backend(device_type)
+    rank, local_rank, world_size = init_distributed(device_type)
+    device = dev.local_device(device_type, local_rank)
+    init_logger(rank)
+    dims = parallel_dims_from_config(cfg, world_size)
+    dims.build_mesh(device_type)
+    dp_mesh = dims.mesh("dp")
+    dp_rank, dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()
+    if cfg.job.deterministic:
+        torch.use_deterministic_algorithms(True)
+    torch.manual_seed(cfg.job.seed)
+    logger.info(f"world {world_size} on {device_type}: {dims}")
+
+    # --- tokenizer, Engram hashing, model on meta -----------------------------------------
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
+    hasher = None
+    table_rows: dict[int, int] = {}
+    if cfg.engram.enabled:
+        hasher = NgramHasher.from_config(
+            cfg.engram,
+            tokenizer.hf if cfg.engram.compress_tokenizer else None,
+            tokenizer.vocab_size,
+        )
+        table_rows = hasher.table_rows
+    model = build_model(cfg.model, cfg.engram, vocab_size, table_rows, device="meta")
+
+    # --- parallelisms, in the documented order ---------------------------------------------
+    table_params = apply_engram_table_sharding(
+        model, dims.mesh("engram"), dedup=cfg.parallelism.engram_table_dedup
+    )
+    apply_activation_checkpointing(model, cfg.activation_checkpoint)
+    apply_fsdp(model, dims, cfg.parallelism, ignored_params=table_params)
+    model.to_empty(device=device)
+    model.init_weights(seed=cfg.job.seed)
+    apply_training_mode(model, cfg.training.mode)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        f"model {cfg.model.name}/{cfg.model.flavor}: {n_params:,} local parameters on this rank"
+    )
+
+    optimizers = build_optimizers(model, cfg)
+    schedulers = build_lr_schedulers(optimizers, cfg)
+    train_loader = build_dataloader(cfg, tokenizer, hasher, dp_rank, dims.dp_size, split="train")
+
+    # A fresh held-out loader per evaluation scores the same batches every time.
+    def make_eval_loader():
+        return build_dataloader(cfg, tokenizer, hasher, dp_rank, dims.dp_size, split="val")
+
+    # --- run folder: metrics, TensorBoard, checkpoints -------------------------------------
+    metrics = MetricsLogger(cfg.run_folder, cfg.metrics, rank, config_dict=cfg.to_dict())
+    state = TrainState()
+    checkpointer = CheckpointManager(
+        cfg.checkpoint,
+        cfg.run_folder,
+        states={
+            "model": ModelState(model),
+            "optimizer": OptimizerState(model, optimizers),
+            "lr_scheduler": _SchedulersState(schedulers),
+            "dataloader": train_loader,
+            "train_state": state,
+        },
+        fingerprint=_fingerprint(cfg, vocab_size, table_rows),
+    )
+    start_step = checkpointer.load()
+    result = TrainResult(start_step=start_step, model=model)
+
+    # --- the loop ---------------------------------------------------------------------------
+    tokens_per_step = (
+        cfg.training.local_batch_size * cfg.training.seq_len * cfg.training.grad_accum_steps
+    )
+    data_iter = iter(train_loader)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    dev.reset_peak_memory(device)
+    with maybe_profile(
+        cfg.profiling, cfg.run_folder, rank, device_type=device_type, start_step=start_step
+    ) as profiler:
+        for step in range(start_step + 1, cfg.training.steps + 1):
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(cfg.training.grad_accum_steps):
+                batch = to_device(next(data_iter), device)
+                last_micro = micro == cfg.training.grad_accum_steps - 1
+                # FSDP: reduce gradients once per optimizer step, not once per micro-batch.
+                if hasattr(model, "set_requires_gradient_sync"):
+                    model.set_requires_gradient_sync(last_micro)
+                loss = cross_entropy(
+                    model(batch["input_ids"], batch.get("hash_ids")), batch["labels"]
+                )
+                (loss / cfg.training.grad_accum_steps).backward()
+                loss_sum += loss.detach()
+            grad_norm = clip_grad_norm_(trainable, cfg.training.max_norm)
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            for sched in schedulers:
+                sched.step()
+            profiler.step()
+            state.step = step
+            state.tokens_seen += tokens_per_step * dims.dp_size
+            loss_value = dp_mean(loss_sum / cfg.training.grad_accum_steps, dp_group)
+            result.losses.append(loss_value)
+            result.grad_norms.append(grad_norm.item())
+            dev.synchronize(device)
+            dt = time.perf_counter() - t0
+            if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
+                mem = dev.memory_stats(device)
+                metrics.log(
+                    step,
+                    {
+                        "loss": loss_value,
+                        "lr": schedulers[0].get_last_lr()[0],
+                        "grad_norm": grad_norm.item(),
+                        "tokens_per_s": tokens_per_step * dims.dp_size / dt,
+                        "step_time_s": dt,
+                        "tokens_seen": state.tokens_seen,
+                        **{f"mem_{k}": v for k, v in mem.items()},
+                    },
+                )
+            if cfg.data.eval_batches > 0 and (
+                (cfg.data.eval_every and step % cfg.data.eval_every == 0)
+                or step == cfg.training.steps
+            ):
+                eval_loss = evaluate(
+                    model, make_eval_loader(), cfg.data.eval_batches, device, dp_group
+                )
+                result.eval_losses[step] = eval_loss
+                metrics.log(step, {"eval_loss": eval_loss})
+            checkpointer.maybe_save(step, last_step=step == cfg.training.steps)
+    metrics.close()
+    return result
+
+
+class _SchedulersState:
+    """Stateful view over the lr schedulers (one per optimizer)."""
+
+    def __init__(self, schedulers):
+        self.schedulers = schedulers
+
+    def state_dict(self):
+        return {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}
+
+    def load_state_dict(self, sd):
+        for i, s in enumerate(self.schedulers):
+            s.load_state_dict(sd[str(i)])
+
+
+def _fingerprint(cfg: JobConfig, vocab_size: int, table_rows: dict[int, int]) -> dict:
+    """What must match for a checkpoint to be loadable into this run (the world size is checked by
+    the checkpoint manager: model and optimizer state reshard, per-rank loader state does not)."""
+    return {
+        "model": f"{cfg.model.name}/{cfg.model.flavor}",
+        "vocab_size": vocab_size,
+        "engram_layers": sorted(table_rows),
+        "engram_table_rows": [table_rows[k] for k in sorted(table_rows)],
+        "engram_head_dim": cfg.engram.head_dim if cfg.engram.enabled else 0,
+        "training_mode": cfg.training.mode,
+        "table_lazy": cfg.optimizer.table_lazy,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = load_config(argv)
+    try:
+        train(cfg)
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

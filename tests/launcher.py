@@ -1,0 +1,97 @@
+"""Fork-based multi-process launcher for gloo tests.
+
+The parent imports torch once; each test forks `world_size` real processes that join a real gloo
+process group over 127.0.0.1 (no mocked collectives). This costs ~1 s instead of ~7 s per torchrun.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _to_picklable(obj: Any) -> Any:
+    """Tensors cross the process boundary as numpy arrays (torch shares them by file descriptor,
+    which breaks once the worker has exited)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy()
+    if isinstance(obj, dict):
+        return {k: _to_picklable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_picklable(v) for v in obj)
+    return obj
+
+
+def _worker(fn, rank, world_size, port, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, _to_picklable(result)))
+    except BaseException:  # report every failure to the parent, then exit
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` in `world_size` forked gloo ranks; return results by rank.
+
+    Raises with the failing rank's traceback if any rank fails, and on timeout (a hang).
+    """
+    # DTensor and the profiler import torch._dynamo lazily (2-4 s); do it once before forking.
+    import torch._dynamo  # noqa: F401
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, ok, payload = queue.get(timeout=timeout)
+            if ok:
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,140 @@
+"""Config loading, overrides, clear errors, and every shipped config is valid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engram.config import ConfigError, config_from_dict, load_config, to_toml
+from engram.hashing import find_table_primes
+from engram.models.builder import build_model
+from parallelisms.parallel_dims import ParallelDims
+
+CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("train_configs").glob("*.toml"))
+
+
+def test_there_are_shipped_configs():
+    names = {p.name for p in CONFIGS}
+    assert {"debug_model.toml", "32b_npu.toml", "32b_gpu.toml", "8b_gpu.toml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_is_valid(path):
+    first = path.read_text().splitlines()[0]
+    assert (
+        first.startswith("# ")
+        and f"CONFIG_FILE=train_configs/{path.name}" in first
+        and "run_train.sh" in first
+    )
+    cfg = load_config([f"--job.config_file={path}"])
+    # The model (with Engram tables at their real size) must build on the meta device.
+    rows = {}
+    if cfg.engram.enabled:
+        primes = find_table_primes(
+            cfg.engram.vocab_size_per_ngram,
+            cfg.engram.layer_ids,
+            cfg.engram.max_ngram,
+            cfg.engram.n_head_per_ngram,
+        )
+        rows = {k: sum(v) for k, v in primes.items()}
+    vocab = cfg.model.vocab_size or 2048
+    model = build_model(cfg.model, cfg.engram, vocab, rows, device="meta")
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_round_trip_through_toml(tmp_path):
+    cfg = load_config(
+        [
+            "--training.steps=7",
+            "--engram.layer_ids=0,2",
+            "--optimizer.lr=0.5",
+            "--data.num_workers=2",
+        ]
+    )
+    assert cfg.training.steps == 7 and cfg.engram.layer_ids == [0, 2] and cfg.optimizer.lr == 0.5
+    f = tmp_path / "c.toml"
+    f.write_text(to_toml(cfg))
+    again = load_config([f"--job.config_file={f}"])
+    assert again.to_dict() | {"job": None} == cfg.to_dict() | {"job": None}
+
+
+def test_cli_overrides_toml(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[training]\nsteps = 3\nseq_len = 64\n")
+    cfg = load_config(["--job.config_file", str(f), "--training.steps=9"])
+    assert (cfg.training.steps, cfg.training.seq_len) == (9, 64)
+
+
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ({"trainig": {"steps": 1}}, "unknown section [trainig]"),
+        ({"training": {"stepz": 1}}, "unknown key training.stepz"),
+        ({"training": {"steps": "many"}}, "training.steps must be an integer"),
+        ({"training": {"steps": 1.5}}, "training.steps must be an integer"),
+        ({"training": {"steps": 0}}, "training.steps must be > 0"),
+        ({"engram": {"max_ngram": 1, "vocab_size_per_ngram": []}}, "max_ngram must be >= 2"),
+        ({"engram": {"vocab_size_per_ngram": [10]}}, "one entry per order"),
+        ({"engram": {"vocab_size_per_ngram": [10, 0]}}, "must be > 0"),
+        ({"engram": {"n_embed_per_ngram": 30}}, "divisible"),
+        ({"engram": {"layer_ids": [1, 1]}}, "duplicates"),
+        ({"training": {"mode": "lora"}}, "full or engram_only"),
+        ({"data": {"dataset": "jsonl"}}, "data.path is required"),
+        ({"parallelism": {"fsdp_reshard_after_forward": "sometimes"}}, "always, never or default"),
+    ],
+)
+def test_bad_config_errors_name_the_fix(raw, needle):
+    with pytest.raises(ConfigError, match=None) as e:
+        config_from_dict(raw)
+    assert needle in str(e.value)
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="--section.key=value"):
+        load_config(["--steps=3"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(["--job.config_file=/nonexistent.toml"])
+
+
+def test_engram_layer_out_of_range():
+    cfg = config_from_dict({"engram": {"layer_ids": [99], "vocab_size_per_ngram": [11, 11]}})
+    with pytest.raises(ValueError, match="layer"):
+        build_model(cfg.model, cfg.engram, 256, {99: 100}, device="meta")
+
+
+@pytest.mark.parametrize(
+    "degrees, world, needle",
+    [
+        ((2, 3, 1, 1), 4, "do not multiply to the world size"),
+        ((3, -1, 1, 1), 4, "not divisible"),
+        ((1, -1, 2, 1), 2, "tensor parallelism is not supported yet"),
+        ((1, -1, 1, 2), 2, "pipeline parallelism is not supported yet"),
+        ((0, -1, 1, 1), 2, "dp_replicate must be >= 1"),
+    ],
+)
+def test_parallel_degrees_are_validated(degrees, world, needle):
+    with pytest.raises(ConfigError) as e:
+        ParallelDims(*degrees, world_size=world)
+    assert needle in str(e.value)
+
+
+def test_parallel_dims_resolve_rest():
+    d = ParallelDims(2, -1, 1, 1, world_size=8)
+    assert (d.dp_shard, d.dp_size, d.hsdp_enabled, d.ddp_enabled) == (4, 8, True, False)
+    d = ParallelDims(4, 1, 1, 1, world_size=4)
+    assert d.ddp_enabled and not d.fsdp_enabled
+
+
+def test_config_reference_doc_is_current():
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(
+        "config_reference", root / "scripts" / "config_reference.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (root / "docs" / "config_reference.md").read_text().strip() == module.render().strip(), (
+        "docs/config_reference.md is stale: run python scripts/config_reference.py > docs/config_reference.md"
+    )

@@ -1,0 +1,249 @@
+"""Device layer and process-group start-up.
+
+The NPU tests use a STAND-IN torch_npu (a small file written to a temp dir that registers the
+"npu" device name and a fake torch.npu module). They check our dispatch logic (hccl, visible
+devices, bf16, memory, lazy import), not Ascend hardware or the real torch_npu.
+
+Renaming torch's PrivateUse1 backend to "npu" is global and permanent in a process, so every test
+that needs the stand-in runs in a forked child and leaves the pytest process untouched.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import engram.device as device
+from engram.distributed import destroy_distributed, init_distributed
+from tests.launcher import run_distributed
+
+GIB = 1 << 30
+
+FAKE_TORCH_NPU = '''
+"""Stand-in torch_npu: the "npu" device name plus a fake torch.npu with 8 physical devices."""
+import os
+import types
+
+import torch
+
+torch.utils.rename_privateuse1_backend("npu")
+PHYSICAL = 8
+
+
+def _visible():
+    # The real runtime reads ASCEND_RT_VISIBLE_DEVICES and renumbers the listed devices 0..n-1.
+    var = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
+    ids = range(PHYSICAL) if var is None else [int(x) for x in var.split(",") if x]
+    return [i for i in ids if i < PHYSICAL]
+
+
+npu = types.ModuleType("torch.npu")
+npu.available = True
+npu.bf16 = True
+npu.allocated = 0
+npu.reserved = 0
+npu.total = 64 * (1 << 30)
+npu.calls = []
+npu.is_available = lambda: npu.available
+npu.device_count = lambda: len(_visible())
+npu.set_device = lambda d: npu.calls.append(("set_device", torch.device(d)))
+npu.is_bf16_supported = lambda: npu.bf16
+npu.max_memory_allocated = lambda d=None: npu.allocated
+npu.max_memory_reserved = lambda d=None: npu.reserved
+npu.get_device_properties = lambda d=None: types.SimpleNamespace(total_memory=npu.total)
+npu.reset_peak_memory_stats = lambda d=None: npu.calls.append(("reset", torch.device(d)))
+npu.synchronize = lambda d=None: npu.calls.append(("synchronize", torch.device(d)))
+torch.npu = npu
+'''
+
+
+@pytest.fixture
+def fake_npu_dir(tmp_path: Path) -> str:
+    (tmp_path / "torch_npu.py").write_text(FAKE_TORCH_NPU)
+    return str(tmp_path)
+
+
+def _child(fn: Callable[..., Any], args: tuple[Any, ...], queue: Any) -> None:
+    try:
+        fn(*args)
+        queue.put(None)
+    except BaseException:
+        queue.put(traceback.format_exc())
+
+
+def run_forked(fn: Callable[..., Any], *args: Any) -> None:
+    """Run fn(*args) in a forked child; fail the test with the child's traceback."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(fn, args, queue))
+    proc.start()
+    error = queue.get(timeout=60)
+    proc.join(timeout=10)
+    if error is not None:
+        pytest.fail(f"forked check failed:\n{error}", pytrace=False)
+
+
+# --- stand-in NPU checks (each runs in a forked child) ----------------------------------------
+
+
+def _check_lazy_import(fake_dir: str) -> None:
+    sys.path.insert(0, fake_dir)
+    sys.modules.pop("torch_npu", None)
+    mod = importlib.reload(device)  # re-run the module body with torch_npu importable
+    cpu = mod.local_device(mod.resolve_device_type("cpu"), 0)
+    mod.dist_backend("cpu"), mod.bf16_supported("cpu"), mod.memory_stats(cpu)
+    mod.reset_peak_memory(cpu), mod.synchronize(cpu), mod.device_module("cpu")
+    mod.dist_backend("npu"), mod.visible_devices_var("npu")  # names only: no import needed
+    assert "torch_npu" not in sys.modules, "cpu path imported torch_npu"
+    assert mod.resolve_device_type("npu") == "npu"
+    assert "torch_npu" in sys.modules  # the stand-in was importable all along
+
+
+def test_torch_npu_imported_only_for_npu(fake_npu_dir: str) -> None:
+    run_forked(_check_lazy_import, fake_npu_dir)
+
+
+def _check_hccl_and_visible_devices(fake_dir: str) -> None:
+    sys.path.insert(0, fake_dir)
+    os.environ["ASCEND_RT_VISIBLE_DEVICES"] = "4,5"
+    assert device.dist_backend("npu") == "hccl"
+    assert device.visible_devices_var("npu") == "ASCEND_RT_VISIBLE_DEVICES"
+    assert device.resolve_device_type("npu") == "npu"
+    dev = device.local_device("npu", 1)
+    assert dev == torch.device("npu", 1)
+    assert torch.npu.calls == [("set_device", torch.device("npu", 1))]
+    try:
+        device.local_device("npu", 2)
+    except RuntimeError as e:
+        assert "ASCEND_RT_VISIBLE_DEVICES=4,5" in str(e) and "NGPU=2" in str(e), e
+    else:
+        raise AssertionError("local rank 2 with 2 visible NPUs did not raise")
+    # Without the variable all 8 physical devices are visible.
+    del os.environ["ASCEND_RT_VISIBLE_DEVICES"]
+    assert device.local_device("npu", 7) == torch.device("npu", 7)
+
+
+def test_npu_uses_hccl_and_honours_visible_devices(fake_npu_dir: str) -> None:
+    run_forked(_check_hccl_and_visible_devices, fake_npu_dir)
+
+
+def _check_bf16_and_memory(fake_dir: str) -> None:
+    sys.path.insert(0, fake_dir)
+    device.import_device_backend("npu")
+    npu = torch.npu
+    for flag in (True, False):
+        npu.bf16 = flag
+        assert device.bf16_supported("npu") is flag
+    npu.allocated, npu.reserved, npu.total = 3 * GIB, 6 * GIB, 48 * GIB
+    stats = device.memory_stats(torch.device("npu", 0))
+    expected = {
+        "peak_allocated_gib": 3.0,
+        "peak_reserved_gib": 6.0,
+        "capacity_gib": 48.0,
+        "peak_allocated_pct": 100 * 3 / 48,
+        "peak_reserved_pct": 100 * 6 / 48,
+    }
+    assert stats == pytest.approx(expected)
+    device.reset_peak_memory("npu:0")
+    device.synchronize(torch.device("npu", 0))
+    assert npu.calls == [
+        ("reset", torch.device("npu", 0)),
+        ("synchronize", torch.device("npu", 0)),
+    ]
+
+
+def test_npu_bf16_and_memory_stats(fake_npu_dir: str) -> None:
+    run_forked(_check_bf16_and_memory, fake_npu_dir)
+
+
+def _check_auto_and_unavailable(fake_dir: str) -> None:
+    sys.path.insert(0, fake_dir)
+    torch.cuda.is_available = lambda: False
+    assert device.resolve_device_type("auto") == "npu"
+    torch.npu.available = False
+    assert device.resolve_device_type("auto") == "cpu"
+    try:
+        device.resolve_device_type("npu")
+    except RuntimeError as e:
+        assert "is_available() is False" in str(e), e
+    else:
+        raise AssertionError("unavailable npu did not raise")
+
+
+def test_auto_prefers_npu_when_present(fake_npu_dir: str) -> None:
+    run_forked(_check_auto_and_unavailable, fake_npu_dir)
+
+
+# --- in-process checks (no stand-in needed) ----------------------------------------------------
+
+
+def test_missing_torch_npu_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # makes `import torch_npu` fail
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"pip install torch_npu") as info:
+        device.resolve_device_type("npu")
+    assert "CANN" in str(info.value)
+    assert device.resolve_device_type("auto") == "cpu"
+
+
+def test_backends_and_visible_vars() -> None:
+    assert [device.dist_backend(t) for t in ("cuda", "npu", "cpu")] == ["nccl", "hccl", "gloo"]
+    assert device.visible_devices_var("cuda") == "CUDA_VISIBLE_DEVICES"
+    assert device.visible_devices_var("cpu") is None
+    with pytest.raises(ValueError, match="unknown device type 'tpu'"):
+        device.dist_backend("tpu")
+
+
+def test_cpu_device_and_memory() -> None:
+    assert device.resolve_device_type("cpu") == "cpu"
+    assert device.local_device("cpu", 3) == torch.device("cpu")
+    assert device.bf16_supported("cpu") is True
+    before = device.memory_stats("cpu")["max_rss_gib"]
+    block = torch.ones(64 * (1 << 20) // 4)  # touch 64 MiB: peak RSS can only grow
+    after = device.memory_stats("cpu")["max_rss_gib"]
+    assert 0 < before <= after
+    del block
+
+
+def test_single_process_group_without_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert not dist.is_initialized(), "an earlier test leaked a default process group"
+    try:
+        assert init_distributed("cpu", timeout_s=60) == (0, 0, 1)
+        assert dist.get_backend() == "gloo"
+        t = torch.arange(3.0)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.arange(3.0))
+        assert init_distributed("cpu") == (0, 0, 1)  # already initialised: numbers only
+    finally:
+        destroy_distributed()
+    assert not dist.is_initialized()
+    destroy_distributed()  # twice is fine
+
+
+def test_rank_without_world_size_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE is not"):
+        init_distributed("cpu")
+
+
+def _ranks(rank: int, world_size: int) -> tuple[int, int, int]:
+    return init_distributed("cpu")
+
+
+@pytest.mark.slow
+def test_init_distributed_inside_existing_group() -> None:
+    assert run_distributed(_ranks, 2) == [(0, 0, 2), (1, 1, 2)]
