@@ -29,7 +29,7 @@ def make_variant(flavor: str, engram: bool, engram_cfg: dict, vocab: int, tokeni
         {"model": {"flavor": flavor}, "engram": {**engram_cfg, "enabled": engram}}
     )
     hasher = (
-        NgramHasher.from_config(cfg.engram, tokenizer.hf, tokenizer.vocab_size) if engram else None
+        NgramHasher.from_config(cfg.engram, tokenizer, tokenizer.vocab_size) if engram else None
     )
     rows = hasher.table_rows if hasher else {}
     model = build_model(cfg.model, cfg.engram, vocab, rows, device="meta")

@@ -10,12 +10,15 @@ of memorised facts.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
-from engram.config import load_config
-from recipes.train import train
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/ is not an installed package
+from engram.config import load_config  # noqa: E402
+from recipes.train import train  # noqa: E402
 
 
 def run(enabled: bool, seed: int, steps: int, folder: str, extra: list[str]) -> tuple[float, float]:

@@ -32,17 +32,16 @@ stays single-threaded.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 MAGIC = 2.0**52
 MAGIC_BITS = int(np.array(MAGIC, dtype=np.float64).view(np.int64))
-# Elements per chunk: below ATen's parallel grain size (32768), so torch ops always run on the
-# calling thread (no OpenMP team spinning in our worker threads), and the buffer stays in L2.
-CHUNK_ELEMENTS = (1 << 15) - 1
+# Elements per chunk of the float stage: its buffer (512 KiB) stays in L2.
+CHUNK_ELEMENTS = 1 << 16
 
 
 def split_value_bound(max_prime: int, split_bits: int) -> int:
@@ -88,62 +87,151 @@ def plan_exact_mod(primes: np.ndarray, offsets: np.ndarray) -> ExactModPlan | No
     )
 
 
-class _Scratch(threading.local):
-    """Per-thread buffers reused across calls (fresh large arrays cost page faults and cache
-    misses), with their torch views made once (torch.from_numpy costs ~0.5 us)."""
-
-    def quotients(self, rows: int, cols: int) -> tuple[np.ndarray, torch.Tensor]:
-        buf = getattr(self, "y", None)
-        if buf is None or buf[0].shape[0] < rows or buf[0].shape[1] != cols:
-            y = np.empty((rows, cols))
-            buf = (y, torch.from_numpy(y))
-            self.y = buf
-        return buf
-
-    def split(self, groups: int, n: int) -> np.ndarray:
-        hl = getattr(self, "hl", None)
-        if hl is None or hl.shape[0] != groups or hl.shape[2] < n:
-            hl = np.empty((groups, 3, n))
-            hl[:, 2] = 1.0  # the constant row of [hi, lo, 1]
-            self.hl = hl
-        return hl[:, :, :n]
+# ATen runs an elementwise op on the calling thread up to this many elements; above it, with
+# torch.get_num_threads() > 1, it forks an OpenMP team, which made hashing 4-8x slower on a busy
+# 2-core machine. The torch passes are split into pieces of at most this size instead.
+_ATEN_GRAIN = 32768
 
 
-_SCRATCH = _Scratch()
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
+_RowSlice = tuple[int, int, torch.Tensor]  # rows [start, end) of out, and y's matching rows
 
 
-def thread_pool(threads: int) -> ThreadPoolExecutor:
-    """A process-wide pool of `threads` workers (recreated when the count changes)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL._max_workers != threads:
-            _POOL = ThreadPoolExecutor(threads, thread_name_prefix="engram-hash")
-        return _POOL
+class _Chunk(NamedTuple):
+    gemm_in: np.ndarray  # [G, rows, 3] view of hl
+    gemm_out: np.ndarray  # [G, rows, heads] view of y
+    whole: list[_RowSlice]  # the chunk in one torch call
+    pieces: list[_RowSlice]  # the chunk in calls below _ATEN_GRAIN elements
+
+
+class _Workspace:
+    """Buffers and views for one (groups, heads, tokens) shape: built once, reused per call
+    (fresh arrays cost page faults; numpy views and torch.from_numpy ~0.5 us each)."""
+
+    def __init__(self, groups: int, heads: int, n: int) -> None:
+        cols = groups * heads
+        chunk = min(n, max(16, CHUNK_ELEMENTS // cols))
+        self.hl = np.empty((groups, 3, n))
+        self.hl[:, 2] = 1.0  # the constant row of [hi, lo, 1]
+        self.y = np.empty((chunk, cols))
+        yt = torch.from_numpy(self.y)
+        self.chunks: list[_Chunk] = []
+        for s in range(0, n, chunk):
+            rows = min(n, s + chunk) - s
+            y3 = np.reshape(self.y[:rows], (rows, groups, heads), copy=False)
+            piece = max(1, _ATEN_GRAIN // cols)
+            piece = -(-rows // -(-rows // piece))  # balanced, still <= _ATEN_GRAIN elements
+            pieces = [
+                (s + a, s + min(rows, a + piece), yt[a : min(rows, a + piece)])
+                for a in range(0, rows, piece)
+            ]
+            self.chunks.append(
+                _Chunk(
+                    gemm_in=self.hl[:, :, s : s + rows].transpose(0, 2, 1),
+                    gemm_out=y3.transpose(1, 0, 2),
+                    whole=[(s, s + rows, yt[:rows])],
+                    pieces=pieces,
+                )
+            )
+
+
+class _Workspaces(threading.local):
+    def get(self, groups: int, heads: int, n: int) -> _Workspace:
+        cache: dict[tuple[int, ...], _Workspace] = self.__dict__.setdefault("cache", {})
+        key = (groups, heads, n, CHUNK_ELEMENTS)
+        ws = cache.get(key)
+        if ws is None:
+            if len(cache) >= 4:  # shapes vary (e.g. generation): keep memory bounded
+                cache.clear()
+            ws = cache[key] = _Workspace(groups, heads, n)
+        return ws
+
+
+_WORKSPACES = _Workspaces()
+
+
+def _mod_into(ws: _Workspace, mix: np.ndarray, plan: ExactModPlan, out: np.ndarray) -> None:
+    np.right_shift(mix, plan.split_bits, out=ws.hl[:, 0], casting="unsafe")
+    np.bitwise_and(mix, (1 << plan.split_bits) - 1, out=ws.hl[:, 1], casting="unsafe")
+    out_t = torch.from_numpy(out.view(np.float64))
+    split_torch = torch.get_num_threads() > 1
+    for chunk in ws.chunks:
+        # Batched [rows, 3] @ [3, heads] products written straight into the [rows, G*heads]
+        # layout (3x fewer multiply-adds than one block-sparse product).
+        np.matmul(chunk.gemm_in, plan.weight, out=chunk.gemm_out)
+        for start, end, yt in chunk.pieces if split_torch else chunk.whole:
+            torch.frac(yt, out=yt)
+            torch.addcmul(plan.magic_offset, yt, plan.prime, out=out_t[start:end])
+    np.subtract(out, MAGIC_BITS, out=out)
 
 
 def mod_with_offsets(mix: np.ndarray, plan: ExactModPlan, out: np.ndarray) -> None:
     """out[t, g*heads + j] = mix[g, t] % primes[g, j] + offsets[g, j] for int64 mix [G, N] >= 0.
 
-    out: int64 [N, G*heads], C-contiguous; it doubles as float64 buffer. Runs on the calling
-    thread; scratch buffers are per thread."""
+    out: int64 [N, G*heads], C-contiguous; it doubles as the float64 buffer. Runs on the calling
+    thread only; buffers are per thread."""
     groups, n = mix.shape
-    heads = plan.weight.shape[2]
-    cols = groups * heads
-    chunk = min(n, max(16, CHUNK_ELEMENTS // cols))
-    hl = _SCRATCH.split(groups, n)
-    np.right_shift(mix, plan.split_bits, out=hl[:, 0], casting="unsafe")
-    np.bitwise_and(mix, (1 << plan.split_bits) - 1, out=hl[:, 1], casting="unsafe")
-    y_buf, yt_buf = _SCRATCH.quotients(chunk, cols)
-    out_t = torch.from_numpy(out.view(np.float64))
-    for s in range(0, n, chunk):
-        e = min(n, s + chunk)
-        y, yt = y_buf[: e - s], yt_buf[: e - s]
-        # Batched [n, 3] @ [3, heads] products written straight into the [n, G*heads] layout
-        # (3x fewer multiply-adds than one block-sparse product).
-        a = hl[:, :, s:e].transpose(0, 2, 1)
-        np.matmul(a, plan.weight, out=y.reshape(e - s, groups, heads).transpose(1, 0, 2))
-        torch.frac(yt, out=yt)
-        torch.addcmul(plan.magic_offset, yt, plan.prime, out=out_t[s:e])
-    np.subtract(out, MAGIC_BITS, out=out)
+    _mod_into(_WORKSPACES.get(groups, plan.weight.shape[2], n), mix, plan, out)
+
+
+class _MixWorkspace:
+    """Buffers and views of the n-gram mixing stage for one [B, T] shape."""
+
+    def __init__(self, layers: int, max_ngram: int, heads: int, b: int, t: int, pad: int) -> None:
+        k_max = max_ngram - 1
+        self.padded = np.empty((b, t + k_max), dtype=np.int64)
+        self.padded[:, :k_max] = pad
+        self.tokens = self.padded[:, k_max:]
+        self.prods = np.empty((layers, max_ngram, b, t + k_max), dtype=np.int64)
+        self.mix = np.empty((layers, k_max, b, t), dtype=np.int64)
+        # The token k steps back is padded[:, k_max - k + t]: multiply once, slice per k.
+        self.terms = [self.prods[:, k, :, k_max - k : k_max - k + t] for k in range(max_ngram)]
+        self.mix_out = [self.mix[:, i] for i in range(k_max)]
+        self.mix_flat = self.mix.reshape(layers * k_max, b * t)
+        self.mod = _Workspace(layers * k_max, heads, b * t)
+
+
+class CpuNgramKernel:
+    """The fast CPU path of one hasher: compress -> shifted products -> XOR mixes -> exact mod,
+    on per-thread, per-shape buffers (about a dozen numpy/torch calls per batch)."""
+
+    def __init__(
+        self, multipliers: np.ndarray, lookup: np.ndarray | None, pad: int, plan: ExactModPlan
+    ) -> None:
+        self.multipliers = multipliers[:, :, None, None]  # [L, max_ngram, 1, 1]
+        self.lookup = lookup
+        self.pad = pad
+        self.plan = plan
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict:
+        # Buffers are per thread and per process: data-loader workers (spawn) rebuild them.
+        return {k: v for k, v in self.__dict__.items() if k != "_local"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    def workspace(self, b: int, t: int) -> _MixWorkspace:
+        cache: dict[tuple[int, int], _MixWorkspace] = self._local.__dict__.setdefault("cache", {})
+        ws = cache.get((b, t))
+        if ws is None:
+            if len(cache) >= 4:  # shapes vary (e.g. generation): keep memory bounded
+                cache.clear()
+            layers, max_ngram = self.multipliers.shape[:2]
+            heads = self.plan.weight.shape[2]
+            ws = cache[(b, t)] = _MixWorkspace(layers, max_ngram, heads, b, t, self.pad)
+        return ws
+
+    def __call__(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """ids: int64 [B, T] in [0, len(lookup)); out: int64 [B, T, L, H], C-contiguous."""
+        b, t = ids.shape
+        ws = self.workspace(b, t)
+        if self.lookup is None:
+            np.copyto(ws.tokens, ids)
+        else:
+            self.lookup.take(ids, out=ws.tokens)
+        np.multiply(self.multipliers, ws.padded, out=ws.prods)  # wrapping int64
+        acc = ws.terms[0]
+        for term, mix_out in zip(ws.terms[1:], ws.mix_out, strict=True):
+            acc = np.bitwise_xor(acc, term, out=mix_out)
+        _mod_into(ws.mod, ws.mix_flat, self.plan, np.reshape(out, (b * t, -1), copy=False))

@@ -63,6 +63,9 @@ class Model:
     """Path to a HF tokenizer.json. Empty: the debug tokenizer shipped in engram/assets."""
     vocab_size: int = 0
     """Embedding rows. 0: the flavor's vocab size, or the tokenizer's size for debug flavors."""
+    hf_checkpoint: str = ""
+    """HF checkpoint folder (*.safetensors, Llama/Qwen names) to initialise the backbone from on
+    a fresh run; Engram parameters keep their own init. Empty: random init."""
 
     def __post_init__(self) -> None:
         _check(

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engram._hash_kernels import ExactModPlan, mod_with_offsets, plan_exact_mod, thread_pool
+from engram._hash_kernels import CpuNgramKernel, ExactModPlan, mod_with_offsets, plan_exact_mod
 
 if TYPE_CHECKING:
     import tokenizers
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 SENTINEL = "\ue000"
 LAYER_SEED_STRIDE = 10007
 _INT64_MAX = int(np.iinfo(np.int64).max)
-# Below this many tokens per thread, splitting a batch over threads costs more than it saves.
-MIN_TOKENS_PER_THREAD = 512
 
 
 # --- tokenizer compression -------------------------------------------------------------------
@@ -243,6 +241,11 @@ class NgramHasher:
         self._plan: ExactModPlan | None = (
             plan_exact_mod(self._primes, self._offsets) if max_product <= _INT64_MAX else None
         )
+        self._kernel = (
+            None
+            if self._plan is None
+            else CpuNgramKernel(self.multipliers, self.lookup, self.compressed_pad_id, self._plan)
+        )
         self._device_tables: dict[
             torch.device, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]
         ] = {}
@@ -287,45 +290,30 @@ class NgramHasher:
 
     def __call__(self, input_ids: np.ndarray, segment_ids: np.ndarray | None = None) -> np.ndarray:
         """int64 [B, T, L, H] row ids for int [B, T] token ids (original tokenizer ids).
-
-        With torch.get_num_threads() > 1, rows are hashed on that many threads."""
+        Single-threaded: data-loader workers give the parallelism."""
         ids, has_negative = self._check_ids(np.asarray(input_ids))
         seg = self._check_segments(segment_ids, ids.shape)
         b, t = ids.shape
         out = np.empty((b, t, len(self.layer_ids), self.num_heads), dtype=np.int64)
-        if self._plan is None or has_negative:  # primes too large for the float kernel, or ids < 0
-            mix = self._mix(self._compress(ids, has_negative), seg)
+        if out.size == 0:
+            return out
+        if self._kernel is None or has_negative:  # primes too large for the float kernel, ids < 0
+            mix = self._mix(ids, seg, has_negative).reshape(-1, b * t)
             res = np.mod(mix.T[:, :, None], self._primes[None]) + self._offsets[None]
             out.reshape(b * t, -1)[:] = res.reshape(b * t, -1)
             return out
-        threads = min(torch.get_num_threads(), b, max(1, b * t // MIN_TOKENS_PER_THREAD))
-        if threads <= 1:
-            self._hash_rows(ids, seg, out)
-            return out
-        edges = np.linspace(0, b, threads + 1).astype(int)
-        slabs = [(int(r0), int(r1)) for r0, r1 in zip(edges[:-1], edges[1:], strict=True)]
-        pool = thread_pool(threads)
-        futures = [
-            pool.submit(
-                self._hash_rows, ids[r0:r1], None if seg is None else seg[r0:r1], out[r0:r1]
-            )
-            for r0, r1 in slabs
-        ]
-        for f in futures:
-            f.result()
+        if seg is None:
+            self._kernel(ids, out)
+        else:
+            mix = self._mix(ids, seg, False).reshape(-1, b * t)
+            mod_with_offsets(mix, self._kernel.plan, np.reshape(out, (b * t, -1), copy=False))
         return out
-
-    def _hash_rows(self, ids: np.ndarray, seg: np.ndarray | None, out: np.ndarray) -> None:
-        """Fast path for ids in [0, num_ids): every mix is >= 0 (see __init__)."""
-        assert self._plan is not None
-        mix = self._mix(self._compress(ids, False), seg)
-        mod_with_offsets(mix, self._plan, out.reshape(mix.shape[1], -1))
 
     def _check_ids(self, ids: np.ndarray) -> tuple[np.ndarray, bool]:
         """(int64 ids, whether any id is negative)."""
         if ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {ids.shape}")
-        if not np.issubdtype(ids.dtype, np.integer):
+        if ids.dtype.kind not in "iu":
             raise ValueError(f"input_ids must be integers, got dtype {ids.dtype}")
         ids = ids.astype(np.int64, copy=False)
         if ids.size == 0:
@@ -347,38 +335,33 @@ class NgramHasher:
             raise ValueError(f"segment_ids shape {seg.shape} != input_ids shape {shape}")
         return seg
 
-    def _compress(self, ids: np.ndarray, has_negative: bool) -> np.ndarray:
-        if self.lookup is None:
-            return ids
-        if has_negative:  # the demo leaves negative ids unchanged
-            return np.where(ids >= 0, self.lookup[np.maximum(ids, 0)], ids)
-        return np.take(self.lookup, ids)
-
-    def _mix(self, x: np.ndarray, seg: np.ndarray | None) -> np.ndarray:
-        """XOR mixes int64 [G, B*T], G = L * (max_ngram - 1), group order (layer, n)."""
-        b, t = x.shape
+    def _mix(self, ids: np.ndarray, seg: np.ndarray | None, has_negative: bool) -> np.ndarray:
+        """XOR mixes int64 [G, B, T], G = L * (max_ngram - 1) in (layer, n) order, of the
+        compressed ids left-padded with the compressed pad id."""
+        b, t = ids.shape
         k_max = self.max_ngram - 1
-        padded = np.empty((b, t + k_max), dtype=np.int64)
+        width = t + k_max
+        padded = np.empty((b, width), dtype=np.int64)
         padded[:, :k_max] = self.compressed_pad_id
-        padded[:, k_max:] = x
-        if seg is None:
-            # Token at t-k is padded[:, k_max - k + t]: multiply once, slice per shift.
-            prods = self.multipliers[:, :, None, None] * padded  # [L, max_ngram, B, T + k_max]
-            terms = [prods[:, k, :, k_max - k : k_max - k + t] for k in range(self.max_ngram)]
+        if self.lookup is None:
+            padded[:, k_max:] = ids
+        elif has_negative:  # the demo leaves negative ids unchanged
+            padded[:, k_max:] = np.where(ids >= 0, self.lookup[np.maximum(ids, 0)], ids)
         else:
-            shifts = np.empty((self.max_ngram, b, t), dtype=np.int64)
-            for k in range(self.max_ngram):
-                shifts[k] = padded[:, k_max - k : k_max - k + t]
-                if 0 < k < t:
-                    # Positions t < k already hold the pad; mask look-back into other documents.
-                    shifts[k][:, k:][seg[:, k:] != seg[:, :-k]] = self.compressed_pad_id
-            prods = self.multipliers[:, :, None, None] * shifts  # wrapping int64
-            terms = [prods[:, k] for k in range(self.max_ngram)]
-        mix = np.empty((len(self.layer_ids), k_max, b, t), dtype=np.int64)
-        acc = terms[0]
+            self.lookup.take(ids, out=padded[:, k_max:])
+        shifts = np.empty((self.max_ngram, b, t), dtype=np.int64)
+        for k in range(self.max_ngram):
+            shifts[k] = padded[:, k_max - k : k_max - k + t]
+            if seg is not None and 0 < k < t:
+                # Positions t < k already hold the pad; mask look-back into other documents.
+                shifts[k][:, k:][seg[:, k:] != seg[:, :-k]] = self.compressed_pad_id
+        layers = len(self.layer_ids)
+        terms = self.multipliers[:, :, None, None] * shifts  # [L, max_ngram, B, T], wrapping
+        mix = np.empty((layers, k_max, b, t), dtype=np.int64)
+        acc = terms[:, 0]
         for i in range(k_max):
-            acc = np.bitwise_xor(acc, terms[i + 1], out=mix[:, i])
-        return mix.reshape(-1, b * t)
+            acc = np.bitwise_xor(acc, terms[:, i + 1], out=mix[:, i])
+        return mix.reshape(layers * k_max, b, t)
 
     # --- torch path (generation on device) ---
 

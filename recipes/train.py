@@ -88,17 +88,20 @@ def train(cfg: JobConfig) -> TrainResult:
 
     # --- tokenizer, Engram hashing, model on meta -----------------------------------------
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
     hasher = None
     table_rows: dict[int, int] = {}
     if cfg.engram.enabled:
-        hasher = NgramHasher.from_config(
-            cfg.engram,
-            tokenizer.hf if cfg.engram.compress_tokenizer else None,
-            tokenizer.vocab_size,
-        )
+        hasher = NgramHasher.from_config(cfg.engram, tokenizer, tokenizer.vocab_size)
         table_rows = hasher.table_rows
-    model = build_model(cfg.model, cfg.engram, vocab_size, table_rows, device="meta")
+    model = build_model(
+        cfg.model,
+        cfg.engram,
+        tokenizer.vocab_size,
+        table_rows,
+        "meta",
+        max_seq_len=cfg.training.seq_len,
+    )
+    vocab_size = model.args.vocab_size
 
     # --- parallelisms, in the documented order ---------------------------------------------
     table_params = apply_engram_table_sharding(

@@ -8,6 +8,7 @@ transformers AutoTokenizer is replaced by a `tokenizers.Tokenizer` built in the 
 from __future__ import annotations
 
 import math
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -503,38 +504,19 @@ def test_segment_ids_stop_ngrams_at_document_boundaries(compressed):
 
 def adversarial_mixes(primes: list[int], split_bits: int, rng: np.random.Generator) -> np.ndarray:
     """Non-negative int64 mixes at the extremes and at v = hi * C + lo near multiples of p."""
-    top = 2**63 - 1
-    vals = [
-        0,
-        1,
-        2,
-        top,
-        top - 1,
-        2**62,
-        2**53,
-        2**53 + 1,
-        2**32 - 1,
-        2**split_bits,
-        2**split_bits - 1,
-    ]
-    hi_max = top >> split_bits
+    top, k = 2**63 - 1, split_bits
+    vals = [0, 1, 2, top, top - 1, 2**62, 2**53, 2**53 + 1, 2**32 - 1, 2**k, 2**k - 1]
     for p in primes:
-        vals += [
-            p - 1,
-            p,
-            p + 1,
-            2 * p - 1,
-            (top // p) * p,
-            (top // p) * p - 1,
-            (top // p) * p + p - 1,
-        ]
-        c = (1 << split_bits) % p
-        for hi in (hi_max, hi_max - 1, hi_max // 2, 1):
-            base = (-hi * c) % p  # lo with v = hi*C + lo = 0 (mod p)
-            for lo in (base, base + p - 1, base - 1, (1 << split_bits) - p + base % p - p):
-                if 0 <= lo < 1 << split_bits:
-                    vals.append((hi << split_bits) | lo)
-    vals += [int(v) for v in rng.integers(0, 2**63 - 1, size=4000, dtype=np.int64)]
+        last = (top // p) * p
+        vals += [p - 1, p, p + 1, 2 * p - 1, last, last - 1, last + p - 1]
+        c = (1 << k) % p
+        for hi in (top >> k, (top >> k) - 1, (top >> k) // 2, 1):
+            base = (-hi * c) % p  # the smallest lo with v = hi*C + lo = 0 (mod p)
+            highest = base + ((1 << k) - 1 - base) // p * p  # the largest such lo
+            for lo in (base, base - 1, base + p - 1, highest, highest - 1, highest + 1):
+                if 0 <= lo < 1 << k:
+                    vals.append((hi << k) | lo)
+    vals += [int(v) for v in rng.integers(0, top, size=4000, dtype=np.int64, endpoint=True)]
     vals += [int(v) for v in rng.integers(0, 2**40, size=500, dtype=np.int64)]
     return np.array([v for v in vals if 0 <= v <= top], dtype=np.int64)
 
@@ -571,12 +553,10 @@ def test_exact_mod_matches_numpy_mod(primes, chunk_elements, monkeypatch):
     offsets = rng.integers(0, 2**40, size=primes.shape).astype(np.int64)
     plan = kernels.plan_exact_mod(primes, offsets)
     assert plan is not None
-    cols = [
-        vals
-        for vals in (adversarial_mixes(list(map(int, row)), plan.split_bits, rng) for row in primes)
-    ]
-    n = min(len(c) for c in cols)
-    mix = np.stack([rng.permutation(c)[:n] for c in cols])
+    rows = [adversarial_mixes([int(p) for p in row], plan.split_bits, rng) for row in primes]
+    n = max(len(r) for r in rows)  # pad short rows with random values; keep every extreme
+    fill = [rng.integers(0, 2**63 - 1, size=n - len(r), dtype=np.int64) for r in rows]
+    mix = np.stack([np.concatenate([r, f]) for r, f in zip(rows, fill, strict=True)])
     assert mix.min() >= 0
     out = np.empty((n, primes.size), dtype=np.int64)
     kernels.mod_with_offsets(mix, plan, out)
@@ -591,7 +571,7 @@ def test_exact_mod_rejects_unsafe_primes():
     assert kernels.plan_exact_mod(np.array([[646403]]), np.array([[2**52]])) is None
 
 
-def test_threads_and_chunking_do_not_change_ids():
+def test_chunking_and_torch_threads_do_not_change_ids():
     hasher = NgramHasher(
         layer_ids=[1, 15], max_ngram=3, n_head_per_ngram=8, vocab_size_per_ngram=[646400, 646400], seed=0,
         pad_id=2, lookup=None, vocab_size=129280,
@@ -611,6 +591,26 @@ def test_threads_and_chunking_do_not_change_ids():
     assert np.array_equal(results[0][0], ref.hash_with_offsets(ids))
     assert np.array_equal(results[1][0], results[0][0])
     assert np.array_equal(results[1][1], results[0][1])
+
+
+def test_shape_changes_and_pickling_keep_ids():
+    """Per-shape buffers are cached per thread; the hasher pickles for spawned loader workers."""
+    lookup = random_lookup(3000, 1000, 2)
+    hasher = NgramHasher(
+        layer_ids=[4, 2], max_ngram=3, n_head_per_ngram=4, vocab_size_per_ngram=[500, 700], seed=1,
+        pad_id=9, lookup=lookup, vocab_size=3000,
+    )  # fmt: skip
+    ref = RefNgramHashMapping([500, 700], 3, 4, [4, 2], RefLookupCompressor(lookup), 9, 1)
+    rng = np.random.default_rng(5)
+    batches = [
+        rng.integers(0, 3000, size=shape)
+        for shape in [(2, 7), (3, 50), (2, 7), (1, 2), (6, 9), (3, 50)]
+    ]
+    for ids in batches:
+        assert np.array_equal(hasher(ids), ref.hash_with_offsets(ids))
+    clone = pickle.loads(pickle.dumps(hasher))
+    for ids in batches[:3]:
+        assert np.array_equal(clone(ids), ref.hash_with_offsets(ids))
 
 
 # --- config and validation ----------------------------------------------------------------------
@@ -674,3 +674,7 @@ def test_bad_input_errors():
         h(np.array([[1, 2]]), np.array([[0, 0, 0]]))
     with pytest.raises(ValueError, match="integers"):
         h(np.array([[1.0, 2.0]]))
+    # Empty batches are valid and give empty ids.
+    assert h(np.zeros((0, 5), dtype=np.int64)).shape == (0, 5, 1, 4)
+    assert h(np.zeros((3, 0), dtype=np.int32)).shape == (3, 0, 1, 4)
+    assert h.hash_torch(torch.zeros((2, 0), dtype=torch.long)).shape == (2, 0, 1, 4)

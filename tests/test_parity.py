@@ -79,7 +79,7 @@ def _initial_weights(raw: dict) -> dict[str, np.ndarray]:
     """The weights every layout starts from (init is layout-independent)."""
     cfg = config_from_dict(raw)
     tokenizer = load_tokenizer("")
-    hasher = NgramHasher.from_config(cfg.engram, tokenizer.hf, tokenizer.vocab_size)
+    hasher = NgramHasher.from_config(cfg.engram, tokenizer, tokenizer.vocab_size)
     model = build_model(
         cfg.model, cfg.engram, tokenizer.vocab_size, hasher.table_rows, device="meta"
     )

@@ -1,0 +1,44 @@
+"""End to end through the README command: run_train.sh on the debug config, on this CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from launcher import free_port
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_run_train_debug_model_learns(tmp_path):
+    env = {
+        **os.environ,
+        "CONFIG_FILE": "train_configs/debug_model.toml",
+        "MASTER_PORT": str(free_port()),
+    }
+    proc = subprocess.run(
+        ["./run_train.sh", f"--job.dump_folder={tmp_path}", "--metrics.log_freq=1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "debug"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 60
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+    assert any("eval_loss" in r for r in records)
+    assert {"lr", "grad_norm", "tokens_per_s"} <= records[0].keys()
+    events = list((run / "tb").glob("events.out.tfevents.*"))
+    assert events, "no TensorBoard event file"
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    assert len(acc.Scalars("loss")) == 60
