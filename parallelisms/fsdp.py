@@ -41,7 +41,10 @@ def apply_fsdp(
         param_dtype=_DTYPES[cfg.mixed_precision_param],
         reduce_dtype=_DTYPES[cfg.mixed_precision_reduce],
     )
-    offload: OffloadPolicy = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
+    offload = OffloadPolicy()
+    if cfg.cpu_offload:
+        # Pinned host memory needs an accelerator; on a CPU-only run the same code path runs unpinned.
+        offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
     # DDP keeps full parameters anyway; resharding only matters when parameters are sharded.
     layer_reshard = dims.fsdp_enabled and cfg.fsdp_reshard_after_forward != "never"
     root_reshard = dims.fsdp_enabled and cfg.fsdp_reshard_after_forward == "always"

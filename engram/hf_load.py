@@ -1,0 +1,310 @@
+"""Initialise the backbone from a Hugging Face checkpoint folder, after parallelisation.
+
+    load_hf_backbone(model, "/models/Qwen2.5-32B", model.args)
+
+Call it after `to_empty()` + `init_weights()`: parameters may then be FSDP2 / HSDP DTensors
+(Shard(0) on a 1-D or 2-D mesh), row-sharded Engram tables, or plain tensors at world size 1.
+Each rank reads only the block of every tensor that it holds (safetensors slices of a memory-mapped
+file), so a 32B checkpoint is never materialised in full on any rank. Names are mapped by
+engram/models/hf_adapter.py (Llama / Qwen2 / Qwen3). Engram parameters are not part of an HF
+checkpoint and keep their init; a folder that does carry them (under the adapter's `engram.`
+prefix) loads them too. Values are cast to the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from engram.models.args import ModelArgs
+from engram.models.hf_adapter import from_hf_state_dict
+from engram.models.transformer import clean_fqn
+
+logger = logging.getLogger("engram")
+
+INDEX_FILE = "model.safetensors.index.json"
+# config.json field -> ModelArgs field; a mismatch means another architecture (or flavor).
+_CONFIG_SHAPE = {
+    "hidden_size": "dim",
+    "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads",
+    "num_key_value_heads": "n_kv_heads",
+    "intermediate_size": "ffn_dim",
+    "head_dim": "head_dim",
+    "tie_word_embeddings": "tie_embeddings",
+}
+# Numerics that do not change any shape: a mismatch is legal (e.g. an Instruct variant) but
+# worth a warning, since nothing else would catch it.
+_CONFIG_NUMERIC = {"rope_theta": "rope_theta", "rms_norm_eps": "norm_eps"}
+_MAX_LISTED = 20
+
+
+class HFLoadError(ValueError):
+    """The HF folder does not fit this model; the message says what differs and how to fix it."""
+
+
+def load_hf_backbone(model: nn.Module, hf_dir: str | Path, model_args: ModelArgs) -> None:
+    """Copy the HF checkpoint in `hf_dir` into `model`'s (local shards of) backbone parameters.
+
+    Every backbone parameter must be in the folder and every tensor in the folder must map to a
+    parameter (else HFLoadError listing them); global shapes must match (else HFLoadError naming
+    the parameter and both shapes). Nothing is copied unless all checks pass. Not collective:
+    each rank reads its own slices.
+    """
+    begin = time.perf_counter()
+    folder = Path(hf_dir)
+    key_files = _tensor_files(folder)
+    _check_hf_config(folder, model_args)
+    params = _parameters(model)
+    plan = _plan(folder, key_files, params, model_args)
+    _check_shapes(folder, plan, params)
+
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for ours, (hf_name, file) in plan.items():
+        by_file.setdefault(file, []).append((ours, hf_name))
+    read_bytes = 0
+    with torch.no_grad():
+        for file, pairs in sorted(by_file.items()):
+            with safe_open(folder / file, framework="pt", device="cpu") as f:
+                for ours, hf_name in pairs:
+                    local, offset = _local_shard(params[ours])
+                    if local.numel() == 0:  # an uneven split can leave a rank without rows
+                        continue
+                    if local.dim() == 0:
+                        block = f.get_tensor(hf_name)
+                    else:
+                        index = tuple(
+                            slice(o, o + s) for o, s in zip(offset, local.shape, strict=True)
+                        )
+                        block = f.get_slice(hf_name)[index]
+                    local.copy_(block)  # casts to the parameter dtype and device
+                    read_bytes += block.numel() * block.element_size()
+    kept = sorted(set(params) - set(plan))
+    logger.info(
+        "loaded %d tensors from %s (%.2f GiB read on this rank) in %.1f s; %d Engram "
+        "parameters keep their init",
+        len(plan),
+        folder,
+        read_bytes / 2**30,
+        time.perf_counter() - begin,
+        len(kept),
+    )
+
+
+# ----------------------------------------------------------------------------- folder
+
+
+def _tensor_files(folder: Path) -> dict[str, str]:
+    """HF tensor name -> safetensors file name (relative to `folder`)."""
+    if not folder.is_dir():
+        raise HFLoadError(
+            f"HF checkpoint folder {folder} does not exist: set model.hf_checkpoint to the folder "
+            "that holds config.json and *.safetensors (e.g. a `huggingface-cli download` target)"
+        )
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise HFLoadError(f"{index} has no 'weight_map': the index file is damaged")
+        absent = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+        if absent:
+            raise HFLoadError(
+                f"{index} names shard files that are not in {folder}: {absent}. The download is "
+                "incomplete: fetch the missing files"
+            )
+        return {str(k): str(v) for k, v in weight_map.items()}
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        bins = sorted(p.name for p in folder.glob("*.bin"))
+        hint = (
+            f" It holds PyTorch .bin files ({bins[0]}, ...): re-download the safetensors "
+            "variant, or convert with safetensors.torch.save_file."
+            if bins
+            else ""
+        )
+        raise HFLoadError(f"no *.safetensors files in {folder}.{hint}")
+    key_files: dict[str, str] = {}
+    for file in files:
+        with safe_open(folder / file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in key_files:
+                    raise HFLoadError(
+                        f"tensor {name!r} is in both {key_files[name]} and {file} in {folder}: "
+                        f"remove the stray file, or add the {INDEX_FILE} that says which is used"
+                    )
+                key_files[name] = file
+    return key_files
+
+
+def _check_hf_config(folder: Path, args: ModelArgs) -> None:
+    """Compare config.json (when present) with the model shape: a clear error before any read."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text())
+    # Some configs omit head_dim (then it is hidden_size / num_attention_heads, as ours).
+    diffs = [
+        f"{hf_key} = {config[hf_key]} but the model has {ours} = {getattr(args, ours)}"
+        for hf_key, ours in _CONFIG_SHAPE.items()
+        if hf_key in config and config[hf_key] is not None and config[hf_key] != getattr(args, ours)
+    ]
+    if diffs:
+        raise HFLoadError(
+            f"{config_file} describes another model shape:\n  "
+            + "\n  ".join(diffs)
+            + "\nFix: set model.name / model.flavor to the checkpoint's architecture (add a "
+            "flavor in engram/models/args.py for a new shape)"
+        )
+    for hf_key, ours in _CONFIG_NUMERIC.items():
+        if hf_key in config and float(config[hf_key]) != float(getattr(args, ours)):
+            logger.warning(
+                "%s: %s = %s but the model uses %s = %s; the pretrained function will differ "
+                "slightly (add a flavor with the checkpoint's value for exact logits)",
+                config_file,
+                hf_key,
+                config[hf_key],
+                ours,
+                getattr(args, ours),
+            )
+
+
+# ----------------------------------------------------------------------------- plan and checks
+
+
+def _is_engram(name: str) -> bool:
+    return ".engram." in f".{name}"
+
+
+def _parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Wrapper-free name -> parameter; a tied weight appears once (under tok_embeddings)."""
+    params: dict[str, torch.Tensor] = {}
+    for raw_name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise HFLoadError(
+                f"parameter {clean_fqn(raw_name)} is on the meta device: call load_hf_backbone "
+                "after model.to_empty(device=...) and model.init_weights(...)"
+            )
+        params[clean_fqn(raw_name)] = p
+    return params
+
+
+def _plan(
+    folder: Path,
+    key_files: dict[str, str],
+    params: dict[str, torch.Tensor],
+    args: ModelArgs,
+) -> dict[str, tuple[str, str]]:
+    """Our parameter name -> (HF name, file). Errors list every missing and unexpected tensor."""
+    plan: dict[str, tuple[str, str]] = {}
+    unexpected: list[str] = []
+    placeholder = torch.empty(0)
+    for hf_name, file in sorted(key_files.items()):
+        try:
+            # One key at a time, so every unknown key is reported, not only the first.
+            mapped = from_hf_state_dict({hf_name: placeholder}, args)
+        except KeyError as e:
+            unexpected.append(f"{hf_name} (in {file}): {e.args[0]}")
+            continue
+        for ours in mapped:  # empty for ignored keys (rotary inv_freq, a tied lm_head)
+            if ours in params:
+                plan[ours] = (hf_name, file)
+            else:
+                unexpected.append(
+                    f"{hf_name} (in {file}): maps to {ours}, which this model does not have"
+                )
+    backbone = [n for n in params if not _is_engram(n)]
+    engram = [n for n in params if _is_engram(n)]
+    missing = [n for n in backbone if n not in plan]
+    engram_found = [n for n in engram if n in plan]
+    if engram_found:  # a folder that carries Engram weights must carry all of them
+        missing += [n for n in engram if n not in plan]
+    if not missing and not unexpected:
+        return plan
+    lines = [f"HF checkpoint {folder} does not match this model ({_describe(args)}):"]
+    if missing:
+        lines.append(f"  missing from the checkpoint ({len(missing)}):")
+        lines += [f"    {n}" for n in missing[:_MAX_LISTED]]
+        if len(missing) > _MAX_LISTED:
+            lines.append(f"    ... and {len(missing) - _MAX_LISTED} more")
+    if unexpected:
+        lines.append(f"  unexpected in the checkpoint ({len(unexpected)}):")
+        lines += [f"    {u}" for u in unexpected[:_MAX_LISTED]]
+        if len(unexpected) > _MAX_LISTED:
+            lines.append(f"    ... and {len(unexpected) - _MAX_LISTED} more")
+    if "output.weight" in missing and "tok_embeddings.weight" not in missing:
+        lines.append(
+            "  (no lm_head.weight: the checkpoint ties its embeddings; use a flavor with "
+            "tie_embeddings=True)"
+        )
+    lines.append(
+        "Fix: set model.name / model.flavor to the checkpoint's architecture (llama3, qwen2 = "
+        "Qwen2/2.5, qwen3), or point model.hf_checkpoint at the complete folder"
+    )
+    raise HFLoadError("\n".join(lines))
+
+
+def _check_shapes(
+    folder: Path, plan: dict[str, tuple[str, str]], params: dict[str, torch.Tensor]
+) -> None:
+    """Global shapes from the safetensors headers (no tensor data is read)."""
+    wrong: list[str] = []
+    by_file: dict[str, list[str]] = {}
+    for ours, (_, file) in plan.items():
+        by_file.setdefault(file, []).append(ours)
+    for file, names in sorted(by_file.items()):
+        with safe_open(folder / file, framework="pt", device="cpu") as f:
+            for ours in names:
+                hf_name = plan[ours][0]
+                shape = tuple(f.get_slice(hf_name).get_shape())
+                if shape != tuple(params[ours].shape):
+                    wrong.append(
+                        f"{ours}: checkpoint {hf_name} in {file} has shape {list(shape)}, the "
+                        f"model expects {list(params[ours].shape)}"
+                    )
+    if wrong:
+        raise HFLoadError(
+            f"HF checkpoint {folder} has tensors of other shapes than this model:\n  "
+            + "\n  ".join(wrong[:_MAX_LISTED])
+            + ("\n  ..." if len(wrong) > _MAX_LISTED else "")
+            + "\nFix: set model.flavor to the checkpoint's size (and model.vocab_size to its "
+            "vocab_size if you overrode it); Engram tables must match engram.* settings"
+        )
+
+
+def _local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(local tensor to copy into, its offset in the global tensor)."""
+    if not isinstance(param, DTensor):
+        return param, (0,) * param.dim()
+    for placement in param.placements:
+        # type() not isinstance(): strided shards (FSDP x TP) are not one contiguous block.
+        if type(placement) not in (Shard, Replicate):
+            raise NotImplementedError(
+                f"loading into a DTensor with placements {param.placements} is not supported; "
+                "load_hf_backbone handles Shard / Replicate layouts (FSDP2, HSDP, DDP, tables)"
+            )
+    local = param.to_local()
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    if tuple(local.shape) != tuple(shape):
+        raise RuntimeError(
+            f"local shard shape {tuple(local.shape)} != expected {tuple(shape)} for a DTensor of "
+            f"global shape {tuple(param.shape)} with placements {param.placements}"
+        )
+    return local, tuple(offset)
+
+
+def _describe(args: ModelArgs) -> str:
+    return (
+        f"dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads / {args.n_kv_heads} kv, "
+        f"ffn {args.ffn_dim}, vocab {args.vocab_size}, qkv_bias {args.qkv_bias}, "
+        f"qk_norm {args.qk_norm}"
+    )

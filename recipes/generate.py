@@ -1,0 +1,307 @@
+"""Generate text with a model of a training run. Copy this file and edit it; it reads top to bottom.
+
+    python recipes/generate.py --job.config_file train_configs/debug_model.toml \
+        --prompt "The capital of" [--max_new_tokens 32 --temperature 0 --top_k 0 \
+        --checkpoint_step -1 --source auto --prefix eos] [--section.key=value ...]
+
+One process, one device (`job.device`). The model is built as recipes/train.py builds it (same
+config, tokenizer and Engram hasher), then its weights come from (`--source auto` tries them in
+this order):
+
+  checkpoint  the run's newest complete DCP checkpoint (or `--checkpoint_step N`), model state
+              only. DCP reshards: a checkpoint saved by N ranks (FSDP2 shards, row-sharded Engram
+              tables) loads into this unsharded model.
+  hf          the Hugging Face folder in `model.hf_checkpoint` (backbone; Engram keeps its init)
+  init        the deterministic random init of `job.seed` (a smoke test, not a language model)
+
+Decoding is token by token. There is no KV cache: every step runs the model on the whole sequence
+and recomputes the Engram hash ids of the whole sequence on the model's device with
+`NgramHasher.hash_torch`. That is O(T^2) per sequence, fine at debug scale; for long generations
+from big models add a KV cache (Engram then needs only the hash ids of the newest position, which
+depend on the last max_ngram tokens). Greedy at temperature 0, else sampling (optionally top-k).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from engram import device as dev
+from engram.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    ModelState,
+    fingerprint_mismatches,
+)
+from engram.config import JobConfig, load_config
+from engram.data.tokenizer import Tokenizer, load_tokenizer
+from engram.hashing import NgramHasher
+from engram.hf_load import load_hf_backbone
+from engram.metrics import init_logger
+from engram.models.builder import build_model
+from engram.models.transformer import Transformer
+
+logger = logging.getLogger("engram")
+
+SOURCES = ("auto", "checkpoint", "hf", "init")
+
+
+@dataclass
+class GenerateArgs:
+    prompt: str = "The capital of"
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    """0: greedy (argmax)."""
+    top_k: int = 0
+    """Sample only among the k most likely tokens; 0: all tokens."""
+    checkpoint_step: int = -1
+    """-1: the newest complete checkpoint of the run."""
+    source: str = "auto"
+    """auto | checkpoint | hf | init (see the module docstring)."""
+    prefix: str = "eos"
+    """Token put before the prompt: eos (how our packer starts a document), bos, or none."""
+    seed: int | None = None
+    """Sampling seed; None: job.seed."""
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[GenerateArgs, JobConfig]:
+    """Generation flags; everything else is the training config (--job.config_file, overrides)."""
+    parser = argparse.ArgumentParser(
+        description="Generate text with a model of a training run. Other flags are training "
+        "config flags: --job.config_file PATH and --section.key=value overrides.",
+        allow_abbrev=False,
+    )
+    d = GenerateArgs()
+    parser.add_argument("--prompt", default=d.prompt)
+    parser.add_argument("--max_new_tokens", type=int, default=d.max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=d.temperature)
+    parser.add_argument("--top_k", type=int, default=d.top_k)
+    parser.add_argument("--checkpoint_step", type=int, default=d.checkpoint_step)
+    parser.add_argument("--source", choices=SOURCES, default=d.source)
+    parser.add_argument("--prefix", choices=("eos", "bos", "none"), default=d.prefix)
+    parser.add_argument("--seed", type=int, default=None)
+    ns, rest = parser.parse_known_args(argv)
+    args = GenerateArgs(**vars(ns))
+    if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0:
+        parser.error("--max_new_tokens, --temperature and --top_k must be >= 0")
+    return args, load_config(rest)
+
+
+# --- model -------------------------------------------------------------------------------------
+
+
+def build_for_generation(
+    cfg: JobConfig,
+    max_seq_len: int,
+    device: torch.device | str = "cpu",
+    tokenizer: Tokenizer | None = None,
+) -> tuple[Transformer, Tokenizer, NgramHasher | None]:
+    """The training recipe's model, unsharded on `device`, initialised with job.seed.
+
+    `max_seq_len` sizes the RoPE table (the prompt plus the new tokens may exceed seq_len)."""
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    hasher = None
+    table_rows: dict[int, int] = {}
+    if cfg.engram.enabled:
+        hasher = NgramHasher.from_config(cfg.engram, tokenizer, tokenizer.vocab_size)
+        table_rows = hasher.table_rows
+    model = build_model(
+        cfg.model,
+        cfg.engram,
+        tokenizer.vocab_size,
+        table_rows,
+        "meta",
+        max_seq_len=max(cfg.training.seq_len, max_seq_len),
+    )
+    model.to_empty(device=device)
+    model.init_weights(seed=cfg.job.seed)
+    model.eval()
+    return model, tokenizer, hasher
+
+
+def _model_fingerprint(cfg: JobConfig, model: Transformer) -> dict:
+    """The model-shape part of recipes/train.py's checkpoint fingerprint."""
+    blocks = model.engram_blocks()
+    return {
+        "model": f"{cfg.model.name}/{cfg.model.flavor}",
+        "vocab_size": model.args.vocab_size,
+        "engram_layers": sorted(blocks),
+        "engram_table_rows": [blocks[i].table.weight.shape[0] for i in sorted(blocks)],
+        "engram_head_dim": cfg.engram.head_dim if blocks else 0,
+    }
+
+
+def checkpoint_steps(cfg: JobConfig) -> list[int]:
+    """Complete checkpoint steps of the run, ascending (read-only: a training run may be saving)."""
+    manager = CheckpointManager(
+        cfg.checkpoint, cfg.run_folder, states={}, fingerprint={}, per_rank=(), save_rng=False
+    )
+    return manager.complete_steps()
+
+
+def load_checkpoint(model: Transformer, cfg: JobConfig, step: int) -> Path:
+    """Load the model state of checkpoint `step` of the run (optimizer etc. are not read)."""
+    folder = cfg.run_folder / cfg.checkpoint.folder
+    path = folder / f"step-{step}"
+    saved = json.loads((path / "fingerprint.json").read_text())
+    current = _model_fingerprint(cfg, model)
+    diffs = fingerprint_mismatches({k: saved.get(k) for k in current}, current)
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {path} holds another model:\n  "
+            + "\n  ".join(diffs)
+            + "\nFix: pass the config file the run was trained with"
+        )
+    # One process reads everything and DCP reshards into the plain tensors (even inside a
+    # distributed job: no collectives). Its warning says just that.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": ModelState(model)}, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def load_weights(
+    model: Transformer, cfg: JobConfig, source: str = "auto", checkpoint_step: int = -1
+) -> str:
+    """Fill `model` from a checkpoint, the HF folder or keep the init; returns what was used."""
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
+    folder = cfg.run_folder / cfg.checkpoint.folder
+    if source in ("auto", "checkpoint"):
+        steps = checkpoint_steps(cfg)
+        if checkpoint_step >= 0 and checkpoint_step not in steps:
+            raise CheckpointError(
+                f"--checkpoint_step {checkpoint_step}: {folder} has no complete step-"
+                f"{checkpoint_step}; complete steps: {steps or 'none'}"
+            )
+        if steps:
+            step = checkpoint_step if checkpoint_step >= 0 else steps[-1]
+            return f"checkpoint {load_checkpoint(model, cfg, step)}"
+        if source == "checkpoint":
+            raise CheckpointError(
+                f"no complete checkpoint in {folder}: train with --checkpoint.enable=true (same "
+                "job.dump_folder / job.run_name), or use --source hf / --source init"
+            )
+    if source in ("auto", "hf") and cfg.model.hf_checkpoint:
+        load_hf_backbone(model, cfg.model.hf_checkpoint, model.args)
+        return f"HF checkpoint {cfg.model.hf_checkpoint}"
+    if source == "hf":
+        raise ValueError("--source hf needs model.hf_checkpoint (--model.hf_checkpoint=FOLDER)")
+    logger.warning("no checkpoint and no model.hf_checkpoint: generating from random weights")
+    return f"random init (job.seed {cfg.job.seed})"
+
+
+# --- decoding ----------------------------------------------------------------------------------
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token ids [B] from last-position logits [B, V]."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    input_ids: torch.Tensor,
+    hasher: NgramHasher | None,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """input_ids [B, T] (or [T]) -> [B, T + n] with n <= max_new_tokens new tokens.
+
+    Each step runs the full sequence (no KV cache) with its Engram hash ids recomputed on the
+    model's device. Stops early once every row has produced `eos_id`; finished rows are padded
+    with it."""
+    ids = input_ids if input_ids.dim() == 2 else input_ids[None]
+    device = model.rope_cache.device
+    ids = ids.to(device=device, dtype=torch.long)
+    if ids.shape[1] + max_new_tokens > model.args.max_seq_len:
+        raise ValueError(
+            f"prompt ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's max_seq_len {model.args.max_seq_len}: build it with a larger max_seq_len"
+        )
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: give at least one token (or use --prefix eos)")
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
+    for _ in range(max_new_tokens):
+        hash_ids = None if hasher is None else hasher.hash_torch(ids).to(device)
+        logits = model(ids, hash_ids)[:, -1]
+        nxt = sample_next(logits, temperature, top_k, generator)
+        if eos_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+            done |= nxt == eos_id
+        ids = torch.cat([ids, nxt[:, None]], dim=1)
+        if eos_id is not None and bool(done.all()):
+            break
+    return ids
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str, prefix: str) -> list[int]:
+    ids = tokenizer.encode(prompt)
+    if prefix == "eos":
+        return [tokenizer.eos_id, *ids]
+    if prefix == "bos":
+        if tokenizer.bos_id is None:
+            raise ValueError(f"{tokenizer.source} has no bos token: use --prefix eos or none")
+        return [tokenizer.bos_id, *ids]
+    return ids
+
+
+def main(argv: list[str] | None = None) -> str:
+    args, cfg = parse_args(argv)
+    init_logger(0)
+    device_type = dev.resolve_device_type(cfg.job.device)
+    dev.import_device_backend(device_type)
+    device = dev.local_device(device_type, 0)
+
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    prompt_ids = encode_prompt(tokenizer, args.prompt, args.prefix)
+    model, tokenizer, hasher = build_for_generation(
+        cfg, len(prompt_ids) + args.max_new_tokens, device, tokenizer
+    )
+    source = load_weights(model, cfg, args.source, args.checkpoint_step)
+    logger.info(f"model {cfg.model.name}/{cfg.model.flavor} on {device}, weights: {source}")
+
+    generator = torch.Generator(device=device).manual_seed(
+        cfg.job.seed if args.seed is None else args.seed
+    )
+    out = generate(
+        model,
+        torch.tensor([prompt_ids]),
+        hasher,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        eos_id=tokenizer.eos_id,
+        generator=generator,
+    )
+    completion = tokenizer.decode(out[0, len(prompt_ids) :].tolist())
+    print(f"{args.prompt}{completion}")
+    return completion
+
+
+if __name__ == "__main__":
+    main()
