@@ -1,6 +1,7 @@
 """Engram step overhead: train-step time with Engram / without, same backbone, same batch.
 
     python benchmarks/bench_step_overhead.py                 # debug and mid shapes, 2 threads
+                                                             # Engram as in debug_model.toml
     python benchmarks/bench_step_overhead.py --flavors debug --steps 10
 
 Both variants run interleaved in one process (A, B, A, B, ...) so machine noise hits both alike;
@@ -17,22 +18,17 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engram.config import config_from_dict
+from engram.config import config_from_dict, load_config
 from engram.data.tokenizer import load_tokenizer
-from engram.hashing import NgramHasher
-from engram.models.builder import build_model
+from engram.models.builder import build_from_config
 from engram.optim import build_optimizers
 
 
-def make_variant(flavor: str, engram: bool, engram_cfg: dict, vocab: int, tokenizer):
+def make_variant(flavor: str, engram: bool, engram_cfg: dict, tokenizer):
     cfg = config_from_dict(
         {"model": {"flavor": flavor}, "engram": {**engram_cfg, "enabled": engram}}
     )
-    hasher = (
-        NgramHasher.from_config(cfg.engram, tokenizer, tokenizer.vocab_size) if engram else None
-    )
-    rows = hasher.table_rows if hasher else {}
-    model = build_model(cfg.model, cfg.engram, vocab, rows, device="meta")
+    model, hasher = build_from_config(cfg, tokenizer)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     return model, hasher, build_optimizers(model, cfg)
@@ -60,20 +56,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer("")
     vocab = tokenizer.vocab_size
-    # Two Engram layers, 2 orders x 8 heads, 64-wide heads: the paper's head layout, smaller tables.
-    engram_cfg = {
-        "layer_ids": [1, 3],
-        "n_head_per_ngram": 8,
-        "n_embed_per_ngram": 512,
-        "vocab_size_per_ngram": [50000, 50000],
-    }
+    # The Engram section of the debug recipe (one layer, 2 orders x 4 heads of 128, 40 K rows).
+    engram_cfg = load_config(["--job.config_file=train_configs/debug_model.toml"]).to_dict()[
+        "engram"
+    ]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g)
     inputs, labels = ids[:, :-1], ids[:, 1:]
     rows = []
     for flavor in args.flavors.split(","):
-        base, _, base_opt = make_variant(flavor, False, engram_cfg, vocab, tokenizer)
-        eng, hasher, eng_opt = make_variant(flavor, True, engram_cfg, vocab, tokenizer)
+        base, _, base_opt = make_variant(flavor, False, engram_cfg, tokenizer)
+        eng, hasher, eng_opt = make_variant(flavor, True, engram_cfg, tokenizer)
         hash_ids = torch.from_numpy(hasher(inputs.numpy()))
         times = {"base": [], "engram": []}
         for i in range(args.steps + 2):

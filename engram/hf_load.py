@@ -13,6 +13,7 @@ prefix) loads them too. Values are cast to the parameter dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -163,17 +164,33 @@ def _check_hf_config(folder: Path, args: ModelArgs) -> None:
             + "\nFix: set model.name / model.flavor to the checkpoint's architecture (add a "
             "flavor in engram/models/args.py for a new shape)"
         )
-    for hf_key, ours in _CONFIG_NUMERIC.items():
-        if hf_key in config and float(config[hf_key]) != float(getattr(args, ours)):
-            logger.warning(
-                "%s: %s = %s but the model uses %s = %s; the pretrained function will differ "
-                "slightly (add a flavor with the checkpoint's value for exact logits)",
-                config_file,
-                hf_key,
-                config[hf_key],
-                ours,
-                getattr(args, ours),
-            )
+    numeric = [
+        (hf_key, config[hf_key], ours, getattr(args, ours))
+        for hf_key, ours in _CONFIG_NUMERIC.items()
+        if hf_key in config and float(config[hf_key]) != float(getattr(args, ours))
+    ]
+    if "rope_scaling" in config and _rope_scaling_differs(config["rope_scaling"], args):
+        numeric.append(("rope_scaling", config["rope_scaling"], "rope_scaling", args.rope_scaling))
+    for hf_key, theirs, ours, mine in numeric:
+        logger.warning(
+            "%s: %s = %s but the model uses %s = %s; the pretrained function will differ "
+            "(add a flavor with the checkpoint's value in engram/models/args.py for exact logits)",
+            config_file,
+            hf_key,
+            theirs,
+            ours,
+            mine,
+        )
+
+
+def _rope_scaling_differs(hf_scaling: dict | None, args: ModelArgs) -> bool:
+    """HF's rope_scaling (None / rope_type "default": none) vs ours (llama3-style or None)."""
+    if hf_scaling and hf_scaling.get("rope_type", hf_scaling.get("type")) in (None, "default"):
+        hf_scaling = None
+    if not hf_scaling or args.rope_scaling is None:
+        return bool(hf_scaling) != (args.rope_scaling is not None)
+    ours = dataclasses.asdict(args.rope_scaling)
+    return any(float(hf_scaling.get(k, -1)) != float(v) for k, v in ours.items())
 
 
 # ----------------------------------------------------------------------------- plan and checks

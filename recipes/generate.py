@@ -45,7 +45,7 @@ from engram.data.tokenizer import Tokenizer, load_tokenizer
 from engram.hashing import NgramHasher
 from engram.hf_load import load_hf_backbone
 from engram.metrics import init_logger
-from engram.models.builder import build_model
+from engram.models.builder import build_from_config, model_fingerprint
 from engram.models.transformer import Transformer
 
 logger = logging.getLogger("engram")
@@ -108,35 +108,11 @@ def build_for_generation(
     `max_seq_len` sizes the RoPE table (the prompt plus the new tokens may exceed seq_len)."""
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    hasher = None
-    table_rows: dict[int, int] = {}
-    if cfg.engram.enabled:
-        hasher = NgramHasher.from_config(cfg.engram, tokenizer, tokenizer.vocab_size)
-        table_rows = hasher.table_rows
-    model = build_model(
-        cfg.model,
-        cfg.engram,
-        tokenizer.vocab_size,
-        table_rows,
-        "meta",
-        max_seq_len=max(cfg.training.seq_len, max_seq_len),
-    )
+    model, hasher = build_from_config(cfg, tokenizer, max_seq_len=max_seq_len)
     model.to_empty(device=device)
     model.init_weights(seed=cfg.job.seed)
     model.eval()
     return model, tokenizer, hasher
-
-
-def _model_fingerprint(cfg: JobConfig, model: Transformer) -> dict:
-    """The model-shape part of recipes/train.py's checkpoint fingerprint."""
-    blocks = model.engram_blocks()
-    return {
-        "model": f"{cfg.model.name}/{cfg.model.flavor}",
-        "vocab_size": model.args.vocab_size,
-        "engram_layers": sorted(blocks),
-        "engram_table_rows": [blocks[i].table.weight.shape[0] for i in sorted(blocks)],
-        "engram_head_dim": cfg.engram.head_dim if blocks else 0,
-    }
 
 
 def checkpoint_steps(cfg: JobConfig) -> list[int]:
@@ -152,7 +128,7 @@ def load_checkpoint(model: Transformer, cfg: JobConfig, step: int) -> Path:
     folder = cfg.run_folder / cfg.checkpoint.folder
     path = folder / f"step-{step}"
     saved = json.loads((path / "fingerprint.json").read_text())
-    current = _model_fingerprint(cfg, model)
+    current = model_fingerprint(cfg, model)
     diffs = fingerprint_mismatches({k: saved.get(k) for k in current}, current)
     if diffs:
         raise CheckpointError(

@@ -21,9 +21,9 @@ from engram.config import JobConfig, load_config
 from engram.data.loader import build_dataloader
 from engram.data.tokenizer import load_tokenizer
 from engram.distributed import destroy_distributed, init_distributed
-from engram.hashing import NgramHasher
+from engram.hf_load import load_hf_backbone
 from engram.metrics import MetricsLogger, init_logger, logger
-from engram.models.builder import build_model
+from engram.models.builder import build_from_config, model_fingerprint
 from engram.optim import apply_training_mode, build_lr_schedulers, build_optimizers, clip_grad_norm_
 from engram.profiling import maybe_profile
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
@@ -88,20 +88,7 @@ def train(cfg: JobConfig) -> TrainResult:
 
     # --- tokenizer, Engram hashing, model on meta -----------------------------------------
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    hasher = None
-    table_rows: dict[int, int] = {}
-    if cfg.engram.enabled:
-        hasher = NgramHasher.from_config(cfg.engram, tokenizer, tokenizer.vocab_size)
-        table_rows = hasher.table_rows
-    model = build_model(
-        cfg.model,
-        cfg.engram,
-        tokenizer.vocab_size,
-        table_rows,
-        "meta",
-        max_seq_len=cfg.training.seq_len,
-    )
-    vocab_size = model.args.vocab_size
+    model, hasher = build_from_config(cfg, tokenizer)
 
     # --- parallelisms, in the documented order ---------------------------------------------
     table_params = apply_engram_table_sharding(
@@ -138,9 +125,19 @@ def train(cfg: JobConfig) -> TrainResult:
             "dataloader": train_loader,
             "train_state": state,
         },
-        fingerprint=_fingerprint(cfg, vocab_size, table_rows),
+        fingerprint={
+            **model_fingerprint(cfg, model),
+            "training_mode": cfg.training.mode,
+            "table_lazy": cfg.optimizer.table_lazy,
+        },
     )
     start_step = checkpointer.load()
+    if cfg.model.hf_checkpoint and start_step == 0:  # a resumed run has its weights already
+        if cfg.engram.enabled and cfg.engram.init != "identity":
+            logger.warning(
+                "engram.init is not 'identity': the pretrained function changes at step 0"
+            )
+        load_hf_backbone(model, cfg.model.hf_checkpoint, model.args)
     result = TrainResult(start_step=start_step, model=model)
 
     # --- the loop ---------------------------------------------------------------------------
@@ -221,20 +218,6 @@ class _SchedulersState:
     def load_state_dict(self, sd):
         for i, s in enumerate(self.schedulers):
             s.load_state_dict(sd[str(i)])
-
-
-def _fingerprint(cfg: JobConfig, vocab_size: int, table_rows: dict[int, int]) -> dict:
-    """What must match for a checkpoint to be loadable into this run (the world size is checked by
-    the checkpoint manager: model and optimizer state reshard, per-rank loader state does not)."""
-    return {
-        "model": f"{cfg.model.name}/{cfg.model.flavor}",
-        "vocab_size": vocab_size,
-        "engram_layers": sorted(table_rows),
-        "engram_table_rows": [table_rows[k] for k in sorted(table_rows)],
-        "engram_head_dim": cfg.engram.head_dim if cfg.engram.enabled else 0,
-        "training_mode": cfg.training.mode,
-        "table_lazy": cfg.optimizer.table_lazy,
-    }
 
 
 def main(argv: list[str] | None = None) -> None:

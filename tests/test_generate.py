@@ -149,12 +149,24 @@ def test_loads_checkpoint_written_at_world_2(tmp_path, capsys):
     assert not torch.equal(init[table], got[table]), "training did not change the table"
     with pytest.raises(CheckpointError, match="step-2"):
         load_weights(model, cfg, "auto", checkpoint_step=2)
+    other_raw = _raw(str(tmp_path))
+    other_raw["engram"]["layer_ids"] = [2]
+    other = config_from_dict(other_raw)
+    with pytest.raises(CheckpointError, match="engram_layers"):
+        load_weights(build_for_generation(other, 32)[0], other)
 
     # The command line, on the same run folder.
     config_file = tmp_path / "gen.toml"
     config_file.write_text(to_toml(cfg))
     completion = main(
-        ["--job.config_file", str(config_file), "--prompt", "The capital of", "--max_new_tokens", "3"]
+        [
+            "--job.config_file",
+            str(config_file),
+            "--prompt",
+            "The capital of",
+            "--max_new_tokens",
+            "3",
+        ]
     )
     assert len(completion) > 0
     assert f"The capital of{completion}" in capsys.readouterr().out

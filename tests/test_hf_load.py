@@ -10,6 +10,7 @@ HSDP 2x2.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -170,7 +171,9 @@ def test_identity_init_keeps_the_pretrained_function(reference):
     load_hf_backbone(with_engram, folder, with_engram.args)
     plain, _ = _init(_raw(engram=False), SEED_B)
     load_hf_backbone(plain, folder, plain.args)
-    ids = torch.randint(0, with_engram.args.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, with_engram.args.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         got = with_engram(ids, hasher.hash_torch(ids))
         want = plain(ids)
@@ -268,7 +271,9 @@ def test_wrong_family_lists_unexpected_keys(tmp_path):
 def test_wrong_flavor_from_config_json(tmp_path):
     source, _ = _init(_raw(), SEED_A)
     export_hf(source, tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 4096, "num_hidden_layers": 32}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"hidden_size": 4096, "num_hidden_layers": 32})
+    )
     target, _ = _init(_raw(), SEED_B)
     _expect_error(target, tmp_path, "hidden_size = 4096", "model.flavor")
 
@@ -277,3 +282,86 @@ def test_bad_folder(tmp_path):
     target, _ = _init(_raw(), SEED_B)
     _expect_error(target, tmp_path / "nope", "does not exist", "model.hf_checkpoint")
     _expect_error(target, tmp_path, "no *.safetensors")
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_config_json_numerics_warn(tmp_path):
+    """Same shapes, other RoPE base / scaling: loads, with a warning (nothing else would tell)."""
+    source, _ = _init(_raw(), SEED_A)
+    export_hf(source, tmp_path)
+    args = source.args
+    config = {
+        "hidden_size": args.dim, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
+        "intermediate_size": args.ffn_dim, "tie_word_embeddings": False,
+        "rope_theta": args.rope_theta, "rms_norm_eps": args.norm_eps, "rope_scaling": None,
+    }  # fmt: skip
+    records = _Records()
+    log = logging.getLogger("engram")
+    log.addHandler(records)
+    try:
+        for changes, warned in [
+            ({}, []),
+            ({"rope_theta": 10000.0}, ["rope_theta"]),
+            ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["rope_scaling"]),
+        ]:
+            records.messages.clear()
+            (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+            target, _ = _init(_raw(), SEED_B)
+            load_hf_backbone(target, tmp_path, target.args)
+            assert [m.split(" = ")[0].rsplit(" ", 1)[-1] for m in records.messages] == warned
+    finally:
+        log.removeHandler(records)
+
+
+def test_generate_recipe_uses_hf_folder(reference, tmp_path):
+    """recipes/generate.py without a run checkpoint takes model.hf_checkpoint."""
+    from recipes.generate import build_for_generation, load_weights
+
+    folder, source, _ = reference
+    raw = _raw()
+    raw["job"] = {"dump_folder": str(tmp_path), "device": "cpu", "seed": SEED_B}
+    raw["model"]["hf_checkpoint"] = str(folder)
+    cfg = config_from_dict(raw)
+    model, _, _ = build_for_generation(cfg, SEQ)
+    assert load_weights(model, cfg) == f"HF checkpoint {folder}"
+    for name, value in model.named_parameters():
+        if not _is_engram(name):
+            assert torch.equal(value, source[name]), name
+
+
+def _train_weights(rank: int, world: int, raw: dict) -> dict:
+    from recipes.train import train
+
+    model = train(config_from_dict(raw)).model
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+@pytest.mark.slow
+def test_train_starts_from_hf_backbone(tmp_path):
+    """recipes/train.py with [model] hf_checkpoint at world 2 (FSDP2), engram_only: the frozen
+    backbone is exactly the HF weights after training; Engram params trained from their init."""
+    source, _ = _init(_raw(), SEED_A)
+    export_hf(source, tmp_path / "hf")
+    raw = _raw(layout={"dp_shard": 2})
+    raw["model"]["hf_checkpoint"] = str(tmp_path / "hf")
+    raw["job"] = {"dump_folder": str(tmp_path), "device": "cpu", "seed": SEED_B}
+    raw["training"] = {"mode": "engram_only", "seq_len": 16, "local_batch_size": 2, "steps": 2}
+    raw["data"] = {"synthetic_num_entities": 32}
+    raw["metrics"] = {"enable_tensorboard": False}
+    got, want = run_distributed(_train_weights, 2, raw)[0], _weights(source)
+    backbone = [n for n in got if not _is_engram(n)]
+    assert backbone and len(backbone) < len(got)
+    for n in backbone:
+        assert np.array_equal(got[n], want[n].numpy()), n

@@ -26,8 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from engram.config import config_from_dict
 from engram.data.tokenizer import load_tokenizer
-from engram.hashing import NgramHasher
-from engram.models.builder import build_model
+from engram.models.builder import build_from_config
 from engram.models.transformer import clean_fqn
 
 GLOBAL_BATCH = 8
@@ -81,11 +80,7 @@ def _train(rank: int, world: int, raw: dict) -> dict:
 def _initial_weights(raw: dict) -> dict[str, np.ndarray]:
     """The weights every layout starts from (init is layout-independent)."""
     cfg = config_from_dict(raw)
-    tokenizer = load_tokenizer("")
-    hasher = NgramHasher.from_config(cfg.engram, tokenizer, tokenizer.vocab_size)
-    model = build_model(
-        cfg.model, cfg.engram, tokenizer.vocab_size, hasher.table_rows, device="meta"
-    )
+    model, _ = build_from_config(cfg, load_tokenizer(""))
     model.to_empty(device="cpu")
     model.init_weights(seed=cfg.job.seed)
     return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from engram.config import Engram as EngramConfig
+from engram.config import JobConfig
 from engram.config import Model as ModelConfig
+from engram.hashing import NgramHasher
 from engram.models.args import ModelArgs, get_model_args
 from engram.models.transformer import Transformer
 
@@ -75,3 +77,32 @@ def build_model(
     with torch.device(device):
         model = Transformer(args, engram_cfg if use_engram else None, table_rows)
     return model
+
+
+def build_from_config(
+    cfg: JobConfig, tokenizer, device: torch.device | str = "meta", max_seq_len: int | None = None
+) -> tuple[Transformer, NgramHasher | None]:
+    """The job's model (on `device`, uninitialised) and its Engram hasher (None without Engram).
+
+    The table sizes come from the hasher's prime search; the RoPE table covers
+    max(training.seq_len, max_seq_len) positions."""
+    hasher = None
+    table_rows: dict[int, int] = {}
+    if cfg.engram.enabled:
+        hasher = NgramHasher.from_config(cfg.engram, tokenizer, tokenizer.vocab_size)
+        table_rows = hasher.table_rows
+    seq = max(cfg.training.seq_len, max_seq_len or 0)
+    model = build_model(cfg.model, cfg.engram, tokenizer.vocab_size, table_rows, device, seq)
+    return model, hasher
+
+
+def model_fingerprint(cfg: JobConfig, model: Transformer) -> dict:
+    """What a checkpoint's model state must match: shape, vocabulary, Engram layers and tables."""
+    blocks = model.engram_blocks()
+    return {
+        "model": f"{cfg.model.name}/{cfg.model.flavor}",
+        "vocab_size": model.args.vocab_size,
+        "engram_layers": sorted(blocks),
+        "engram_table_rows": [blocks[i].table.weight.shape[0] for i in sorted(blocks)],
+        "engram_head_dim": cfg.engram.head_dim if blocks else 0,
+    }

@@ -1,0 +1,857 @@
+"""Per-rank device memory of a real config at its real world size, without the hardware.
+
+    python recipes/estimate_memory.py --job.config_file train_configs/32b_npu.toml --world_size 64 \
+        [--ranks 0,1,32,63 | --ranks all] [--device_memory_gib 64] [--json] [--section.key=value ...]
+
+One process plays each requested rank in turn: torch's fake process group (collectives are no-ops)
+at the real world size, the model built on the meta device (nothing is allocated) and wrapped by
+the same functions as recipes/train.py, in the same order: Engram table row-sharding ->
+activation checkpointing -> FSDP2. Parameter, gradient and optimizer-state bytes are then EXACT:
+they are read from the local shapes of the sharded DTensors. FSDP buffers (all-gather,
+reduce-scatter, gradient accumulation) are computed from the exact unit shapes with FSDP2's
+padding; activations, allocator fragmentation and runtime/collective buffers are ESTIMATES
+(formulas and assumptions stated next to each number; see docs/memory_estimate.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+# DTensor's own placement math (what to_local() shapes come from), evaluated at other coordinates.
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from engram.config import ConfigError, JobConfig, load_config
+from engram.data.tokenizer import load_tokenizer
+from engram.hashing import find_table_primes
+from engram.models.args import ModelArgs, get_model_args
+from engram.models.builder import build_model
+from engram.optim import apply_training_mode
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.engram_tables import apply_engram_table_sharding
+from parallelisms.fsdp import apply_fsdp
+from parallelisms.parallel_dims import ParallelDims, parallel_dims_from_config
+
+GIB = 1024**3
+_BYTES = {"float32": 4, "bfloat16": 2}
+# exp_avg + exp_avg_sq, fp32, same local shape as the parameter (AdamW and LazyRowAdam alike).
+ADAM_STATES = 2
+DEVICE_MEMORY_GIB = {"npu": 64.0, "cuda": 80.0}  # Atlas 800T A2 (910B) / A100-H100 80 GB
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class RankMemory:
+    """Exact per-rank numbers (local DTensor shapes) plus this rank's estimated peak."""
+
+    rank: int
+    dense_params: int
+    """FSDP-managed parameters held by this rank (local shard numel)."""
+    dense_param_bytes: int
+    """fp32 shard = the master weights (FSDP2 keeps no other persistent copy)."""
+    table_rows: dict[int, int]
+    """Engram layer id -> rows of its table on this rank."""
+    table_params: int
+    table_param_bytes: int
+    grad_bytes: int
+    """Sharded gradients of the trainable parameters (dense + tables), param dtype."""
+    optimizer_bytes: int
+    """AdamW / LazyRowAdam: exp_avg + exp_avg_sq per trainable parameter, fp32."""
+    buffer_bytes: int
+    optimizer_step_temp_bytes: int
+    """Estimate: foreach AdamW allocates ~one temporary copy of its largest parameter group."""
+    host_bytes: int
+    """Dense params + grads + optimizer state kept in host memory (parallelism.cpu_offload)."""
+    persistent_bytes: int = 0
+    phases: dict[str, int] = field(default_factory=dict)
+    peak_phase: str = ""
+    transient_bytes: int = 0
+    fragmentation_bytes: int = 0
+    reserve_bytes: int = 0
+    peak_bytes: int = 0
+    headroom_bytes: int = 0
+
+
+@dataclass
+class ActivationEstimate:
+    """Formula-based activation memory (bytes) for one rank's micro-batch; see
+    activation_estimate (checked against autograd's saved tensors in the tests)."""
+
+    tokens: int
+    saved_bytes: int
+    """Held from forward to backward: checkpoint inputs (or full activations of unwrapped layers)."""
+    recompute_bytes: int
+    """One checkpointed layer's recomputed activations (if any layer is checkpointed) + one
+    layer's backward temporaries."""
+    loss_bytes: int
+    """Logits and the fp32 cross-entropy (log-softmax saved + its gradient)."""
+    per_layer_full_bytes: int
+    per_engram_layer_extra_bytes: int
+
+
+@dataclass
+class FsdpBuffers:
+    """Transient FSDP buffers (bytes) from the exact unit shapes, padded as FSDP2 pads them."""
+
+    compute_dtype: str
+    reduce_dtype: str
+    largest_layer: str
+    layer_unsharded_params: int
+    layers_reshard_after_forward: bool
+    layer_gather_bytes: int
+    """Largest decoder-layer unit all-gathered in the compute dtype, x2 (current + prefetch);
+    every layer at once when layers do not reshard after forward (ZeRO-2-like, DDP)."""
+    root_unsharded_params: int
+    root_gather_bytes: int
+    """Root unit (embeddings, final norm, output head) all-gathered; needed at both ends of the step."""
+    layer_reduce_bytes: int
+    """Largest layer: unsharded grads (compute dtype) + 2 reduce-scatter inputs (reduce dtype)."""
+    root_grad_bytes: int
+    """Root unit's unsharded grads (compute dtype), held until the root reduces at the end."""
+    root_reduce_bytes: int
+    """Root unit's reduce-scatter input (reduce dtype)."""
+    no_sync_accum_bytes: int
+    """Unsharded grads of every unit kept across micro-batches when the recipe skips the
+    reduce-scatter on non-last micro-batches (FSDP2 set_requires_gradient_sync(False))."""
+
+
+@dataclass
+class ReplicatedTableBaseline:
+    """Formula: bytes per rank if the Engram tables were replicated instead of row-sharded."""
+
+    table_params_total: int
+    ddp_bytes: int
+    """Full table + full grad + Adam state (4 + 4 + 8 bytes per fp32 parameter)."""
+    zero1_bytes: int
+    """Full table + full grad, Adam state / W."""
+    zero2_bytes: int
+    """Full table + the full dense grad built in backward before its reduce-scatter, and the
+    grad shard + Adam state / W."""
+    row_sharded_bytes_max: int
+    """This repo, measured: largest local table + grad + Adam over the reported ranks."""
+    peak_with_ddp_tables_max: int
+    """Estimated peak of the worst reported rank with DDP-replicated tables instead."""
+
+
+@dataclass
+class AllRanks:
+    """Sums over every rank from DTensor's placement math (no rank built twice)."""
+
+    world_size: int
+    replicas: int
+    """Copies of the dense model over all ranks (dp_replicate): the sum is global x replicas."""
+    dense_params_sum: int
+    dense_params_min: int
+    dense_params_max: int
+    table_rows: dict[int, list[int]]
+    """Engram layer id -> rows on each rank 0..W-1."""
+
+
+@dataclass
+class MemoryEstimate:
+    config_file: str
+    model: str
+    world_size: int
+    parallel_dims: str
+    seq_len: int
+    local_batch_size: int
+    grad_accum_steps: int
+    activation_checkpoint: str
+    training_mode: str
+    global_params: int
+    global_dense_params: int
+    global_table_params: int
+    table_rows_global: dict[int, int]
+    device_memory_bytes: int
+    recipe_defers_grad_sync: bool
+    no_sync_accumulation: bool
+    """Modelled: the recipe defers sync and --sync_every_micro_batch was not given."""
+    fragmentation: float
+    reserve_bytes: int
+    fsdp: FsdpBuffers
+    activations: ActivationEstimate
+    ranks: list[RankMemory]
+    all_ranks: AllRanks
+    replicated_tables: ReplicatedTableBaseline
+
+    @property
+    def fits(self) -> bool:
+        return all(r.peak_bytes <= self.device_memory_bytes for r in self.ranks)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["fits"] = self.fits
+        return out
+
+
+# --------------------------------------------------------------------------- config -> model
+
+
+def engram_table_rows(cfg: JobConfig) -> dict[int, int]:
+    """Rows of each Engram layer's table: the sum of its head primes (= NgramHasher.table_rows,
+    which depends on the config only, so no tokenizer file is needed)."""
+    e = cfg.engram
+    if not (e.enabled and e.layer_ids):
+        return {}
+    sizes = find_table_primes(e.vocab_size_per_ngram, e.layer_ids, e.max_ngram, e.n_head_per_ngram)
+    return {layer: sum(primes) for layer, primes in sizes.items()}
+
+
+def tokenizer_vocab_size(cfg: JobConfig) -> int:
+    """The tokenizer's size as recipes/train.py passes it to build_model; the flavor's (or
+    model.vocab_size) when the tokenizer file is not on this machine."""
+    path = cfg.model.tokenizer_path
+    if not path or Path(path).exists():
+        return load_tokenizer(path).vocab_size
+    flavor_vocab = (
+        cfg.model.vocab_size or get_model_args(cfg.model.name, cfg.model.flavor).vocab_size
+    )
+    if not flavor_vocab:
+        raise ConfigError(
+            f"tokenizer {path} does not exist and {cfg.model.name}/{cfg.model.flavor} has no fixed "
+            "vocabulary: set model.vocab_size=<rows> (or model.tokenizer_path to a tokenizer.json)"
+        )
+    return flavor_vocab
+
+
+def build_parallel_model(
+    cfg: JobConfig, dims: ParallelDims, vocab_size: int, table_rows: dict[int, int]
+) -> tuple[nn.Module, list[nn.Parameter]]:
+    """recipes/train.py's model section, on meta: build -> table sharding -> AC -> FSDP ->
+    training mode. Returns the model and its (row-sharded) table parameters."""
+    model = build_model(
+        cfg.model, cfg.engram, vocab_size, table_rows, "meta", max_seq_len=cfg.training.seq_len
+    )
+    table_params = apply_engram_table_sharding(
+        model, dims.mesh("engram"), dedup=cfg.parallelism.engram_table_dedup
+    )
+    apply_activation_checkpointing(model, cfg.activation_checkpoint)
+    apply_fsdp(model, dims, cfg.parallelism, ignored_params=table_params)
+    apply_training_mode(model, cfg.training.mode)
+    return model, table_params
+
+
+def recipe_defers_grad_sync(cfg: JobConfig, dims: ParallelDims) -> bool:
+    """recipes/train.py calls model.set_requires_gradient_sync(last_micro) whenever FSDP wraps
+    the model: non-last micro-batches keep unsharded gradients instead of reduce-scattering."""
+    return dims.dp_size > 1 and cfg.training.grad_accum_steps > 1
+
+
+# --------------------------------------------------------------------------- exact measurements
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _is_in(p: nn.Parameter, params: list[nn.Parameter]) -> bool:
+    return any(p is q for q in params)
+
+
+def _table_layer(
+    model: nn.Module, table_params: list[nn.Parameter]
+) -> list[tuple[int, nn.Parameter]]:
+    """(Engram layer id, table parameter) in module order."""
+    blocks = model.engram_blocks()
+    return [
+        (layer, p)
+        for layer, block in blocks.items()
+        for p in table_params
+        if p is block.table.weight
+    ]
+
+
+def measure_rank(
+    model: nn.Module, table_params: list[nn.Parameter], rank: int, cpu_offload: bool
+) -> RankMemory:
+    dense = [p for p in model.parameters() if not _is_in(p, table_params)]
+    dense_trainable = [p for p in dense if p.requires_grad]
+    tables_trainable = [p for p in table_params if p.requires_grad]
+    dense_bytes = sum(_nbytes(_local(p)) for p in dense)
+    dense_grad = sum(_nbytes(_local(p)) for p in dense_trainable)
+    table_grad = sum(_nbytes(_local(p)) for p in tables_trainable)
+    fp32 = _BYTES["float32"]
+    dense_opt = ADAM_STATES * fp32 * sum(_local(p).numel() for p in dense_trainable)
+    table_opt = ADAM_STATES * fp32 * sum(_local(p).numel() for p in tables_trainable)
+    host = dense_bytes + dense_grad + dense_opt if cpu_offload else 0
+    on_device = 0 if cpu_offload else 1
+    mem = RankMemory(
+        rank=rank,
+        dense_params=sum(_local(p).numel() for p in dense),
+        dense_param_bytes=dense_bytes,
+        table_rows={layer: _local(p).shape[0] for layer, p in _table_layer(model, table_params)},
+        table_params=sum(_local(p).numel() for p in table_params),
+        table_param_bytes=sum(_nbytes(_local(p)) for p in table_params),
+        grad_bytes=dense_grad + table_grad,
+        optimizer_bytes=dense_opt + table_opt,
+        buffer_bytes=sum(_nbytes(b) for b in model.buffers()),
+        optimizer_step_temp_bytes=max(dense_grad * on_device, table_grad),
+        host_bytes=host,
+    )
+    mem.persistent_bytes = (
+        mem.dense_param_bytes + mem.table_param_bytes + mem.grad_bytes + mem.optimizer_bytes
+        + mem.buffer_bytes - host
+    )  # fmt: skip
+    return mem
+
+
+def _fsdp_units(model: nn.Module, table_params: list[nn.Parameter]) -> list[tuple[str, list]]:
+    """(name, parameters FSDP manages in that unit), inner units first, the root last."""
+    units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    out, claimed = [], []
+    for name, module in sorted(units, key=lambda u: -len(u[0])):  # deepest name first
+        own = [p for p in module.parameters() if not _is_in(p, table_params + claimed)]
+        claimed.extend(own)
+        out.append((name or "<root>", own))
+    return out
+
+
+def _padded_numel(p: torch.Tensor, shard_size: int) -> int:
+    """Unsharded numel of FSDP2's all-gather output: dim 0 padded to a multiple of the shard size."""
+    rows = math.ceil(p.shape[0] / shard_size) * shard_size if p.dim() else 1
+    return rows * math.prod(p.shape[1:])
+
+
+def fsdp_buffers(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    model: nn.Module,
+    table_params: list[nn.Parameter],
+    no_sync_accumulation: bool,
+) -> FsdpBuffers:
+    fsdp_on = dims.dp_size > 1
+    compute = cfg.parallelism.mixed_precision_param if fsdp_on else "float32"
+    reduce = cfg.parallelism.mixed_precision_reduce if fsdp_on else "float32"
+    a, r = _BYTES[compute], _BYTES[reduce]
+    units = _fsdp_units(model, table_params) if fsdp_on else []
+    s = dims.dp_shard
+
+    def unsharded(params: list, trainable_only: bool = False) -> int:
+        return sum(_padded_numel(p, s) for p in params if p.requires_grad or not trainable_only)
+
+    layers = [(n, ps) for n, ps in units if n != "<root>"]
+    root = next((ps for n, ps in units if n == "<root>"), [])
+    big_name, big = max(layers, key=lambda u: unsharded(u[1]), default=("no FSDP", []))
+    # As parallelisms/fsdp.py decides: layers that do not reshard after forward stay gathered
+    # from their forward to their backward, so all of them coexist at the start of backward.
+    layer_reshard = dims.fsdp_enabled and cfg.parallelism.fsdp_reshard_after_forward != "never"
+    if layer_reshard:
+        gathered = 2 * unsharded(big)  # current layer + the prefetched next one
+    else:
+        gathered = sum(unsharded(ps) for _, ps in layers)
+    return FsdpBuffers(
+        compute_dtype=compute,
+        reduce_dtype=reduce,
+        largest_layer=big_name,
+        layer_unsharded_params=unsharded(big),
+        layers_reshard_after_forward=layer_reshard,
+        layer_gather_bytes=a * gathered,
+        root_unsharded_params=unsharded(root),
+        root_gather_bytes=a * unsharded(root),
+        layer_reduce_bytes=(a + 2 * r) * unsharded(big, trainable_only=True),
+        root_grad_bytes=a * unsharded(root, trainable_only=True),
+        root_reduce_bytes=r * unsharded(root, trainable_only=True),
+        no_sync_accum_bytes=(
+            r * sum(unsharded(ps, trainable_only=True) for _, ps in units)
+            if no_sync_accumulation
+            else 0
+        ),
+    )
+
+
+# --------------------------------------------------------------------------- estimates
+
+
+def _norm_bytes(a: int) -> int:
+    """RMSNorm, per element: the fp32 upcast (4), the normalised x in the compute dtype (a, for
+    the weight multiply) and the output (a, saved by the layer that consumes it)."""
+    return 4 + 2 * a
+
+
+def _layer_bytes_per_token(args: ModelArgs, a: int) -> int:
+    """Activations one decoder layer saves for backward, bytes per token (compute dtype `a`).
+
+    Two RMSNorms over D (and q/k norms for Qwen3). Attention with a fused (flash) SDPA: q, and
+    k, v repeated to n_heads,
+    the output (4 a Dq), plus the fp32 log-sum-exp per head; no T x T scores. SwiGLU: w1 out,
+    w3 out, silu out, product (4 a F).
+    """
+    assert args.head_dim is not None
+    dq, dkv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    # q/k norms: their output goes to RoPE, which saves only cos/sin, so no output term.
+    qk_norm = (4 + a) * (dq + dkv) if args.qk_norm else 0
+    attention = 4 * a * dq + 4 * args.n_heads + qk_norm
+    return 2 * _norm_bytes(a) * args.dim + attention + 4 * a * args.ffn_dim
+
+
+def _engram_bytes_per_token(cfg: JobConfig, dim: int, a: int) -> tuple[int, int]:
+    """(saved, transient) bytes per token of an Engram block.
+
+    Saved: the looked-up rows in the compute dtype (a E), key/query/ShortConv RMSNorms over D,
+    the value projection and the conv output (2 a D), the gate scalars, and the lookup's int64
+    index tensors (2 x 8 H). Transient: the all-to-all buffers (ids int64 x3, rows fp32 x3).
+    """
+    e = cfg.engram
+    engram_dim = (e.max_ngram - 1) * e.n_embed_per_ngram
+    saved = a * engram_dim + 3 * _norm_bytes(a) * dim + 2 * a * dim + 32 + 2 * 8 * e.num_heads
+    return saved, 3 * 8 * e.num_heads + 3 * 4 * engram_dim
+
+
+def activation_estimate(cfg: JobConfig, args: ModelArgs, compute_dtype: str) -> ActivationEstimate:
+    a = _BYTES[compute_dtype]
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    layer = _layer_bytes_per_token(args, a)
+    engram_layers = set(cfg.engram.layer_ids) if cfg.engram.enabled else set()
+    engram_saved, engram_transient = (
+        _engram_bytes_per_token(cfg, args.dim, a) if engram_layers else (0, 0)
+    )
+    ac = cfg.activation_checkpoint
+    every = {"none": 0, "full": 1, "selective": ac.selective_every}[ac.mode]
+    saved = 8 + _norm_bytes(a) * args.dim  # embedding ids; final norm (its output feeds the head)
+    recompute = 0
+    for i in range(args.n_layers):
+        full = layer + (engram_saved if i in engram_layers else 0)
+        if every and i % every == 0:
+            saved += a * args.dim  # the checkpoint keeps only the layer input
+            recompute = max(recompute, full)
+        else:
+            saved += full
+    # Backward temporaries of one layer: gradients of the FFN hidden and of the stream, plus the
+    # Engram lookup's all-to-all buffers.
+    backward = 2 * a * args.ffn_dim + 2 * a * args.dim + engram_transient
+    # Cross-entropy in fp32: log-softmax output saved, its gradient, the gradient of the fp32
+    # logits (12 bytes/logit) dominate; the compute-dtype logits (a) and the fp32 upcast (4)
+    # exist together with the saved log-softmax in forward (a + 8).
+    loss = max(12, a + 8) * args.vocab_size
+    return ActivationEstimate(
+        tokens=tokens,
+        saved_bytes=saved * tokens,
+        recompute_bytes=(recompute + backward) * tokens,
+        loss_bytes=loss * tokens,
+        per_layer_full_bytes=layer * tokens,
+        per_engram_layer_extra_bytes=engram_saved * tokens,
+    )
+
+
+def _phases(f: FsdpBuffers, act: ActivationEstimate, opt_temp: int) -> dict[str, int]:
+    """Transient bytes at the moments that can set the peak (each a sum of coexisting items)."""
+    acc = f.no_sync_accum_bytes
+    return {
+        "forward end (loss)": f.root_gather_bytes + act.saved_bytes + act.loss_bytes + acc,
+        "decoder-layer backward": (
+            f.root_gather_bytes
+            + f.root_grad_bytes
+            + f.layer_gather_bytes
+            + act.saved_bytes
+            + act.recompute_bytes
+            + f.layer_reduce_bytes
+            + acc
+        ),  # fmt: skip
+        "backward end (root reduce)": (
+            f.root_gather_bytes + f.root_grad_bytes + f.root_reduce_bytes + acc
+        ),
+        "optimizer step": opt_temp,
+    }
+
+
+# --------------------------------------------------------------------------- all ranks
+
+
+def _local_shapes_by_rank(p: DTensor) -> dict[int, tuple[int, ...]]:
+    """Global rank -> local shape of `p` on that rank, for every rank of p's mesh."""
+    mesh = p.device_mesh
+    ranks = tuple(mesh.mesh.flatten().tolist())  # row-major, like itertools.product below
+    shapes = _local_shapes(tuple(p.shape), tuple(mesh.shape), tuple(p.placements))
+    return dict(zip(ranks, shapes, strict=True))
+
+
+@functools.cache
+def _local_shapes(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple
+) -> list[tuple[int, ...]]:
+    coords = itertools.product(*(range(n) for n in mesh_shape))
+    return [
+        _compute_local_shape_and_global_offset(shape, mesh_shape, list(c), placements, True)[0]
+        for c in coords
+    ]
+
+
+def all_ranks_summary(
+    model: nn.Module, table_params: list[nn.Parameter], world: int, replicas: int
+) -> AllRanks:
+    """Per-rank dense counts and table rows for every rank, from the placements of one built
+    rank. Every mesh here spans the world (tp = pp = 1)."""
+    per_rank = [0] * world
+    for p in model.parameters():
+        if _is_in(p, table_params):
+            continue
+        if not isinstance(p, DTensor):  # no FSDP (world 1): every rank holds it whole
+            per_rank = [n + p.numel() for n in per_rank]
+            continue
+        if p.device_mesh.size() != world:
+            raise ValueError(f"mesh {p.device_mesh} does not span the world of {world} ranks")
+        for rank, shape in _local_shapes_by_rank(p).items():
+            per_rank[rank] += math.prod(shape)
+    rows = {}
+    for layer, p in _table_layer(model, table_params):
+        if isinstance(p, DTensor):
+            by_rank = _local_shapes_by_rank(p)
+            rows[layer] = [by_rank[r][0] for r in range(world)]
+        else:
+            rows[layer] = [p.shape[0]] * world
+    return AllRanks(world, replicas, sum(per_rank), min(per_rank), max(per_rank), rows)
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def default_ranks(world_size: int) -> list[int]:
+    return sorted({0, min(1, world_size - 1), world_size // 2, world_size - 1})
+
+
+def estimate(
+    cfg: JobConfig,
+    world_size: int,
+    ranks: list[int] | None = None,
+    device_memory_gib: float | None = None,
+    fragmentation: float = 0.10,
+    reserve_gib: float = 3.0,
+    sync_every_micro_batch: bool = False,
+) -> MemoryEstimate:
+    """Build the config's model for each rank in `ranks` under a fake process group of
+    `world_size` and return exact per-rank bytes plus the labelled estimates.
+
+    `sync_every_micro_batch` models a recipe that reduce-scatters after every micro-batch
+    instead of recipes/train.py's no-sync gradient accumulation."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "estimate() plays every rank under its own fake process group: call it in a process "
+            "without an initialised process group"
+        )
+    if world_size < 1:
+        raise ConfigError(f"--world_size must be >= 1, got {world_size}")
+    ranks = default_ranks(world_size) if ranks is None else sorted(set(ranks))
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad:
+        raise ConfigError(f"ranks {bad} are outside 0..{world_size - 1} (--ranks)")
+    if device_memory_gib is None:
+        device_memory_gib = DEVICE_MEMORY_GIB.get(cfg.job.device, 64.0)
+    dims = parallel_dims_from_config(cfg, world_size)  # validates the degrees up front
+    no_sync = recipe_defers_grad_sync(cfg, dims) and not sync_every_micro_batch
+    table_rows = engram_table_rows(cfg)
+    vocab_size = tokenizer_vocab_size(cfg)
+
+    results: list[RankMemory] = []
+    model_info = None
+    for rank in ranks:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            dims = parallel_dims_from_config(cfg, world_size)
+            dims.build_mesh("cpu")
+            model, table_params = build_parallel_model(cfg, dims, vocab_size, table_rows)
+            mem = measure_rank(model, table_params, rank, cfg.parallelism.cpu_offload)
+            if model_info is None:  # rank-independent: global shapes and placements
+                buffers = fsdp_buffers(cfg, dims, model, table_params, no_sync)
+                model_info = (
+                    buffers,
+                    activation_estimate(cfg, model.args, buffers.compute_dtype),
+                    all_ranks_summary(model, table_params, world_size, dims.dp_replicate),
+                    sum(p.numel() for p in model.parameters()),
+                    sum(p.numel() for p in table_params),
+                    repr(dims),
+                )
+        finally:
+            dist.destroy_process_group()
+        results.append(mem)
+    assert model_info is not None
+    buffers, act, all_ranks, n_global, n_tables, dims_repr = model_info
+
+    device_bytes = int(device_memory_gib * GIB)
+    reserve = int(reserve_gib * GIB)
+    for mem in results:
+        mem.phases = _phases(buffers, act, mem.optimizer_step_temp_bytes)
+        mem.peak_phase = max(mem.phases, key=mem.phases.__getitem__)
+        mem.transient_bytes = mem.phases[mem.peak_phase]
+        mem.fragmentation_bytes = int(fragmentation * (mem.persistent_bytes + mem.transient_bytes))
+        mem.reserve_bytes = reserve
+        mem.peak_bytes = (
+            mem.persistent_bytes + mem.transient_bytes + mem.fragmentation_bytes + reserve
+        )
+        mem.headroom_bytes = device_bytes - mem.peak_bytes
+
+    table_state = [m.table_param_bytes * (1 + 1 + ADAM_STATES) for m in results]
+    full = 4 * n_tables  # fp32 bytes of all tables
+    ddp = full * (1 + 1 + ADAM_STATES)
+    worst = max(results, key=lambda m: m.peak_bytes)
+    # Replicated tables: the sharded table state leaves, the full one arrives; the rest scales
+    # with the allocator fragmentation the same way.
+    worst_table = worst.table_param_bytes * (1 + 1 + ADAM_STATES)
+    baseline = ReplicatedTableBaseline(
+        table_params_total=n_tables,
+        ddp_bytes=ddp,
+        zero1_bytes=2 * full + ADAM_STATES * full // world_size,
+        zero2_bytes=2 * full + (1 + ADAM_STATES) * full // world_size,
+        row_sharded_bytes_max=max(table_state),
+        peak_with_ddp_tables_max=worst.peak_bytes + int((1 + fragmentation) * (ddp - worst_table)),
+    )
+    return MemoryEstimate(
+        config_file=cfg.job.config_file,
+        model=f"{cfg.model.name}/{cfg.model.flavor}",
+        world_size=world_size,
+        parallel_dims=dims_repr,
+        seq_len=cfg.training.seq_len,
+        local_batch_size=cfg.training.local_batch_size,
+        grad_accum_steps=cfg.training.grad_accum_steps,
+        activation_checkpoint=cfg.activation_checkpoint.mode,
+        training_mode=cfg.training.mode,
+        global_params=n_global,
+        global_dense_params=n_global - n_tables,
+        global_table_params=n_tables,
+        table_rows_global=dict(table_rows),
+        device_memory_bytes=device_bytes,
+        recipe_defers_grad_sync=recipe_defers_grad_sync(cfg, dims),
+        no_sync_accumulation=no_sync,
+        fragmentation=fragmentation,
+        reserve_bytes=reserve,
+        fsdp=buffers,
+        activations=act,
+        ranks=results,
+        all_ranks=all_ranks,
+        replicated_tables=baseline,
+    )
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.3f}"
+
+
+def _count(n: int) -> str:
+    return f"{n:,}"
+
+
+def _runs(values: list[int]) -> str:
+    """'161,628 rows on ranks 0-62, 161,600 on rank 63' (consecutive equal values grouped)."""
+    parts = []
+    for value, group in itertools.groupby(enumerate(values), key=lambda kv: kv[1]):
+        ks = [k for k, _ in group]
+        where = f"rank {ks[0]}" if len(ks) == 1 else f"ranks {ks[0]}-{ks[-1]}"
+        parts.append(f"{_count(value)} on {where}")
+    return ", ".join(parts)
+
+
+def to_markdown(est: MemoryEstimate) -> str:
+    f, act, rs = est.fsdp, est.activations, est.ranks
+    cols = " | ".join(f"rank {m.rank}" for m in rs)
+    lines = [
+        f"## {est.model} at world {est.world_size} ({est.config_file or 'defaults'})",
+        "",
+        f"{est.parallel_dims}; seq_len {est.seq_len}, local batch {est.local_batch_size}, "
+        f"grad accum {est.grad_accum_steps}, activation checkpointing {est.activation_checkpoint}, "
+        f"training mode {est.training_mode}; compute {f.compute_dtype}, reduce {f.reduce_dtype}. "
+        "GiB = 2^30 bytes.",
+        "",
+        f"| per rank | {cols} | kind |",
+        "| --- | " + " | ".join("---:" for _ in rs) + " | --- |",
+    ]
+
+    def row(label: str, values: list[str], kind: str) -> None:
+        lines.append(f"| {label} | " + " | ".join(values) + f" | {kind} |")
+
+    def same(v: str) -> list[str]:
+        return [v] * len(rs)
+
+    row("dense parameters (FSDP shard), count", [_count(m.dense_params) for m in rs], "exact")
+    row(
+        "dense parameters fp32 = master weights, GiB",
+        [_gib(m.dense_param_bytes) for m in rs],
+        "exact",
+    )
+    for layer, total in est.table_rows_global.items():
+        row(
+            f"Engram table rows, layer {layer} (of {_count(total)})",
+            [_count(m.table_rows.get(layer, 0)) for m in rs],
+            "exact",
+        )
+    row("Engram table parameters fp32, GiB", [_gib(m.table_param_bytes) for m in rs], "exact")
+    row("gradients (sharded, fp32), GiB", [_gib(m.grad_bytes) for m in rs], "exact")
+    row("optimizer state (2 x fp32 moments), GiB", [_gib(m.optimizer_bytes) for m in rs], "exact")
+    row("buffers (RoPE cache), GiB", [_gib(m.buffer_bytes) for m in rs], "exact")
+    if any(m.host_bytes for m in rs):
+        row("- of which on the host (cpu_offload), GiB", [_gib(m.host_bytes) for m in rs], "exact")
+    row("**persistent on device**, GiB", [f"**{_gib(m.persistent_bytes)}**" for m in rs], "exact")
+    gathered = "x2" if f.layers_reshard_after_forward else "all layers held (no reshard)"
+    row(
+        f"all-gather {f.largest_layer} ({_count(f.layer_unsharded_params)} params) {gathered}, GiB",
+        same(_gib(f.layer_gather_bytes)),
+        "exact shapes",
+    )
+    row(
+        f"all-gather root unit ({_count(f.root_unsharded_params)} params), GiB",
+        same(_gib(f.root_gather_bytes)),
+        "exact shapes",
+    )
+    row(
+        "layer grads + 2 reduce-scatter inputs, GiB",
+        same(_gib(f.layer_reduce_bytes)),
+        "exact shapes",
+    )
+    row("root grads (held to end of backward), GiB", same(_gib(f.root_grad_bytes)), "exact shapes")
+    row("root reduce-scatter input, GiB", same(_gib(f.root_reduce_bytes)), "exact shapes")
+    row(
+        "unsharded grads kept across micro-batches (no-sync), GiB",
+        same(_gib(f.no_sync_accum_bytes)),
+        "exact shapes" if est.no_sync_accumulation else "not modelled: no no-sync accumulation",
+    )
+    row("activations saved to backward, GiB", same(_gib(act.saved_bytes)), "estimate")
+    row(
+        "one layer's recompute + backward temporaries, GiB",
+        same(_gib(act.recompute_bytes)),
+        "estimate",
+    )
+    row("loss head (logits, fp32 cross-entropy), GiB", same(_gib(act.loss_bytes)), "estimate")
+    row(
+        "optimizer step temporaries (foreach), GiB",
+        [_gib(m.optimizer_step_temp_bytes) for m in rs],
+        "estimate",
+    )
+    row(
+        "**transient peak**, GiB",
+        [f"**{_gib(m.transient_bytes)}** ({m.peak_phase})" for m in rs],
+        "sum of the above at that phase",
+    )
+    row(
+        f"allocator fragmentation ({est.fragmentation:.0%}), GiB",
+        [_gib(m.fragmentation_bytes) for m in rs],
+        "assumption",
+    )
+    row("runtime context + collective buffers, GiB", same(_gib(est.reserve_bytes)), "assumption")
+    row("**estimated peak**, GiB", [f"**{_gib(m.peak_bytes)}**" for m in rs], "estimate")
+    row("device memory, GiB", same(_gib(est.device_memory_bytes)), "--device_memory_gib")
+    row("headroom, GiB", [_gib(m.headroom_bytes) for m in rs], "estimate")
+    lines += ["", f"Fits: **{'yes' if est.fits else 'NO'}**."]
+    if est.recipe_defers_grad_sync and not est.no_sync_accumulation:
+        lines += [
+            "",
+            "Modelled with --sync_every_micro_batch: gradients reduce-scattered after every "
+            "micro-batch, NOT what recipes/train.py does today (it skips the sync on non-last "
+            "micro-batches).",
+        ]
+    if est.no_sync_accumulation:
+        lines += [
+            "",
+            f"Note: with grad_accum_steps = {est.grad_accum_steps}, recipes/train.py turns "
+            "gradient sync off on non-last micro-batches; FSDP2 then keeps every unit's "
+            f"unsharded gradient in {f.reduce_dtype} until the last micro-batch "
+            f"({_gib(f.no_sync_accum_bytes)} GiB per rank).",
+        ]
+    a = est.all_ranks
+    rows_summary = "; ".join(f"layer {layer}: {_runs(r)}" for layer, r in a.table_rows.items())
+    lines += [
+        "",
+        "### All ranks (DTensor placement math from one built rank)",
+        "",
+        f"- dense parameters summed over {a.world_size} ranks: {_count(a.dense_params_sum)} "
+        f"(global {_count(est.global_dense_params)} x {a.replicas} replica(s)); per rank min "
+        f"{_count(a.dense_params_min)}, "
+        f"max {_count(a.dense_params_max)}",
+        f"- Engram table rows: {rows_summary or 'no Engram tables'}",
+        "",
+        "### Replicated-table baselines (formula, fp32 tables, Adam)",
+        "",
+        "| Engram table state per rank | GiB |",
+        "| --- | ---: |",
+    ]
+    b = est.replicated_tables
+    lines += [
+        f"| DDP: full table + full grad + Adam (16 B/param x {_count(b.table_params_total)}) | {_gib(b.ddp_bytes)} |",
+        f"| ZeRO-1: full table + full grad, Adam / {est.world_size} | {_gib(b.zero1_bytes)} |",
+        f"| ZeRO-2: full table + full dense grad in backward, grad shard and Adam / {est.world_size} | {_gib(b.zero2_bytes)} |",
+        f"| row-sharded (this repo, measured, worst reported rank) | {_gib(b.row_sharded_bytes_max)} |",
+        f"| estimated peak of the worst rank with DDP-replicated tables | {_gib(b.peak_with_ddp_tables_max)} |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(
+        description="Fake-backend dry run: per-rank memory of a config at its real world size. "
+        "Other arguments (--job.config_file PATH, --section.key=value) go to the job config."
+    )
+    p.add_argument("--world_size", type=int, required=True, help="processes (NNODES x NGPU)")
+    p.add_argument(
+        "--ranks", default="", help="comma-separated ranks, or 'all' (default: 0,1,W/2,W-1)"
+    )
+    p.add_argument(
+        "--device_memory_gib",
+        type=float,
+        default=None,
+        help="device memory; default 64 for job.device npu, 80 for cuda, else 64",
+    )
+    p.add_argument("--fragmentation", type=float, default=0.10, help="allocator overhead fraction")
+    p.add_argument(
+        "--reserve_gib", type=float, default=3.0, help="runtime context + HCCL/NCCL buffers"
+    )
+    p.add_argument(
+        "--sync_every_micro_batch",
+        action="store_true",
+        help="model reduce-scatter after every micro-batch instead of the recipe's no-sync "
+        "gradient accumulation",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    return p.parse_known_args(argv)
+
+
+def _parse_ranks(text: str, world_size: int) -> list[int] | None:
+    if not text:
+        return None
+    if text == "all":
+        return list(range(world_size))
+    try:
+        return [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise ConfigError(
+            f"--ranks must be comma-separated integers or 'all', got {text!r}"
+        ) from None
+
+
+def main(argv: list[str] | None = None) -> MemoryEstimate:
+    opts, rest = parse_args(list(sys.argv[1:] if argv is None else argv))
+    cfg = load_config(rest)
+    est = estimate(
+        cfg,
+        opts.world_size,
+        _parse_ranks(opts.ranks, opts.world_size),
+        opts.device_memory_gib,
+        opts.fragmentation,
+        opts.reserve_gib,
+        opts.sync_every_micro_batch,
+    )
+    print(json.dumps(est.to_dict(), indent=2) if opts.json else to_markdown(est))
+    return est
+
+
+if __name__ == "__main__":
+    main()
