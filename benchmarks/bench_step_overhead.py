@@ -24,11 +24,11 @@ from engram.models.builder import build_from_config
 from engram.optim import build_optimizers
 
 
-def make_variant(flavor: str, engram: bool, engram_cfg: dict, tokenizer):
+def make_variant(flavor: str, engram: bool, engram_cfg: dict, tokenizer, seq: int):
     cfg = config_from_dict(
         {"model": {"flavor": flavor}, "engram": {**engram_cfg, "enabled": engram}}
     )
-    model, hasher = build_from_config(cfg, tokenizer)
+    model, hasher = build_from_config(cfg, tokenizer, max_seq_len=seq)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     return model, hasher, build_optimizers(model, cfg)
@@ -65,8 +65,8 @@ def main() -> None:
     inputs, labels = ids[:, :-1], ids[:, 1:]
     rows = []
     for flavor in args.flavors.split(","):
-        base, _, base_opt = make_variant(flavor, False, engram_cfg, tokenizer)
-        eng, hasher, eng_opt = make_variant(flavor, True, engram_cfg, tokenizer)
+        base, _, base_opt = make_variant(flavor, False, engram_cfg, tokenizer, args.seq)
+        eng, hasher, eng_opt = make_variant(flavor, True, engram_cfg, tokenizer, args.seq)
         hash_ids = torch.from_numpy(hasher(inputs.numpy()))
         times = {"base": [], "engram": []}
         for i in range(args.steps + 2):

@@ -41,10 +41,9 @@ from engram.hashing import find_table_primes
 from engram.models.args import ModelArgs, get_model_args
 from engram.models.builder import build_model
 from engram.optim import apply_training_mode
-from parallelisms.activation_checkpoint import apply_activation_checkpointing
-from parallelisms.engram_tables import apply_engram_table_sharding
-from parallelisms.fsdp import apply_fsdp
+from parallelisms.fsdp import defer_grad_sync
 from parallelisms.parallel_dims import ParallelDims, parallel_dims_from_config
+from parallelisms.parallelize import parallelize_model
 
 GIB = 1024**3
 _BYTES = {"float32": 4, "bfloat16": 2}
@@ -238,19 +237,15 @@ def build_parallel_model(
     model = build_model(
         cfg.model, cfg.engram, vocab_size, table_rows, "meta", max_seq_len=cfg.training.seq_len
     )
-    table_params = apply_engram_table_sharding(
-        model, dims.mesh("engram"), dedup=cfg.parallelism.engram_table_dedup
-    )
-    apply_activation_checkpointing(model, cfg.activation_checkpoint)
-    apply_fsdp(model, dims, cfg.parallelism, ignored_params=table_params)
+    table_params = parallelize_model(model, cfg, dims)
     apply_training_mode(model, cfg.training.mode)
     return model, table_params
 
 
 def recipe_defers_grad_sync(cfg: JobConfig, dims: ParallelDims) -> bool:
-    """recipes/train.py calls model.set_requires_gradient_sync(last_micro) whenever FSDP wraps
-    the model: non-last micro-batches keep unsharded gradients instead of reduce-scattering."""
-    return dims.dp_size > 1 and cfg.training.grad_accum_steps > 1
+    """Whether recipes/train.py skips the gradient reduction on non-last micro-batches (then
+    those keep unsharded gradients): only under DDP, see parallelisms.fsdp.defer_grad_sync."""
+    return cfg.training.grad_accum_steps > 1 and defer_grad_sync(dims)
 
 
 # --------------------------------------------------------------------------- exact measurements

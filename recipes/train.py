@@ -26,10 +26,9 @@ from engram.metrics import MetricsLogger, init_logger, logger
 from engram.models.builder import build_from_config, model_fingerprint
 from engram.optim import apply_training_mode, build_lr_schedulers, build_optimizers, clip_grad_norm_
 from engram.profiling import maybe_profile
-from parallelisms.activation_checkpoint import apply_activation_checkpointing
-from parallelisms.engram_tables import apply_engram_table_sharding
-from parallelisms.fsdp import apply_fsdp
+from parallelisms.fsdp import defer_grad_sync
 from parallelisms.parallel_dims import parallel_dims_from_config
+from parallelisms.parallelize import parallelize_model
 
 
 @dataclass
@@ -91,11 +90,7 @@ def train(cfg: JobConfig) -> TrainResult:
     model, hasher = build_from_config(cfg, tokenizer)
 
     # --- parallelisms, in the documented order ---------------------------------------------
-    table_params = apply_engram_table_sharding(
-        model, dims.mesh("engram"), dedup=cfg.parallelism.engram_table_dedup
-    )
-    apply_activation_checkpointing(model, cfg.activation_checkpoint)
-    apply_fsdp(model, dims, cfg.parallelism, ignored_params=table_params)
+    parallelize_model(model, cfg, dims)
     model.to_empty(device=device)
     model.init_weights(seed=cfg.job.seed)
     apply_training_mode(model, cfg.training.mode)
@@ -156,8 +151,8 @@ def train(cfg: JobConfig) -> TrainResult:
             for micro in range(cfg.training.grad_accum_steps):
                 batch = to_device(next(data_iter), device)
                 last_micro = micro == cfg.training.grad_accum_steps - 1
-                # FSDP: reduce gradients once per optimizer step, not once per micro-batch.
-                if hasattr(model, "set_requires_gradient_sync"):
+                # DDP reduces once per optimizer step; FSDP/HSDP every micro-batch (see fsdp.py).
+                if defer_grad_sync(dims):
                     model.set_requires_gradient_sync(last_micro)
                 loss = cross_entropy(
                     model(batch["input_ids"], batch.get("hash_ids")), batch["labels"]

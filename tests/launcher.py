@@ -95,3 +95,29 @@ def run_distributed(
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def _isolated_worker(fn, args, kwargs, queue):
+    try:
+        queue.put((True, fn(*args, **kwargs)))
+    except BaseException as e:  # re-raised in the parent
+        queue.put((False, e))
+
+
+def run_isolated(fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any) -> Any:
+    """Run `fn(*args, **kwargs)` in one forked process and return its result (or re-raise its
+    exception). For code that leaves process-global torch.distributed state behind (a fake
+    process group, DeviceMesh caches), which later forked ranks would otherwise inherit."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_isolated_worker, args=(fn, args, kwargs, queue))
+    proc.start()
+    try:
+        ok, payload = queue.get(timeout=timeout)
+    finally:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+    if not ok:
+        raise payload
+    return payload
