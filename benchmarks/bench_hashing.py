@@ -6,7 +6,7 @@ Default workload (the paper's demo config): 1 M tokens in batches of 8 x 256, En
 orders 2..3, 8 heads per order, vocab_size_per_ngram [646400, 646400], a 129,280-token vocabulary
 compressed to 77% of its size, torch.set_num_threads(2). engram-peft runs in its own virtual
 environment (a subprocess re-running this file with --peft-worker) on the same token stream; its
-ids differ from the reference algorithm by design (see docs/benchmarks_hashing.md), so only speed
+ids differ from the reference algorithm by design (see docs/benchmarks.md), so only speed
 is compared. Rounds alternate ours/peft so that load from other processes hits both alike.
 """
 
