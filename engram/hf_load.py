@@ -23,10 +23,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from engram.models.args import ModelArgs
 from engram.models.hf_adapter import from_hf_state_dict
+from engram.models.init import local_view
 from engram.models.transformer import clean_fqn
 
 logger = logging.getLogger("engram")
@@ -298,25 +298,16 @@ def _check_shapes(
 
 def _local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """(local tensor to copy into, its offset in the global tensor)."""
-    if not isinstance(param, DTensor):
-        return param, (0,) * param.dim()
-    for placement in param.placements:
-        # type() not isinstance(): strided shards (FSDP x TP) are not one contiguous block.
-        if type(placement) not in (Shard, Replicate):
-            raise NotImplementedError(
-                f"loading into a DTensor with placements {param.placements} is not supported; "
-                "load_hf_backbone handles Shard / Replicate layouts (FSDP2, HSDP, DDP, tables)"
-            )
-    local = param.to_local()
-    shape, offset = compute_local_shape_and_global_offset(
-        param.shape, param.device_mesh, param.placements
-    )
-    if tuple(local.shape) != tuple(shape):
-        raise RuntimeError(
-            f"local shard shape {tuple(local.shape)} != expected {tuple(shape)} for a DTensor of "
-            f"global shape {tuple(param.shape)} with placements {param.placements}"
-        )
-    return local, tuple(offset)
+    if isinstance(param, DTensor):
+        for placement in param.placements:
+            # type() not isinstance(): strided shards (FSDP x TP) are not one contiguous block.
+            if type(placement) not in (Shard, Replicate):
+                raise NotImplementedError(
+                    f"loading into a DTensor with placements {param.placements} is not supported; "
+                    "load_hf_backbone handles Shard / Replicate layouts (FSDP2, HSDP, DDP, tables)"
+                )
+    local, _, offset = local_view(param)
+    return local, offset
 
 
 def _describe(args: ModelArgs) -> str:

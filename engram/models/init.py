@@ -34,7 +34,7 @@ def chunk_seed(seed: int, key: str, chunk: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def _local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+def local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local tensor, local shape, global offset) for a plain tensor or a DTensor."""
     if isinstance(param, DTensor):
         local = param.to_local()
@@ -54,7 +54,7 @@ def _local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tup
 def init_normal_(param: torch.Tensor, std: float, seed: int, key: str, mean: float = 0.0) -> None:
     """Fill `param` (or its local shard) with N(mean, std^2) values of the layout-independent
     global tensor identified by (seed, key)."""
-    local, shape, offset = _local_view(param)
+    local, shape, offset = local_view(param)
     if local.numel() == 0:
         return
     global_shape = tuple(param.shape)
