@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(argv)
     try:
         train(cfg)
+        # Every rank leaves the last collective before any rank tears its process groups down.
+        dist.barrier()
     finally:
         destroy_distributed()
 

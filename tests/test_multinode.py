@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -89,7 +90,24 @@ def _overrides(dump: Path) -> list[str]:
     ]
 
 
+# Known flake on this loaded 2-core box: now and then one gloo worker aborts in C++
+# ("terminate called without an active exception", exit -6) while process groups are torn down
+# after the last step (less often since recipes/train.py barriers before destroying them). Such a
+# run is retried once, with a warning that carries the log; any other failure fails at once.
+_TEARDOWN_ABORT = "exitcode: -6"
+
+
 def _launch_nodes(commands: list[list[str]], envs: list[dict[str, str]], logs: Path) -> None:
+    try:
+        _launch_nodes_once(commands, envs, logs)
+    except AssertionError as first:
+        if _TEARDOWN_ABORT not in str(first):
+            raise
+        warnings.warn(f"retrying after a gloo teardown abort:\n{str(first)[-2000:]}", stacklevel=2)
+        _launch_nodes_once(commands, envs, logs)
+
+
+def _launch_nodes_once(commands: list[list[str]], envs: list[dict[str, str]], logs: Path) -> None:
     """Start one process per node, wait for all; on failure show each node's log tail."""
     procs, files = [], []
     try:
@@ -131,6 +149,7 @@ def _check_metrics(dump: Path) -> None:
     path = dump / "multinode" / "metrics.jsonl"
     assert path.exists(), f"no metrics at {path}: {sorted(p.name for p in dump.rglob('*'))}"
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = records[-STEPS:]  # a retried launch (see _launch_nodes) appends to the same file
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), records
     # Tokens are counted over all ranks: this proves all 4 processes formed one world.
     assert [r["tokens_seen"] for r in records] == [
