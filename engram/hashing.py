@@ -318,6 +318,9 @@ class NgramHasher:
         ids = ids.astype(np.int64, copy=False)
         if ids.size == 0:
             return ids, False
+        # One pass in the common case: as uint64, negative ids are huge.
+        if int(ids.view(np.uint64).max()) < self.num_ids:
+            return ids, False
         if int(ids.max()) >= self.num_ids:
             raise ValueError(
                 f"input id {int(ids.max())} >= {self.num_ids}, the number of token ids the hasher "

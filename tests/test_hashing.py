@@ -678,3 +678,26 @@ def test_bad_input_errors():
     assert h(np.zeros((0, 5), dtype=np.int64)).shape == (0, 5, 1, 4)
     assert h(np.zeros((3, 0), dtype=np.int32)).shape == (3, 0, 1, 4)
     assert h.hash_torch(torch.zeros((2, 0), dtype=torch.long)).shape == (2, 0, 1, 4)
+
+
+def test_flush_denormal_fallback_keeps_ids():
+    """The fast kernel writes ids through subnormal doubles; with flush-to-zero on it must detect
+    that and fall back to the 2**52 path, still bit-exact."""
+    from engram._hash_kernels import denormals_work
+
+    hasher = NgramHasher(
+        layer_ids=[1, 15], max_ngram=3, n_head_per_ngram=8, vocab_size_per_ngram=[646400, 646400], seed=0,
+        pad_id=2, lookup=None, vocab_size=129280,
+    )  # fmt: skip
+    ids = np.random.default_rng(1).integers(0, 129280, size=(4, 257))
+    ref = RefNgramHashMapping([646400, 646400], 3, 8, [1, 15], IdentityCompressor(129280), 2, 0)
+    assert denormals_work()
+    torch.set_flush_denormal(True)
+    try:
+        assert not denormals_work(), (
+            "flush-to-zero did not take effect: the test would prove nothing"
+        )
+        got = hasher(ids)
+    finally:
+        torch.set_flush_denormal(False)
+    assert np.array_equal(got, ref.hash_with_offsets(ids))
