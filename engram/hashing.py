@@ -135,6 +135,16 @@ def find_table_primes(
     return sizes
 
 
+def engram_table_rows(engram_cfg) -> dict[int, int]:
+    """Rows of each Engram layer's concatenated table (the sum of its head primes), from the
+    config alone: no tokenizer needed. Equals NgramHasher.from_config(...).table_rows."""
+    e = engram_cfg
+    if not (e.enabled and e.layer_ids):
+        return {}
+    sizes = find_table_primes(e.vocab_size_per_ngram, e.layer_ids, e.max_ngram, e.n_head_per_ngram)
+    return {layer: sum(primes) for layer, primes in sizes.items()}
+
+
 def layer_multipliers(
     seed: int, layer_id: int, max_ngram: int, compressed_vocab: int
 ) -> np.ndarray:

@@ -37,7 +37,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from engram.config import ConfigError, JobConfig, load_config
 from engram.data.tokenizer import load_tokenizer
-from engram.hashing import find_table_primes
+from engram.hashing import engram_table_rows
 from engram.models.args import ModelArgs, get_model_args
 from engram.models.builder import build_model
 from engram.optim import apply_training_mode
@@ -200,16 +200,6 @@ class MemoryEstimate:
 
 
 # --------------------------------------------------------------------------- config -> model
-
-
-def engram_table_rows(cfg: JobConfig) -> dict[int, int]:
-    """Rows of each Engram layer's table: the sum of its head primes (= NgramHasher.table_rows,
-    which depends on the config only, so no tokenizer file is needed)."""
-    e = cfg.engram
-    if not (e.enabled and e.layer_ids):
-        return {}
-    sizes = find_table_primes(e.vocab_size_per_ngram, e.layer_ids, e.max_ngram, e.n_head_per_ngram)
-    return {layer: sum(primes) for layer, primes in sizes.items()}
 
 
 def tokenizer_vocab_size(cfg: JobConfig) -> int:
@@ -553,7 +543,7 @@ def estimate(
         device_memory_gib = DEVICE_MEMORY_GIB.get(cfg.job.device, 64.0)
     dims = parallel_dims_from_config(cfg, world_size)  # validates the degrees up front
     no_sync = recipe_defers_grad_sync(cfg, dims) and not sync_every_micro_batch
-    table_rows = engram_table_rows(cfg)
+    table_rows = engram_table_rows(cfg.engram)
     vocab_size = tokenizer_vocab_size(cfg)
 
     results: list[RankMemory] = []

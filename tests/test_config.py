@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engram.config import ConfigError, config_from_dict, load_config, to_toml
-from engram.hashing import find_table_primes
+from engram.hashing import engram_table_rows
 from engram.models.builder import build_model
 from parallelisms.parallel_dims import ParallelDims
 
@@ -29,15 +29,7 @@ def test_shipped_config_is_valid(path):
     )
     cfg = load_config([f"--job.config_file={path}"])
     # The model (with Engram tables at their real size) must build on the meta device.
-    rows = {}
-    if cfg.engram.enabled:
-        primes = find_table_primes(
-            cfg.engram.vocab_size_per_ngram,
-            cfg.engram.layer_ids,
-            cfg.engram.max_ngram,
-            cfg.engram.n_head_per_ngram,
-        )
-        rows = {k: sum(v) for k, v in primes.items()}
+    rows = engram_table_rows(cfg.engram)
     vocab = cfg.model.vocab_size or 2048
     model = build_model(cfg.model, cfg.engram, vocab, rows, device="meta")
     assert sum(p.numel() for p in model.parameters()) > 0

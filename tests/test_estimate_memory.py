@@ -16,12 +16,11 @@ from launcher import run_isolated
 
 from engram.config import ConfigError, load_config
 from engram.data.tokenizer import load_tokenizer
-from engram.hashing import NgramHasher
+from engram.hashing import NgramHasher, engram_table_rows
 from engram.models.builder import build_model
 from recipes.estimate_memory import (
     GIB,
     activation_estimate,
-    engram_table_rows,
     estimate,
     main,
 )
@@ -59,7 +58,12 @@ def _reference_dense(cfg, vocab_size: int, world: int, ranks, only: str = "") ->
     """Rank -> dense params: each non-table parameter's dim-0 ceil split, from the unsharded
     meta model (only names containing `only`, if given)."""
     model = build_model(
-        cfg.model, cfg.engram, vocab_size, engram_table_rows(cfg), "meta", cfg.training.seq_len
+        cfg.model,
+        cfg.engram,
+        vocab_size,
+        engram_table_rows(cfg.engram),
+        "meta",
+        cfg.training.seq_len,
     )
     shapes = [
         p.shape
