@@ -107,6 +107,12 @@ LAYOUTS = {
     "hsdp_2x2": (4, {"dp_replicate": 2, "dp_shard": 2}, {}),
     "fsdp": (4, {"dp_shard": 4}, {}),
     "fsdp_grad_accum": (2, {"dp_shard": 2}, {"training": {"grad_accum_steps": 2}}),
+    # DDP is the one layout that defers the gradient reduction to the last micro-batch.
+    "ddp_grad_accum": (
+        2,
+        {"dp_replicate": 2, "dp_shard": 1},
+        {"training": {"grad_accum_steps": 2}},
+    ),
 }
 
 
