@@ -15,8 +15,9 @@ head's offset into the layer's concatenated table (exclusive cumsum of the layer
 Optional `segment_ids` make n-grams stop at document boundaries of packed sequences: the token
 at t-k counts as the pad id when it belongs to another segment than the token at t.
 
-The CPU path computes the modulo with exact float64 arithmetic (engram/_hash_kernels.py);
-`hash_torch` uses plain int64 torch ops on accelerators. Both equal the reference bit for bit.
+The CPU path computes the modulo with exact float64 arithmetic: in C (engram/csrc/ngram_hash.c,
+built by `pip install`) or, without it, with numpy/torch calls (engram/_hash_kernels.py);
+`hash_torch` uses plain int64 torch ops on accelerators. All equal the reference bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engram import _hash_native
 from engram._hash_kernels import CpuNgramKernel, ExactModPlan, mod_with_offsets, plan_exact_mod
 
 if TYPE_CHECKING:
@@ -191,7 +193,17 @@ class NgramHasher:
         pad_id: int,
         lookup: np.ndarray | None,
         vocab_size: int,
+        kernel: str = "auto",
     ) -> None:
+        """kernel: "auto" (the C kernel when built, else numpy/torch), "native" (the C kernel,
+        an error when it is not built) or "python" (numpy/torch)."""
+        if kernel not in ("auto", "native", "python"):
+            raise ValueError(f"kernel must be 'auto', 'native' or 'python', got {kernel!r}")
+        if kernel == "native" and not _hash_native.available():
+            raise RuntimeError(
+                "the C hashing kernel (engram._ngram_hash) is not built: reinstall with a C "
+                "compiler (pip install -e .) or use kernel='auto'"
+            )
         _check_shape_args(vocab_size_per_ngram, max_ngram, n_head_per_ngram)
         if not layer_ids:
             raise ValueError("layer_ids is empty: give at least one Engram layer id")
@@ -256,6 +268,24 @@ class NgramHasher:
             if self._plan is None
             else CpuNgramKernel(self.multipliers, self.lookup, self.compressed_pad_id, self._plan)
         )
+        use_native = (
+            kernel != "python"
+            and _hash_native.available()
+            and self._plan is not None
+            and self._plan.by_parts
+        )
+        self._native = (
+            _hash_native.NativeNgramKernel(
+                self.multipliers, self.lookup, self.num_ids, self.compressed_pad_id, self._plan
+            )
+            if use_native
+            else None
+        )
+        if kernel == "native" and self._native is None:
+            raise ValueError(
+                "kernel='native' needs table primes below ~2.49e9 (the 16-bit-parts exactness "
+                "plan); use kernel='auto'"
+            )
         self._device_tables: dict[
             torch.device, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]
         ] = {}
@@ -293,8 +323,16 @@ class NgramHasher:
     def __repr__(self) -> str:
         return (
             f"NgramHasher(layers={self.layer_ids}, max_ngram={self.max_ngram}, heads={self.num_heads}, "
-            f"compressed_vocab={self.compressed_vocab}/{self.num_ids}, rows={self.table_rows})"
+            f"compressed_vocab={self.compressed_vocab}/{self.num_ids}, rows={self.table_rows}, "
+            f"kernel={self.kernel_name})"
         )
+
+    @property
+    def kernel_name(self) -> str:
+        """The CPU kernel `__call__` uses for non-negative ids."""
+        if self._native is not None:
+            return "native"
+        return "python" if self._kernel is not None else "numpy-mod"
 
     # --- numpy path (data loader) ---
 
@@ -306,6 +344,9 @@ class NgramHasher:
         b, t = ids.shape
         out = np.empty((b, t, len(self.layer_ids), self.num_heads), dtype=np.int64)
         if out.size == 0:
+            return out
+        if self._native is not None and not has_negative:
+            self._native(ids, out, seg)
             return out
         if self._kernel is None or has_negative:  # primes too large for the float kernel, ids < 0
             mix = self._mix(ids, seg, has_negative).reshape(-1, b * t)

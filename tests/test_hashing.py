@@ -18,6 +18,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from engram import _hash_kernels as kernels
+from engram import _hash_native
 from engram.hashing import (
     NgramHasher,
     build_compression_lookup,
@@ -246,7 +247,7 @@ def random_lookup(vocab: int, compressed: int, seed: int) -> np.ndarray:
     return rank[inverse].astype(np.int64)
 
 
-def make_pair(*, vocab, lookup, layer_ids, max_ngram, heads, sizes, seed, pad_id):
+def make_pair(*, vocab, lookup, layer_ids, max_ngram, heads, sizes, seed, pad_id, kernel="auto"):
     compressor = IdentityCompressor(vocab) if lookup is None else RefLookupCompressor(lookup)
     ref = RefNgramHashMapping(sizes, max_ngram, heads, layer_ids, compressor, pad_id, seed)
     ours = NgramHasher(
@@ -258,6 +259,7 @@ def make_pair(*, vocab, lookup, layer_ids, max_ngram, heads, sizes, seed, pad_id
         pad_id=pad_id,
         lookup=lookup,
         vocab_size=vocab,
+        kernel=kernel,
     )
     return ref, ours
 
@@ -376,6 +378,27 @@ def test_multipliers_match_reference(seed, layer_id, vocab):
 
 # --- hashing ------------------------------------------------------------------------------------
 
+
+@pytest.fixture(params=["native", "python"])
+def kernel(request):
+    """Both CPU kernels: the C one (engram/csrc/ngram_hash.c) and the numpy/torch fallback."""
+    if request.param == "native" and not _hash_native.available():
+        pytest.skip("C kernel not built (test_native_kernel_is_built fails with the fix)")
+    return request.param
+
+
+def test_native_kernel_is_built():
+    assert _hash_native.available(), (
+        "engram._ngram_hash is missing: `pip install -e .` builds it from engram/csrc/ngram_hash.c "
+        "with the machine's C compiler (install gcc, then reinstall)"
+    )
+    hasher = NgramHasher(
+        layer_ids=[1], max_ngram=3, n_head_per_ngram=8, vocab_size_per_ngram=[646400, 646400], seed=0,
+        pad_id=0, lookup=None, vocab_size=1000,
+    )  # fmt: skip
+    assert hasher.kernel_name == "native"
+
+
 CASES = [
     # vocab, compressed (None: no compression), layer_ids, max_ngram, heads, sizes, seed, pad, B, T
     (129280, 100000, [1, 15], 3, 8, [646400, 646400], 0, 2, 4, 64),
@@ -391,9 +414,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_hasher_matches_reference(case):
+def test_hasher_matches_reference(case, kernel):
     vocab, compressed, layer_ids, max_ngram, heads, sizes, seed, pad, b, t = case
     lookup = None if compressed is None else random_lookup(vocab, compressed, seed)
+    expect_fast = max(sizes) <= 2**31  # the exact-float kernel's limit is ~2**31.8
     ref, ours = make_pair(
         vocab=vocab,
         lookup=lookup,
@@ -403,10 +427,11 @@ def test_hasher_matches_reference(case):
         sizes=sizes,
         seed=seed,
         pad_id=pad,
+        kernel=kernel if expect_fast else "auto",
     )
     assert ours.num_heads == (max_ngram - 1) * heads
-    expect_fast = max(sizes) <= 2**31  # the exact-float kernel's limit is ~2**31.8
     assert (ours._plan is not None) == expect_fast
+    assert ours.kernel_name == (kernel if expect_fast else "numpy-mod")
     rng = np.random.default_rng(seed + 100)
     ids = rng.integers(0, vocab, size=(b, t))
     ids[:, ::5] = pad  # pad tokens inside the sequence hash like any token
@@ -427,7 +452,7 @@ def test_hasher_matches_reference(case):
         )
 
 
-def test_hasher_with_real_tokenizer_and_negative_ids(bpe_tokenizer):
+def test_hasher_with_real_tokenizer_and_negative_ids(bpe_tokenizer, kernel):
     lookup, _ = build_compression_lookup(bpe_tokenizer)
     vocab = lookup.size
     pad = bpe_tokenizer.token_to_id("<pad>")
@@ -436,7 +461,7 @@ def test_hasher_with_real_tokenizer_and_negative_ids(bpe_tokenizer):
     )
     ours = NgramHasher(
         layer_ids=[1, 4], max_ngram=3, n_head_per_ngram=4, vocab_size_per_ngram=[1000, 1200], seed=0,
-        pad_id=pad, lookup=lookup, vocab_size=vocab,
+        pad_id=pad, lookup=lookup, vocab_size=vocab, kernel=kernel,
     )  # fmt: skip
     ids = np.array([bpe_tokenizer.encode(" ".join(TRAIN_TEXTS)).ids[:200]])
     assert np.array_equal(ours(ids), ref.hash_with_offsets(ids))
@@ -475,12 +500,12 @@ def naive_segment_hash(hasher: NgramHasher, ids: np.ndarray, seg: np.ndarray) ->
 
 
 @pytest.mark.parametrize("compressed", [None, 300])
-def test_segment_ids_stop_ngrams_at_document_boundaries(compressed):
+def test_segment_ids_stop_ngrams_at_document_boundaries(compressed, kernel):
     vocab = 1000
     lookup = None if compressed is None else random_lookup(vocab, compressed, 1)
     hasher = NgramHasher(
         layer_ids=[3, 1], max_ngram=4, n_head_per_ngram=3, vocab_size_per_ngram=[701, 2000, 97], seed=5,
-        pad_id=7, lookup=lookup, vocab_size=vocab,
+        pad_id=7, lookup=lookup, vocab_size=vocab, kernel=kernel,
     )  # fmt: skip
     rng = np.random.default_rng(3)
     ids = rng.integers(0, vocab, size=(3, 23))
@@ -558,10 +583,12 @@ def test_exact_mod_matches_numpy_mod(primes, chunk_elements, monkeypatch):
     fill = [rng.integers(0, 2**63 - 1, size=n - len(r), dtype=np.int64) for r in rows]
     mix = np.stack([np.concatenate([r, f]) for r, f in zip(rows, fill, strict=True)])
     assert mix.min() >= 0
-    out = np.empty((n, primes.size), dtype=np.int64)
-    kernels.mod_with_offsets(mix, plan, out)
-    expected = (mix.T[:, :, None] % primes[None] + offsets[None]).reshape(n, -1)
-    assert np.array_equal(out, expected)
+    # Whole ROW_TILE-row tiles and a ragged remainder take different step-3 operands.
+    for rows in (n - n % kernels.ROW_TILE, n - n % kernels.ROW_TILE - 3):
+        out = np.empty((rows, primes.size), dtype=np.int64)
+        kernels.mod_with_offsets(np.ascontiguousarray(mix[:, :rows]), plan, out)
+        expected = (mix[:, :rows].T[:, :, None] % primes[None] + offsets[None]).reshape(rows, -1)
+        assert np.array_equal(out, expected)
 
 
 def test_exact_mod_rejects_unsafe_primes():
@@ -574,7 +601,7 @@ def test_exact_mod_rejects_unsafe_primes():
 def test_chunking_and_torch_threads_do_not_change_ids():
     hasher = NgramHasher(
         layer_ids=[1, 15], max_ngram=3, n_head_per_ngram=8, vocab_size_per_ngram=[646400, 646400], seed=0,
-        pad_id=2, lookup=None, vocab_size=129280,
+        pad_id=2, lookup=None, vocab_size=129280, kernel="python",
     )  # fmt: skip
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 129280, size=(5, 3000))  # 3 rows per thread: several chunks each
@@ -591,14 +618,47 @@ def test_chunking_and_torch_threads_do_not_change_ids():
     assert np.array_equal(results[0][0], ref.hash_with_offsets(ids))
     assert np.array_equal(results[1][0], results[0][0])
     assert np.array_equal(results[1][1], results[0][1])
+    if _hash_native.available():  # the C kernel on the same 15,000 tokens, with segments too
+        native = NgramHasher(
+            layer_ids=[1, 15], max_ngram=3, n_head_per_ngram=8, vocab_size_per_ngram=[646400, 646400],
+            seed=0, pad_id=2, lookup=None, vocab_size=129280, kernel="native",
+        )  # fmt: skip
+        assert np.array_equal(native(ids), results[0][0])
+        assert np.array_equal(native(ids, seg), results[0][1])
 
 
-def test_shape_changes_and_pickling_keep_ids():
+def test_native_kernel_checks_its_buffers():
+    """The C entry point validates sizes and ids itself (Python checks first; this is the guard
+    against memory errors if a caller skips them)."""
+    if not _hash_native.available():
+        pytest.skip("C kernel not built (test_native_kernel_is_built fails with the fix)")
+    hasher = NgramHasher(
+        layer_ids=[1], max_ngram=3, n_head_per_ngram=2, vocab_size_per_ngram=[11, 13], seed=0, pad_id=0,
+        lookup=None, vocab_size=50, kernel="native",
+    )  # fmt: skip
+    ids = np.array([[1, 2, 3]], dtype=np.int64)
+    with pytest.raises(ValueError, match="out: expected 12 8-byte items"):
+        hasher._native(ids, np.empty((1, 3, 1, 3), dtype=np.int64))
+    with pytest.raises(ValueError, match=r"input id 50 at flat index 1 is outside \[0, 50\)"):
+        hasher._native(np.array([[1, 50, 3]]), np.empty((1, 3, 1, 4), dtype=np.int64))
+    with pytest.raises(ValueError, match="kernel must be"):
+        NgramHasher(
+            layer_ids=[1], max_ngram=3, n_head_per_ngram=2, vocab_size_per_ngram=[11, 13], seed=0,
+            pad_id=0, lookup=None, vocab_size=50, kernel="c",
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="kernel='native' needs table primes"):
+        NgramHasher(
+            layer_ids=[1], max_ngram=2, n_head_per_ngram=1, vocab_size_per_ngram=[2**32], seed=0,
+            pad_id=0, lookup=None, vocab_size=50, kernel="native",
+        )  # fmt: skip
+
+
+def test_shape_changes_and_pickling_keep_ids(kernel):
     """Per-shape buffers are cached per thread; the hasher pickles for spawned loader workers."""
     lookup = random_lookup(3000, 1000, 2)
     hasher = NgramHasher(
         layer_ids=[4, 2], max_ngram=3, n_head_per_ngram=4, vocab_size_per_ngram=[500, 700], seed=1,
-        pad_id=9, lookup=lookup, vocab_size=3000,
+        pad_id=9, lookup=lookup, vocab_size=3000, kernel=kernel,
     )  # fmt: skip
     ref = RefNgramHashMapping([500, 700], 3, 4, [4, 2], RefLookupCompressor(lookup), 9, 1)
     rng = np.random.default_rng(5)
@@ -643,7 +703,7 @@ def test_from_config(bpe_tokenizer):
         NgramHasher.from_config(engram_cfg(pad_id=-1, compress_tokenizer=False), None, vocab)
 
 
-def test_bad_input_errors():
+def test_bad_input_errors(kernel):
     ok = dict(
         layer_ids=[1], max_ngram=3, n_head_per_ngram=2, vocab_size_per_ngram=[11, 13], seed=0, pad_id=0,
         lookup=None, vocab_size=50,
@@ -661,7 +721,7 @@ def test_bad_input_errors():
             NgramHasher(**{**ok, **bad})
     with pytest.raises(ValueError, match="max_ngram must be >= 2"):
         find_table_primes([], [0], 1, 2)
-    h = NgramHasher(**ok)
+    h = NgramHasher(**ok, kernel=kernel)
     with pytest.raises(ValueError, match="input id 50 >= 50"):
         h(np.array([[1, 50]]))
     with pytest.raises(ValueError, match="input id 50 >= 50"):
@@ -680,14 +740,14 @@ def test_bad_input_errors():
     assert h.hash_torch(torch.zeros((2, 0), dtype=torch.long)).shape == (2, 0, 1, 4)
 
 
-def test_flush_denormal_fallback_keeps_ids():
+def test_flush_denormal_fallback_keeps_ids(kernel):
     """The fast kernel writes ids through subnormal doubles; with flush-to-zero on it must detect
     that and fall back to the 2**52 path, still bit-exact."""
     from engram._hash_kernels import denormals_work
 
     hasher = NgramHasher(
         layer_ids=[1, 15], max_ngram=3, n_head_per_ngram=8, vocab_size_per_ngram=[646400, 646400], seed=0,
-        pad_id=2, lookup=None, vocab_size=129280,
+        pad_id=2, lookup=None, vocab_size=129280, kernel=kernel,
     )  # fmt: skip
     ids = np.random.default_rng(1).integers(0, 129280, size=(4, 257))
     ref = RefNgramHashMapping([646400, 646400], 3, 8, [1, 15], IdentityCompressor(129280), 2, 0)
