@@ -1,8 +1,8 @@
 """The C hashing kernel (engram/csrc/ngram_hash.c), when `pip install` could build it.
 
 Same contract and bit-exact ids as `engram._hash_kernels.CpuNgramKernel` (whose exactness plan
-it reuses), in one pass per token instead of a dozen numpy/torch calls, and with segment ids
-handled in the same pass. `available()` is False when the extension is missing (no C
+it reuses), in one C call per batch instead of a dozen numpy/torch calls, with segment ids
+handled in the same call. `available()` is False when the extension is missing (no C
 compiler at install time): NgramHasher then uses the numpy/torch kernel.
 """
 
@@ -39,7 +39,9 @@ class NativeNgramKernel:
             raise ValueError("the C kernel implements the 16-bit-parts plan only")
         self.layers, self.max_ngram = multipliers.shape
         self.multipliers = np.ascontiguousarray(multipliers, dtype=np.int64)
-        self.lookup = None if lookup is None else np.ascontiguousarray(lookup, dtype=np.int64)
+        if lookup is not None and int(lookup.max()) >= 2**31:
+            raise ValueError("compressed ids must be < 2**31 (the C kernel reads an int32 lookup)")
+        self.lookup = None if lookup is None else np.ascontiguousarray(lookup, dtype=np.int32)
         self.num_ids = int(num_ids)
         self.pad = int(pad)
         self.weight = np.ascontiguousarray(plan.weight, dtype=np.float64)  # [G, 4, H]
@@ -48,11 +50,11 @@ class NativeNgramKernel:
         self.prime = np.ascontiguousarray(prime.numpy())
         self.magic_offset = np.ascontiguousarray(magic_offset.numpy())
 
-    def __call__(self, ids: np.ndarray, out: np.ndarray, seg: np.ndarray | None = None) -> None:
-        """ids: int64 [B, T] in [0, num_ids); seg: int64 [B, T] or None; out: int64
-        [B, T, L, H], C-contiguous."""
+    def __call__(self, ids: np.ndarray, out: np.ndarray, seg: np.ndarray | None = None) -> bool:
+        """ids: int [B, T]; seg: int [B, T] or None; out: int64 [B, T, L, H], C-contiguous.
+        False (out incomplete) when an id lies outside [0, num_ids): the caller checks them."""
         b, t = ids.shape
-        _ngram_hash.hash_ngrams(
+        return -1 == _ngram_hash.hash_ngrams(
             np.ascontiguousarray(ids, dtype=np.int64),
             None if seg is None else np.ascontiguousarray(seg, dtype=np.int64),
             self.lookup, self.multipliers, self.weight, self.prime, self.magic_offset, out,

@@ -273,6 +273,7 @@ class NgramHasher:
             and _hash_native.available()
             and self._plan is not None
             and self._plan.by_parts
+            and self.compressed_vocab <= 2**31  # the C kernel's lookup is int32
         )
         self._native = (
             _hash_native.NativeNgramKernel(
@@ -339,15 +340,18 @@ class NgramHasher:
     def __call__(self, input_ids: np.ndarray, segment_ids: np.ndarray | None = None) -> np.ndarray:
         """int64 [B, T, L, H] row ids for int [B, T] token ids (original tokenizer ids).
         Single-threaded: data-loader workers give the parallelism."""
-        ids, has_negative = self._check_ids(np.asarray(input_ids))
+        ids = self._as_int64_rows(np.asarray(input_ids))
         seg = self._check_segments(segment_ids, ids.shape)
         b, t = ids.shape
         out = np.empty((b, t, len(self.layer_ids), self.num_heads), dtype=np.int64)
         if out.size == 0:
             return out
-        if self._native is not None and not has_negative:
-            self._native(ids, out, seg)
+        # The C kernel checks the id range itself (one pass less); other paths check first.
+        if self._native is not None and self._native(ids, out, seg):
             return out
+        has_negative = self._check_range(ids)
+        if self._native is not None and not has_negative:
+            raise RuntimeError("the C hashing kernel rejected ids that are in range")
         if self._kernel is None or has_negative:  # primes too large for the float kernel, ids < 0
             mix = self._mix(ids, seg, has_negative).reshape(-1, b * t)
             res = np.mod(mix.T[:, :, None], self._primes[None]) + self._offsets[None]
@@ -360,24 +364,27 @@ class NgramHasher:
             mod_with_offsets(mix, self._kernel.plan, np.reshape(out, (b * t, -1), copy=False))
         return out
 
-    def _check_ids(self, ids: np.ndarray) -> tuple[np.ndarray, bool]:
-        """(int64 ids, whether any id is negative)."""
+    @staticmethod
+    def _as_int64_rows(ids: np.ndarray) -> np.ndarray:
         if ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {ids.shape}")
         if ids.dtype.kind not in "iu":
             raise ValueError(f"input_ids must be integers, got dtype {ids.dtype}")
-        ids = ids.astype(np.int64, copy=False)
+        return ids.astype(np.int64, copy=False)
+
+    def _check_range(self, ids: np.ndarray) -> bool:
+        """Whether any id is negative (the demo's pass-through case); raises for ids too large."""
         if ids.size == 0:
-            return ids, False
+            return False
         # One pass in the common case: as uint64, negative ids are huge.
         if int(ids.view(np.uint64).max()) < self.num_ids:
-            return ids, False
+            return False
         if int(ids.max()) >= self.num_ids:
             raise ValueError(
                 f"input id {int(ids.max())} >= {self.num_ids}, the number of token ids the hasher "
                 "was built for: build it from the tokenizer that produced these ids"
             )
-        return ids, int(ids.min()) < 0
+        return int(ids.min()) < 0
 
     def _check_segments(
         self, segment_ids: np.ndarray | None, shape: tuple[int, ...]

@@ -1,4 +1,4 @@
-/* Engram n-gram hashing in one pass per token: the data-loader hot path of engram/hashing.py.
+/* Engram n-gram hashing in one C call per batch: the data-loader hot path of engram/hashing.py.
  *
  * ids [B, T] -> out [B, T, G, H] with out = mix_g % prime_{g,j} + offset_{g,j}, where the mix
  * of group g = (layer l, order n) is XOR_{k<n} x[t-k] * m_{l,k} (wrapping 64-bit) over the
@@ -12,7 +12,8 @@
  *
  * Built by `pip install` (setup.py, optional: a failed build falls back to the Python kernel).
  * -fno-trapping-math lets GCC vectorise floor(); on x86-64 Linux GCC also emits AVX-512 and
- * AVX2 clones of the loop, chosen at load time. */
+ * AVX2 clones of the loops, chosen at load time. Tokens go in blocks of BLOCK: gather, then
+ * the mixes vectorised over tokens, then the heads' modulo vectorised over heads. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -30,7 +31,8 @@
 typedef struct {
     const int64_t *ids;       /* [B, T] */
     const int64_t *seg;       /* [B, T] or NULL */
-    const int64_t *lookup;    /* [n_ids] or NULL (ids are already compressed) */
+    const int32_t *lookup;    /* [n_ids] or NULL (ids are already compressed); int32 halves
+                                 its cache footprint, and its random reads are the cost */
     const uint64_t *mult;     /* [L, N] */
     const double *weight;     /* [G, 4, H] */
     const double *prime;      /* [G, H] */
@@ -125,17 +127,18 @@ CLONES static int64_t hash_dispatch(const hash_args *a) {
     }
 }
 
-/* Buffer of obj (C-contiguous, writable if asked) that must hold exactly `count` 8-byte items;
- * obj may be None when optional. Returns 0 and fills view (view->obj NULL for None), or -1. */
-static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t count, int writable,
-                      int optional, const char *name) {
+/* Buffer of obj (C-contiguous, writable if asked) that must hold exactly `count` items of
+ * `itemsize` bytes; obj may be None when optional. Returns 0 and fills view (view->obj NULL for
+ * None), or -1. */
+static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t count, Py_ssize_t itemsize,
+                      int writable, int optional, const char *name) {
     view->obj = NULL;
     if (obj == Py_None && optional) return 0;
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
         return -1;
-    if (view->len != count * 8) {
-        PyErr_Format(PyExc_ValueError, "%s: expected %zd 8-byte items, got %zd bytes", name, count,
-                     view->len);
+    if (view->len != count * itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %zd %zd-byte items, got %zd bytes", name,
+                     count, itemsize, view->len);
         PyBuffer_Release(view);
         view->obj = NULL;
         return -1;
@@ -164,8 +167,8 @@ static PyObject *hash_ngrams(PyObject *self, PyObject *args) {
     static const char *names[8] = {"ids", "seg", "lookup", "mult", "weight", "prime", "magic_off", "out"};
     Py_buffer views[8];
     int held = 0; /* views[0 .. held) are acquired */
-    while (held < 8 && get_buffer(objs[held], &views[held], counts[held], held == 7,
-                                  held == 1 || held == 2, names[held]) == 0)
+    while (held < 8 && get_buffer(objs[held], &views[held], counts[held], held == 2 ? 4 : 8,
+                                  held == 7, held == 1 || held == 2, names[held]) == 0)
         held++;
     int failed = held < 8;
     int64_t bad = -1;
@@ -193,22 +196,17 @@ static PyObject *hash_ngrams(PyObject *self, PyObject *args) {
             PyMem_RawFree(scratch);
         }
     }
-    const long long bad_id = (!failed && bad >= 0) ? (long long)a.ids[bad] : 0;
     for (int i = 0; i < held; i++)
         if (views[i].obj) PyBuffer_Release(&views[i]);
     if (failed) return NULL;
-    if (bad >= 0) {
-        PyErr_Format(PyExc_ValueError, "input id %lld at flat index %lld is outside [0, %lld)",
-                     bad_id, (long long)bad, n_ids);
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return PyLong_FromLongLong((long long)bad);
 }
 
 static PyMethodDef methods[] = {
     {"hash_ngrams", hash_ngrams, METH_VARARGS,
      "hash_ngrams(ids, seg, lookup, mult, weight, prime, magic_off, out, B, T, L, N, H, n_ids, "
-     "pad): Engram row ids into out (see engram/_hash_native.py)."},
+     "pad) -> -1, or the flat index of the first id outside [0, n_ids) (out is then incomplete): "
+     "Engram row ids into out (see engram/_hash_native.py)."},
     {NULL, NULL, 0, NULL},
 };
 
