@@ -88,6 +88,8 @@ def train(cfg: JobConfig) -> TrainResult:
     # --- tokenizer, Engram hashing, model on meta -----------------------------------------
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     model, hasher = build_from_config(cfg, tokenizer)
+    if hasher is not None:
+        logger.info(f"Engram hashing: {hasher}")
 
     # --- parallelisms, in the documented order ---------------------------------------------
     parallelize_model(model, cfg, dims)

@@ -763,3 +763,18 @@ def test_flush_denormal_fallback_keeps_ids(kernel):
     finally:
         torch.set_flush_denormal(False)
     assert np.array_equal(got, ref.hash_with_offsets(ids))
+
+
+def test_hashing_benchmark_runs():
+    """benchmarks/bench_hashing.py stays runnable (tiny workload, no engram-peft venv)."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_hashing.py"
+    args = ["--tokens", "2048", "--rounds", "1", "--passes", "1", "--shapes", "2x64", "1x100"]
+    res = subprocess.run(
+        [sys.executable, str(script), *args, "--threads", "1"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "| 1 | 2 x 64 |" in res.stdout and "| 1 | 1 x 100 |" in res.stdout
