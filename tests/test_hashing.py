@@ -627,6 +627,22 @@ def test_chunking_and_torch_threads_do_not_change_ids():
         assert np.array_equal(native(ids, seg), results[0][1])
 
 
+def test_without_the_c_kernel_auto_falls_back(monkeypatch):
+    """A machine without a C compiler at install time: same ids from the numpy/torch kernel."""
+    args = dict(
+        layer_ids=[1], max_ngram=3, n_head_per_ngram=8, vocab_size_per_ngram=[646400, 646400], seed=0,
+        pad_id=0, lookup=None, vocab_size=1000,
+    )  # fmt: skip
+    ids = np.random.default_rng(0).integers(0, 1000, size=(2, 50))
+    expected = NgramHasher(**args, kernel="python")(ids)
+    monkeypatch.setattr(_hash_native, "_ngram_hash", None)
+    hasher = NgramHasher(**args)
+    assert hasher.kernel_name == "python"
+    assert np.array_equal(hasher(ids), expected)
+    with pytest.raises(RuntimeError, match="not built: reinstall with a C compiler"):
+        NgramHasher(**args, kernel="native")
+
+
 def test_native_kernel_checks_its_buffers():
     """The C entry point validates sizes and ids itself (Python checks first; this is the guard
     against memory errors if a caller skips them)."""
