@@ -263,11 +263,6 @@ class NgramHasher:
         self._plan: ExactModPlan | None = (
             plan_exact_mod(self._primes, self._offsets) if max_product <= _INT64_MAX else None
         )
-        self._kernel = (
-            None
-            if self._plan is None
-            else CpuNgramKernel(self.multipliers, self.lookup, self.compressed_pad_id, self._plan)
-        )
         use_native = (
             kernel != "python"
             and _hash_native.available()
@@ -287,6 +282,12 @@ class NgramHasher:
                 "kernel='native' needs table primes below ~2.49e9 (the 16-bit-parts exactness "
                 "plan); use kernel='auto'"
             )
+        # The numpy/torch kernel, when the C one does not run (ids < 0 take numpy `%` either way).
+        self._kernel = (
+            None
+            if self._plan is None or self._native is not None
+            else CpuNgramKernel(self.multipliers, self.lookup, self.compressed_pad_id, self._plan)
+        )
         self._device_tables: dict[
             torch.device, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]
         ] = {}

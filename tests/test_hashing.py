@@ -644,8 +644,8 @@ def test_without_the_c_kernel_auto_falls_back(monkeypatch):
 
 
 def test_native_kernel_checks_its_buffers():
-    """The C entry point validates sizes and ids itself (Python checks first; this is the guard
-    against memory errors if a caller skips them)."""
+    """The C entry point validates buffer sizes (a guard against memory errors) and reports the
+    first id outside [0, num_ids) without reading the table with it."""
     if not _hash_native.available():
         pytest.skip("C kernel not built (test_native_kernel_is_built fails with the fix)")
     hasher = NgramHasher(
