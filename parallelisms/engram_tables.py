@@ -228,7 +228,7 @@ def _sharded_class(cls: type) -> type:
 
 
 def _default_table_types() -> tuple[type, ...]:
-    from engram.module import EngramTable  # lazy: keeps this module importable on its own
+    from engram.models.engram import EngramTable  # lazy: keeps this module importable on its own
 
     return (EngramTable,)
 
@@ -246,7 +246,7 @@ def apply_engram_table_sharding(
     a materialised weight is sliced to the local rows) and its forward becomes the all-to-all
     lookup. `grad_scale` defaults to 1 / mesh size (data-parallel mean). The returned list is in
     module order (identical on every rank): pass it to `fully_shard(..., ignored_params=...)` and
-    give it its own optimizer group. `table_types` defaults to engram.module.EngramTable.
+    give it its own optimizer group. `table_types` defaults to engram.models.engram.EngramTable.
     """
     if mesh.ndim != 1:
         raise ValueError(

@@ -11,7 +11,7 @@ import torch.nn as nn
 from engram.config import Engram as EngramConfig
 from engram.config import Model as ModelConfig
 from engram.models import build_model
-from engram.module import EngramBlock
+from engram.models.engram import EngramBlock
 
 torch.set_num_threads(2)
 

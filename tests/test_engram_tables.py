@@ -168,7 +168,7 @@ def test_single_rank_is_plain_gather_with_scaled_grad():
 
 
 class StandInTable(nn.Module):
-    """Same interface as engram.module.EngramTable: weight [rows, head_dim], ids[..., H] -> rows."""
+    """Same interface as engram.models.engram.EngramTable: weight [rows, head_dim], ids[..., H] -> rows."""
 
     def __init__(self, rows: int, head_dim: int) -> None:
         super().__init__()
@@ -485,7 +485,7 @@ def _engram_block_worker(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from engram.config import Engram as EngramConfig
-    from engram.module import EngramBlock
+    from engram.models.engram import EngramBlock
 
     mesh = init_device_mesh("cpu", (world,))
     cfg = EngramConfig(
@@ -506,7 +506,7 @@ def _engram_block_worker(rank: int, world: int) -> dict:
 
     with torch.device("meta"):
         block = EngramBlock(dim, cfg, rows)
-    (table,) = apply_engram_table_sharding(block, mesh)  # default: every engram.module.EngramTable
+    (table,) = apply_engram_table_sharding(block, mesh)  # default: every engram.models.engram.EngramTable
     block.to_empty(device="cpu")
     block.init_weights(seed=0, prefix=prefix)  # layout-independent init on the local shard
     out = block(*batch(rank))

@@ -16,8 +16,8 @@ from torch import nn
 
 from engram.config import Engram as EngramConfig
 from engram.models.args import ModelArgs, RopeScaling
+from engram.models.engram import EngramBlock, RMSNorm
 from engram.models.init import init_constant_, init_normal_
-from engram.module import EngramBlock, RMSNorm
 
 # Prefixes that wrappers insert into parameter names; stripped so init keys (and hence the
 # weights) do not depend on activation checkpointing or torch.compile.
