@@ -36,7 +36,7 @@ def make_variant(flavor: str, engram: bool, engram_cfg: dict, tokenizer, seq: in
 
 def step(model, optimizers, ids, labels, hash_ids):
     t0 = time.perf_counter()
-    logits = model(ids, hash_ids)
+    logits = model(ids, hash_ids=hash_ids)
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
     loss.backward()
     for opt in optimizers:

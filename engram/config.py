@@ -268,7 +268,7 @@ class Parallelism:
     dp_shard: int = -1
     """FSDP2 shard degree. -1: all ranks left after dp_replicate, tp and pp."""
     tp: int = 1
-    """Tensor parallel degree (not supported yet: must be 1)."""
+    """Tensor parallel degree (innermost mesh axis: keep it within a node)."""
     pp: int = 1
     """Pipeline parallel degree (not supported yet: must be 1)."""
     fsdp_reshard_after_forward: str = "default"
@@ -281,14 +281,13 @@ class Parallelism:
     """FSDP2 compute dtype of parameters: float32 | bfloat16."""
     mixed_precision_reduce: str = "float32"
     """FSDP2 gradient reduction dtype: float32 | bfloat16."""
+    # --- tensor parallelism (issue 7); degrees are checked by parallelisms/parallel_dims.py
+    tp_sequence_parallel: bool = True
+    """Under TP, shard norms and the residual stream (and Engram blocks) along the sequence."""
+    tp_loss_parallel: bool = True
+    """Under TP, keep logits vocabulary-sharded and compute the loss under loss_parallel()."""
 
     def __post_init__(self) -> None:
-        _check(self.dp_replicate >= 1, "parallelism.dp_replicate must be >= 1")
-        _check(
-            self.dp_shard == -1 or self.dp_shard >= 1,
-            "parallelism.dp_shard must be >= 1 or -1 (use the remaining ranks)",
-        )
-        _check(self.tp >= 1 and self.pp >= 1, "parallelism.tp and parallelism.pp must be >= 1")
         _check(
             self.fsdp_reshard_after_forward in ("always", "never", "default"),
             "parallelism.fsdp_reshard_after_forward must be always, never or default",

@@ -18,7 +18,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.lr_scheduler import LambdaLR
 
 from engram.config import JobConfig
@@ -122,20 +123,46 @@ def build_lr_schedulers(optimizers: list[torch.optim.Optimizer], cfg: JobConfig)
 
 
 def _shard_groups(t: DTensor) -> tuple[dist.ProcessGroup, ...]:
-    """Process groups over which a DTensor's local pieces must be summed (its Shard dims)."""
+    """Process groups over which a DTensor's local pieces must be summed: its Shard dims,
+    including the _StridedShard that FSDP2 puts over a TP-sharded dim (not a Shard subclass)."""
     mesh = t.device_mesh
-    return tuple(mesh.get_group(i) for i, pl in enumerate(t.placements) if isinstance(pl, Shard))
+    groups = []
+    for i, pl in enumerate(t.placements):
+        if isinstance(pl, (Shard, _StridedShard)):
+            groups.append(mesh.get_group(i))
+        elif not isinstance(pl, Replicate):
+            raise ValueError(f"cannot take the norm of a gradient with placements {t.placements}")
+    return tuple(groups)
+
+
+@torch.no_grad()
+def align_grads_(params: list[nn.Parameter]) -> None:
+    """Bring DTensor gradients to their parameter's placements.
+
+    Under TP, DTensor leaves the gradient of a replicated parameter that saw sharded activations
+    (sequence-parallel norms) as Partial (a pending sum over TP), and that of the vocabulary-
+    parallel embedding as Replicate; the norm and the optimizer need them in the parameter's
+    layout. FSDP-managed gradients already are.
+    """
+    for p in params:
+        g = p.grad
+        if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 @torch.no_grad()
 def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global L2 grad norm over every parameter, each shard counted exactly once; clip if max_norm > 0.
+    """Global L2 grad norm over every parameter, each element counted exactly once; clip if
+    max_norm > 0. Collective over every group a gradient is sharded on.
 
-    Works across meshes (FSDP shards on dp_shard, HSDP replicas, Engram tables on the engram axis):
-    the squared local norms are summed per set of shard groups, all-reduced over those groups
-    only, then added up.
+    Works across meshes (FSDP / HSDP shards, TP shards incl. FSDP's _StridedShard over TP,
+    Engram tables on the engram axis): gradients are first brought to their parameter's
+    placements (align_grads_); the squared local norms are summed per set of shard groups,
+    all-reduced over those groups only (Replicate dims are counted once), then added up.
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    params = [p for p in params if p.grad is not None]
+    align_grads_(params)
+    grads = [p.grad for p in params]
     if not grads:
         return torch.zeros(())
     buckets: dict[tuple, torch.Tensor] = {}

@@ -1,15 +1,23 @@
 """Parallel degrees -> one validated, named DeviceMesh.
 
-Mesh dimensions (always present, size 1 where unused, so world size 1 runs the same code path):
+Mesh dimensions (always present, size 1 where unused, so world size 1 runs the same code path),
+outermost first:
 
+    pp            pipeline stages (must be 1 until pipeline parallelism lands)
     dp_replicate  replicas of the model (DDP across them; HSDP when dp_shard > 1 too)
     dp_shard      FSDP2 shard group
+    tp            tensor parallel group (innermost: neighbouring ranks, i.e. within a node)
 
-Derived (flattened) dimensions:
+Flattened views:
 
-    dp            all data-parallel ranks (dp_replicate x dp_shard): the data loader's rank space
-    engram        the axis the Engram tables are row-sharded over (= dp: every data-parallel rank
-                  holds 1/dp of every table; no rank ever holds a whole table)
+    dp            all data-parallel ranks (dp_replicate x dp_shard): the data loader's rank space and
+                  the loss average (dp x cp once context parallelism exists)
+    engram        the axis the Engram tables are row-sharded over: every rank of a pipeline stage
+                  (dp_replicate x dp_shard x tp), so each rank holds 1 / (dp x tp) of every table
+
+Degrees are checked here once (`__post_init__`); the checks that need the model's shape (tp must
+divide heads, FFN width, vocabulary, sequence) are in `check_model`, which parallelize_model calls
+before touching the model.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from engram.config import ConfigError
 
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
 
 @dataclass
 class ParallelDims:
@@ -28,16 +38,14 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    sequence_parallel: bool = True
+    """Under TP: the residual stream (norms, Engram blocks) is sharded along the sequence."""
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallelism.{name} must be >= 1, got {getattr(self, name)}")
-        if self.tp != 1:
-            raise ConfigError(
-                f"parallelism.tp={self.tp}: tensor parallelism is not supported yet; set parallelism.tp=1"
-            )
         if self.pp != 1:
             raise ConfigError(
                 f"parallelism.pp={self.pp}: pipeline parallelism is not supported yet; set parallelism.pp=1"
@@ -55,15 +63,59 @@ class ParallelDims:
         product = others * self.dp_shard
         if product != self.world_size:
             raise ConfigError(
-                f"parallel degrees do not multiply to the world size: dp_replicate({self.dp_replicate}) x "
-                f"dp_shard({self.dp_shard}) x tp({self.tp}) x pp({self.pp}) = {product}, but "
-                f"{self.world_size} processes were launched; set parallelism.dp_shard=-1 to use the rest, "
-                f"or launch {product} processes (NGPU x NNODES)"
+                f"parallel degrees do not multiply to the world size: pp({self.pp}) x "
+                f"dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}) x tp({self.tp}) = "
+                f"{product}, but {self.world_size} processes were launched; set "
+                f"parallelism.dp_shard=-1 to use the rest, or launch {product} processes (NGPU x NNODES)"
+            )
+
+    def check_model(self, args, seq_len: int, engram_halo: int = 0) -> None:
+        """Errors naming the fix when tp does not fit the model (`args`: ModelArgs).
+
+        `engram_halo`: the ShortConv's causal reach ((kernel_size - 1) x dilation), which every
+        TP rank's sequence chunk must cover (0 without Engram).
+        """
+        if self.tp == 1:
+            return
+        tp = self.tp
+        for what, n, fix in (
+            ("n_heads", args.n_heads, "choose a tp that divides the number of attention heads"),
+            ("n_kv_heads", args.n_kv_heads, "choose a tp that divides the number of KV heads"),
+            ("ffn_dim", args.ffn_dim, "choose a tp that divides the FFN hidden width"),
+            ("vocab_size", args.vocab_size, "pad model.vocab_size to a multiple of tp"),
+        ):
+            if n % tp:
+                raise ConfigError(f"parallelism.tp={tp} does not divide {what}={n}: {fix}")
+        if args.tie_embeddings:
+            raise ConfigError(
+                "tied input/output embeddings are not supported under tensor parallelism "
+                "(the embedding is row-sharded, the output head column-sharded): set parallelism.tp=1"
+            )
+        if (self.sequence_parallel or engram_halo) and seq_len % tp:
+            raise ConfigError(
+                f"training.seq_len={seq_len} is not divisible by parallelism.tp={tp}: sequence "
+                "parallelism and the Engram blocks split the sequence over TP ranks; choose a "
+                "seq_len that is a multiple of tp"
+            )
+        if engram_halo and seq_len // tp < engram_halo:
+            raise ConfigError(
+                f"training.seq_len={seq_len} over tp={tp} gives {seq_len // tp} tokens per TP rank, "
+                f"fewer than the Engram ShortConv's reach of {engram_halo} positions "
+                "((kernel_size - 1) x max_ngram): use a longer seq_len or a smaller tp"
             )
 
     @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def engram_size(self) -> int:
+        """Ranks each Engram table is row-sharded over (dp x tp of one pipeline stage)."""
+        return self.dp_size * self.tp
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_size > 1
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -79,26 +131,33 @@ class ParallelDims:
     def hsdp_enabled(self) -> bool:
         return self.dp_replicate > 1 and self.dp_shard > 1
 
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the meshes once (collective: every rank must call it); returns the world mesh."""
         if not self._meshes:
             world = init_device_mesh(
                 device_type,
-                (self.dp_replicate, self.dp_shard),
-                mesh_dim_names=("dp_replicate", "dp_shard"),
+                (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+                mesh_dim_names=MESH_DIMS,
             )
             # Flattened meshes are kept here: slicing them back out of the root mesh is deprecated.
             self._meshes = {
                 "world": world,
-                "dp_replicate": world["dp_replicate"],
-                "dp_shard": world["dp_shard"],
+                **{name: world[name] for name in MESH_DIMS},
                 "dp": world["dp_replicate", "dp_shard"]._flatten("dp"),
-                "engram": world["dp_replicate", "dp_shard"]._flatten("engram"),
+                "engram": world["dp_replicate", "dp_shard", "tp"]._flatten("engram"),
             }
         return self._meshes["world"]
 
     def mesh(self, name: str = "world") -> DeviceMesh:
-        """world | dp_replicate | dp_shard | dp | engram (after build_mesh)."""
+        """world | pp | dp_replicate | dp_shard | tp | dp | engram (after build_mesh)."""
         if not self._meshes:
             raise RuntimeError("ParallelDims.build_mesh(device_type) must be called first")
         return self._meshes[name]
@@ -107,5 +166,10 @@ class ParallelDims:
 def parallel_dims_from_config(cfg, world_size: int) -> ParallelDims:
     p = cfg.parallelism
     return ParallelDims(
-        dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, world_size=world_size
+        dp_replicate=p.dp_replicate,
+        dp_shard=p.dp_shard,
+        tp=p.tp,
+        pp=p.pp,
+        world_size=world_size,
+        sequence_parallel=p.tp_sequence_parallel,
     )

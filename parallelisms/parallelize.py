@@ -1,7 +1,8 @@
 """The documented order of application, in one place (the recipe and the memory estimator use it).
 
-build on meta -> Engram table row-sharding -> activation checkpointing -> FSDP2 / HSDP / DDP
-(then the caller materialises and initialises: init does not depend on the layout)
+build on meta -> tensor parallel -> Engram table row-sharding -> activation checkpointing ->
+FSDP2 / HSDP / DDP (then the caller materialises and initialises: init does not depend on the
+layout)
 """
 
 from __future__ import annotations
@@ -13,12 +14,34 @@ from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.engram_tables import apply_engram_table_sharding
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.tensor_parallel import apply_tp
+
+
+def engram_halo(cfg: JobConfig) -> int:
+    """Positions before a sequence chunk that the Engram ShortConv reads (0 without Engram)."""
+    e = cfg.engram
+    if not (e.enabled and e.layer_ids):
+        return 0
+    return (e.kernel_size - 1) * e.max_ngram
 
 
 def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> list[nn.Parameter]:
     """Apply every parallelism in place; returns the row-sharded Engram table parameters."""
+    dims.check_model(model.args, cfg.training.seq_len, engram_halo(cfg))
+    if dims.tp_enabled:
+        apply_tp(
+            model,
+            dims.mesh("tp"),
+            sequence_parallel=cfg.parallelism.tp_sequence_parallel,
+            loss_parallel=cfg.parallelism.tp_loss_parallel,
+        )
+    # Tables over every rank of the stage (dp x tp). Each TP rank looks up only its own tokens,
+    # so the owners receive the sum over the dp replicas: 1 / dp gives the data-parallel mean.
     table_params = apply_engram_table_sharding(
-        model, dims.mesh("engram"), dedup=cfg.parallelism.engram_table_dedup
+        model,
+        dims.mesh("engram"),
+        dedup=cfg.parallelism.engram_table_dedup,
+        grad_scale=1.0 / dims.dp_size,
     )
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     apply_fsdp(model, dims, cfg.parallelism, ignored_params=table_params)

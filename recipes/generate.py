@@ -224,7 +224,7 @@ def generate(
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
         hash_ids = None if hasher is None else hasher.hash_torch(ids).to(device)
-        logits = model(ids, hash_ids)[:, -1]
+        logits = model(ids, hash_ids=hash_ids)[:, -1]
         nxt = sample_next(logits, temperature, top_k, generator)
         if eos_id is not None:
             nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)

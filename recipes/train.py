@@ -2,18 +2,24 @@
 
     CONFIG_FILE=train_configs/debug_model.toml ./run_train.sh [--section.key=value ...]
 
-Order of application (torchtitan's): build on meta -> Engram table row-sharding -> activation
-checkpointing -> FSDP2 / HSDP / DDP -> materialise + initialise (init independent of the layout).
+The parallelisms are applied in the order stated in parallelisms/parallelize.py; then the model
+is materialised and initialised (init is independent of the layout). The model is held as
+`model_parts` (one part until pipeline parallelism splits it into stages) and one optimizer step is
+`forward_backward` per micro-batch, then clip, step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from engram import device as dev
 from engram.checkpoint import CheckpointManager, ModelState, OptimizerState, TrainState
@@ -43,7 +49,36 @@ class TrainResult:
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token loss; `logits` may be vocabulary-sharded (TP loss parallel: call it, and the
+    backward, under `loss_context`)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100)
+
+
+def loss_context(sharded_logits: bool) -> contextlib.AbstractContextManager:
+    """loss_parallel() when TP keeps the logits sharded over the vocabulary, else nothing."""
+    return loss_parallel() if sharded_logits else contextlib.nullcontext()
+
+
+def local_value(loss: torch.Tensor) -> torch.Tensor:
+    """A detached plain tensor (a loss-parallel loss is a replicated DTensor)."""
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def forward_backward(
+    model_parts: list[nn.Module],
+    batch: dict[str, torch.Tensor],
+    loss_scale: float,
+    sharded_logits: bool = False,
+) -> torch.Tensor:
+    """One micro-batch: forward, loss, backward of `loss * loss_scale`; returns the detached
+    loss. Hash ids go by keyword so a pipeline schedule can forward them to every stage."""
+    (model,) = model_parts  # pp = 1: one part
+    with loss_context(sharded_logits):
+        logits = model(batch["input_ids"], hash_ids=batch.get("hash_ids"))
+        loss = cross_entropy(logits, batch["labels"])
+        (loss * loss_scale).backward()
+    return local_value(loss)
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -58,13 +93,16 @@ def dp_mean(value: torch.Tensor, group: dist.ProcessGroup) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, loader, num_batches: int, device, dp_group) -> float:
+def evaluate(model_parts, loader, num_batches: int, device, dp_group, sharded_logits) -> float:
+    (model,) = model_parts
     model.eval()
     total = torch.zeros((), device=device)
     it = iter(loader)
     for _ in range(num_batches):
         batch = to_device(next(it), device)
-        total += cross_entropy(model(batch["input_ids"], batch.get("hash_ids")), batch["labels"])
+        with loss_context(sharded_logits):
+            logits = model(batch["input_ids"], hash_ids=batch.get("hash_ids"))
+            total += local_value(cross_entropy(logits, batch["labels"]))
     model.train()
     return dp_mean(total / num_batches, dp_group)
 
@@ -96,6 +134,8 @@ def train(cfg: JobConfig) -> TrainResult:
     model.to_empty(device=device)
     model.init_weights(seed=cfg.job.seed)
     apply_training_mode(model, cfg.training.mode)
+    model_parts = [model]  # pipeline parallelism will hold one part per local stage
+    sharded_logits = dims.tp_enabled and cfg.parallelism.tp_loss_parallel  # see tensor_parallel.py
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
         f"model {cfg.model.name}/{cfg.model.flavor}: {n_params:,} local parameters on this rank"
@@ -142,7 +182,7 @@ def train(cfg: JobConfig) -> TrainResult:
         cfg.training.local_batch_size * cfg.training.seq_len * cfg.training.grad_accum_steps
     )
     data_iter = iter(train_loader)
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     dev.reset_peak_memory(device)
     with maybe_profile(
         cfg.profiling, cfg.run_folder, rank, device_type=device_type, start_step=start_step
@@ -155,12 +195,11 @@ def train(cfg: JobConfig) -> TrainResult:
                 last_micro = micro == cfg.training.grad_accum_steps - 1
                 # DDP reduces once per optimizer step; FSDP/HSDP every micro-batch (see fsdp.py).
                 if defer_grad_sync(dims):
-                    model.set_requires_gradient_sync(last_micro)
-                loss = cross_entropy(
-                    model(batch["input_ids"], batch.get("hash_ids")), batch["labels"]
+                    for part in model_parts:
+                        part.set_requires_gradient_sync(last_micro)
+                loss_sum += forward_backward(
+                    model_parts, batch, 1.0 / cfg.training.grad_accum_steps, sharded_logits
                 )
-                (loss / cfg.training.grad_accum_steps).backward()
-                loss_sum += loss.detach()
             grad_norm = clip_grad_norm_(trainable, cfg.training.max_norm)
             for opt in optimizers:
                 opt.step()
@@ -194,7 +233,12 @@ def train(cfg: JobConfig) -> TrainResult:
                 or step == cfg.training.steps
             ):
                 eval_loss = evaluate(
-                    model, make_eval_loader(), cfg.data.eval_batches, device, dp_group
+                    model_parts,
+                    make_eval_loader(),
+                    cfg.data.eval_batches,
+                    device,
+                    dp_group,
+                    sharded_logits,
                 )
                 result.eval_losses[step] = eval_loss
                 metrics.log(step, {"eval_loss": eval_loss})

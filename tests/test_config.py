@@ -100,7 +100,8 @@ def test_engram_layer_out_of_range():
     [
         ((2, 3, 1, 1), 4, "do not multiply to the world size"),
         ((3, -1, 1, 1), 4, "not divisible"),
-        ((1, -1, 2, 1), 2, "tensor parallelism is not supported yet"),
+        ((1, -1, 3, 1), 4, "not divisible"),
+        ((1, 1, 0, 1), 1, "tp must be >= 1"),
         ((1, -1, 1, 2), 2, "pipeline parallelism is not supported yet"),
         ((0, -1, 1, 1), 2, "dp_replicate must be >= 1"),
     ],

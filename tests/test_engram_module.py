@@ -245,7 +245,7 @@ def test_identity_init_keeps_backbone_logits() -> None:
     plain, _ = _model("identity", enabled=False)
     x, ids = _batch(cfg)
     # Same seed, same parameter names -> same backbone weights; Engram adds exactly 0.
-    assert torch.equal(with_engram(x, ids), plain(x))
+    assert torch.equal(with_engram(x, hash_ids=ids), plain(x))
 
 
 def _engram_params(model) -> dict[str, nn.Parameter]:
@@ -261,7 +261,7 @@ def test_identity_gradient_schedule() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(2):
         opt.zero_grad()
-        nn.functional.cross_entropy(model(x, ids).flatten(0, 1), x.flatten()).backward()
+        nn.functional.cross_entropy(model(x, hash_ids=ids).flatten(0, 1), x.flatten()).backward()
         for name, p in _engram_params(model).items():
             nonzero = p.grad is not None and p.grad.abs().sum().item() > 0
             first = name.split(".engram.")[1].startswith("value_proj")
@@ -272,7 +272,7 @@ def test_identity_gradient_schedule() -> None:
 def test_paper_init_gradients_reach_everything() -> None:
     model, cfg = _model("paper", use_bias=True)
     x, ids = _batch(cfg)
-    nn.functional.cross_entropy(model(x, ids).flatten(0, 1), x.flatten()).backward()
+    nn.functional.cross_entropy(model(x, hash_ids=ids).flatten(0, 1), x.flatten()).backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
@@ -286,7 +286,7 @@ def test_engram_only_freezing() -> None:
     for step in range(3):
         x, ids = _batch(cfg, seed=step)
         opt.zero_grad()
-        nn.functional.cross_entropy(model(x, ids).flatten(0, 1), x.flatten()).backward()
+        nn.functional.cross_entropy(model(x, hash_ids=ids).flatten(0, 1), x.flatten()).backward()
         opt.step()
     for name, p in model.named_parameters():
         if ".engram." in name:

@@ -200,7 +200,7 @@ def test_activation_formula_matches_saved_tensors(name):
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(ids, hash_ids)
+            model(ids, hash_ids=hash_ids)
         measured = sum(n for ptr, n in saved.items() if ptr not in held)
         predicted = activation_estimate(cfg, model.args, dtype_name).saved_bytes
         assert abs(predicted - measured) / measured < 0.02, (dtype, predicted, measured)

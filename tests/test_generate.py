@@ -83,7 +83,7 @@ def test_stepwise_agrees_with_one_full_forward(fresh):
     out = generate(model, prompts, hasher, NEW)
     p = prompts.shape[1]
     with torch.no_grad():
-        logits = model(out[:, :-1], hasher.hash_torch(out[:, :-1]))
+        logits = model(out[:, :-1], hash_ids=hasher.hash_torch(out[:, :-1]))
     assert torch.equal(logits[:, p - 1 :].argmax(-1), out[:, p:])
     # Engram matters here: decoding with wrong hash ids gives other logits.
     wrong = torch.zeros_like(hasher.hash_torch(out[:, :-1]))

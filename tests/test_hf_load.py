@@ -175,7 +175,7 @@ def test_identity_init_keeps_the_pretrained_function(reference):
         0, with_engram.args.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0)
     )
     with torch.no_grad():
-        got = with_engram(ids, hasher.hash_torch(ids))
+        got = with_engram(ids, hash_ids=hasher.hash_torch(ids))
         want = plain(ids)
     assert torch.equal(got, want)
     # Not vacuous: a paper-init Engram block does change the function.
@@ -184,7 +184,7 @@ def test_identity_init_keeps_the_pretrained_function(reference):
     paper, _ = _init(raw, SEED_B)
     load_hf_backbone(paper, folder, paper.args)
     with torch.no_grad():
-        assert not torch.allclose(paper(ids, hasher.hash_torch(ids)), want)
+        assert not torch.allclose(paper(ids, hash_ids=hasher.hash_torch(ids)), want)
 
 
 def _load_sharded(rank: int, world: int, folder: str, layout: dict) -> dict[str, torch.Tensor]:

@@ -55,7 +55,7 @@ def batch(model, b: int = 2, t: int = 12, seed: int = 0):
 def test_debug_flavor_shapes(name: str) -> None:
     model = debug_model(name)
     x, ids = batch(model)
-    logits = model(x, ids)
+    logits = model(x, hash_ids=ids)
     assert logits.shape == (2, 12, VOCAB) and torch.isfinite(logits).all()
     assert model.engram_layer_order == [1, 3]
     assert [i for i, layer in model.layers.items() if layer.engram is not None] == ["1", "3"]
@@ -70,14 +70,14 @@ def test_switches_have_effect() -> None:
     for name, attr in (("qwen2", "bias"), ("qwen3", "norm")):
         model = debug_model(name)
         x, ids = batch(model)
-        before = model(x, ids)
+        before = model(x, hash_ids=ids)
         attn = model.layers["0"].attention
         with torch.no_grad():
             if attr == "bias":
                 attn.wk.bias.normal_()
             else:
                 attn.q_norm.weight.mul_(3.0)
-        assert not torch.allclose(model(x, ids), before), name
+        assert not torch.allclose(model(x, hash_ids=ids), before), name
 
 
 def _meta_layout(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -149,7 +149,7 @@ def test_causal_masking() -> None:
     x2, ids2 = x.clone(), ids.clone()
     x2[:, 9:] = (x2[:, 9:] + 1) % VOCAB
     ids2[:, 9:] = (ids2[:, 9:] + 5) % 397
-    a, b = model(x, ids), model(x2, ids2)
+    a, b = model(x, hash_ids=ids), model(x2, hash_ids=ids2)
     assert torch.equal(a[:, :9], b[:, :9])
     assert not torch.allclose(a[:, 9:], b[:, 9:])
 
@@ -184,7 +184,7 @@ def test_init_independent_of_wrapping() -> None:
     assert wrapped.keys() == ref.keys()
     assert all(torch.equal(wrapped[k], ref[k]) for k in ref)
     x, ids = batch(plain)
-    torch.testing.assert_close(model(x, ids), plain(x, ids))
+    torch.testing.assert_close(model(x, hash_ids=ids), plain(x, hash_ids=ids))
 
 
 def _expected_params(args) -> int:
@@ -250,9 +250,9 @@ def test_bad_configs_have_clear_errors() -> None:
     with pytest.raises(ValueError, match="pass hash_ids"):
         model(x)
     with pytest.raises(ValueError, match="hash_ids shape"):
-        model(x, ids[:, :, :1])
+        model(x, hash_ids=ids[:, :, :1])
     with pytest.raises(ValueError, match="max_seq_len"):
-        model(torch.zeros(1, model.args.max_seq_len + 1, dtype=torch.long), None)
+        model(torch.zeros(1, model.args.max_seq_len + 1, dtype=torch.long), hash_ids=None)
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])

@@ -181,10 +181,11 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(
-        self, input_ids: torch.Tensor, hash_ids: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, *, hash_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """input_ids [B, T] (or hidden states [B, T, D] on a later pipeline stage);
-        hash_ids [B, T, L, H] with L = len(engram_layer_order) -> logits [B, T, V] (or hidden
+        hash_ids (keyword-only: a pipeline schedule forwards keyword arguments to every stage)
+        [B, T, L, H] with L = len(engram_layer_order) -> logits [B, T, V] (or hidden
         states when this stage has no output head)."""
         b, t = input_ids.shape[:2]
         if t > self.args.max_seq_len:

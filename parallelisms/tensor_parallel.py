@@ -1,0 +1,232 @@
+"""Tensor parallelism: `apply_tp(model, tp_mesh, ...)`, a plan keyed by module name.
+
+Backbone (Megatron / torchtitan layout): q/k/v and gate/up (w1/w3) column-wise, o and down (w2)
+row-wise; Qwen2's q/k/v biases shard with their columns; Qwen3's per-head q/k norms see a slice
+of the heads and keep replicated weights (their gradients are summed over TP by DTensor). The
+token embedding is vocabulary-parallel, the output head column-wise; with loss parallel the
+logits stay sharded over the vocabulary (`Shard(-1)`) and the recipe computes the loss under
+`loss_parallel()`. With sequence parallel the residual stream between blocks is sharded along
+the sequence ([B, T/tp, D] per rank) and the norms run on that shard.
+
+Engram blocks run sequence-sharded in both modes (see docs/architecture.md, "Engram under TP"):
+each TP rank looks up only its own tokens' hash ids (sliced from the loader's full-sequence ids),
+the causal ShortConv receives the `(kernel_size - 1) x dilation` positions before its chunk from
+the previous TP rank, and the dense Engram parameters stay plain replicated tensors whose
+gradients are summed over TP in the backward. Without sequence parallel the block's input is
+split and its output all-gathered around it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.nn.utils.stateless import _reparametrize_module
+
+from engram.models.engram import EngramBlock, ShortConv
+from engram.models.transformer import Transformer, _unwrap
+
+
+def apply_tp(
+    model: Transformer,
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
+) -> None:
+    """Shard `model` (built on meta or materialised) over the 1-D `tp_mesh` in place.
+
+    Check the degrees first with ParallelDims.check_model (heads, KV heads, FFN width, vocabulary
+    and sequence length must divide by tp; tied embeddings are refused there).
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tp needs the 1-D 'tp' mesh, got {tp_mesh.mesh_dim_names}")
+    if model.args.tie_embeddings:
+        raise ValueError("apply_tp: tied embeddings are not supported under tensor parallelism")
+    # Layout of the residual stream between blocks: sequence-sharded (SP) or replicated.
+    stream = Shard(1) if sequence_parallel else Replicate()
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        "output": ColwiseParallel(
+            input_layouts=stream,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    if sequence_parallel:
+        root_plan["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, root_plan)
+
+    for layer in model.layers.values():
+        block = _unwrap(layer)
+        plan = {
+            "attention": PrepareModuleInput(
+                input_layouts=(stream, None, None),
+                desired_input_layouts=(Replicate(), None, None),
+                use_local_output=True,
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=stream),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=True
+            ),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        if block.attention.q_norm is not None:
+            # Per-head norms see this rank's heads (dim 2 of [B, T, heads, head_dim]).
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(block, tp_mesh, plan)
+        if block.engram is not None:
+            _shard_engram_sequence(block.engram, tp_mesh, sequence_parallel)
+
+
+# ----------------------------------------------------------------------------- Engram under TP
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward all-reduces (sums) the gradient over the TP group.
+
+    For a parameter replicated over TP that each rank applies to different tokens: the full
+    gradient is the sum of the per-rank contributions.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _split_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Replicated [B, T, ...] -> this rank's [B, T/tp, ...]; the backward all-gathers."""
+    return (
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        .redistribute(mesh, [Shard(1)])
+        .to_local()
+    )
+
+
+def _gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's [B, T/tp, ...] -> replicated [B, T, ...]; the (replicated) gradient is sliced."""
+    return (
+        DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        .redistribute(mesh, [Replicate()])
+        .to_local(grad_placements=[Replicate()])
+    )
+
+
+class SequenceShardedEngram(nn.Module):
+    """Mixin put in front of an EngramBlock's class by apply_tp (the block keeps its math).
+
+    hidden: this rank's [B, T/tp, D] (sequence parallel) or the replicated [B, T, D];
+    hash_ids: the full-sequence [B, T, H] from the loader, sliced to this rank's tokens here.
+    """
+
+    _tp_mesh: DeviceMesh
+    _tp_sequence_parallel: bool
+
+    def forward(self, hidden: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
+        mesh = self._tp_mesh
+        if not self._tp_sequence_parallel:
+            hidden = _split_sequence(hidden, mesh)
+        t = hidden.shape[1]
+        if hash_ids.shape[1] != t * mesh.size():
+            raise ValueError(
+                f"Engram under TP expects full-sequence hash_ids (T = {t * mesh.size()}), got "
+                f"shape {tuple(hash_ids.shape)}"
+            )
+        ids = hash_ids.narrow(1, mesh.get_local_rank() * t, t)
+        group = mesh.get_group()
+        # Dense parameters (not the table, which has its own all-to-all) see only this rank's
+        # tokens: sum their gradients over TP.
+        dense = {
+            name: _SumGradOverTP.apply(p, group)
+            for name, p in self.named_parameters()
+            if p.requires_grad and not name.startswith("table.")
+        }
+        with _reparametrize_module(self, dense):
+            out = EngramBlock.forward(self, hidden, ids)
+        return out if self._tp_sequence_parallel else _gather_sequence(out, mesh)
+
+
+class HaloShortConv(nn.Module):
+    """Mixin put in front of a ShortConv's class: the causal conv over a sequence chunk gets the
+    `(kernel_size - 1) x dilation` normed positions before the chunk from the previous TP rank
+    (zeros on rank 0), so the result equals the unsharded conv exactly."""
+
+    _tp_mesh: DeviceMesh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert isinstance(self, ShortConv)
+        b, t, g, d = x.shape
+        reach = (self.kernel_size - 1) * self.dilation
+        normed = torch.cat([self.norms[i](x[:, :, i, :]) for i in range(g)], dim=-1)  # [B, t, C]
+        if reach:
+            if t < reach:
+                raise ValueError(
+                    f"sequence chunk of {t} tokens per TP rank is shorter than the ShortConv "
+                    f"reach {reach}: use a longer seq_len or a smaller tp"
+                )
+            mesh = self._tp_mesh
+            rank, tp = mesh.get_local_rank(), mesh.size()
+            # Every rank's tail; the backward reduce-scatters the gradients back to their owners.
+            tails = _all_gather_autograd(
+                normed[:, t - reach :].contiguous(), gather_dim=0, group=mesh
+            )
+            # Rank 0 multiplies by 0 instead of taking zeros so that every rank has the same
+            # autograd graph (the all-gather's backward is a collective all ranks must join).
+            prev = tails[((rank - 1) % tp) * b :][:b] * float(rank > 0)
+            normed = torch.cat([prev, normed], dim=1)
+        # Symmetric padding, then outputs [reach, reach + t) are the causal outputs of the chunk.
+        y = self.conv(normed.transpose(1, 2))[..., reach : reach + t]
+        return F.silu(y).transpose(1, 2).reshape(b, t, g, d)
+
+
+# torch >= 2.10 renamed it; the old name still works there with a deprecation warning.
+_all_gather_autograd = getattr(
+    funcol, "all_gather_single_autograd", funcol.all_gather_tensor_autograd
+)
+
+_TP_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _swap_class(module: nn.Module, mixin: type) -> None:
+    key = (mixin, type(module))
+    if key not in _TP_CLASSES:
+        _TP_CLASSES[key] = type(f"{mixin.__name__}{type(module).__name__}", key, {})
+    module.__class__ = _TP_CLASSES[key]
+
+
+def _shard_engram_sequence(block: EngramBlock, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    if isinstance(block, SequenceShardedEngram):
+        raise ValueError("apply_tp was already applied to this Engram block")
+    if block.hc_mult != 1:
+        raise ValueError("Engram under TP supports hc_mult = 1 only")
+    _swap_class(block, SequenceShardedEngram)
+    block._tp_mesh = mesh
+    block._tp_sequence_parallel = sequence_parallel
+    _swap_class(block.short_conv, HaloShortConv)
+    block.short_conv._tp_mesh = mesh
