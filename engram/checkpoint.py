@@ -1,24 +1,32 @@
-"""Distributed checkpointing (torch.distributed.checkpoint) with crash-safe step folders.
+"""Distributed checkpointing (torch.distributed.checkpoint) with verified, crash-safe step folders.
 
-Layout under `<run_folder>/<checkpoint.folder>/`:
+Layout under `<run_folder>/<checkpoint.folder>/` (details and rules: docs/checkpointing.md):
 
-    step-<N>/        DCP shards (__<rank>_0.distcp), DCP .metadata, meta.json, fingerprint.json
-    step-<N>.tmp/    a save in progress (or one that crashed): ignored on load, then removed
-    latest           the newest complete step, for humans and scripts (load scans the folders)
+    step-<N>/        DCP shards (__<rank>_0.distcp) and .metadata, <name>.rank<k>.json (data
+                     loader position, RNG: plain JSON), meta.json, fingerprint.json, and
+                     manifest.json (size + CRC-32 of every other file), written last
+    step-<N>.tmp/    a save in progress (or one that crashed): removed on the next load
+    latest           the newest committed step, for humans and scripts (load scans the folders)
 
-A save writes into `step-<N>.tmp/`; after every rank has finished, rank 0 adds meta.json and
-fingerprint.json and renames the folder to `step-<N>/` (an atomic rename), so a folder without
-the `.tmp` suffix is always complete. Older checkpoints are pruned only after that rename.
-All ranks must see the same folder: on several nodes it has to be a shared filesystem.
+A save writes into `step-<N>.tmp/`; after every rank has finished, rank 0 writes the manifest
+(atomically, last) and renames the folder to `step-<N>/`. Load verifies the manifest (every
+rank checksums a share of the files) and refuses a damaged or incomplete checkpoint with the
+checkpoint, the file and the problem; `checkpoint.on_damaged = "previous"` falls back to the
+newest intact one instead. A checkpoint that cannot be read is never overwritten, pruned or
+deleted, and the run never silently starts from step 0 while checkpoints exist. Cleanup only
+touches folders with this checkpointer's names and file names.
 
 Model and optimizer state are DTensor-aware (FSDP2 shards, row-sharded Engram tables), so they
-reload at another world size. Per-rank state (data loader position, RNG) is stored under
-`<name>.rank<k>` keys and needs the same world size.
+reload at another world size and layout. JSON states (`per_rank`: the data loader) are stored
+per rank; when every rank saved the same state (a global loader position) it loads at any
+world size, otherwise the world size must match. RNG states are restored only at the same world
+size. DCP itself pickles (.metadata, non-tensor values): load checkpoints from trusted sources
+only; share weights as safetensors (scripts/export_hf.py).
 """
 
 from __future__ import annotations
 
-import io
+import errno
 import json
 import logging
 import os
@@ -26,6 +34,7 @@ import random
 import re
 import shutil
 import time
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -44,22 +54,32 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from engram.config import Checkpoint
 
 logger = logging.getLogger("engram")
 
+FORMAT = "engram-checkpoint/2"
 _STEP_RE = re.compile(r"^step-(\d+)$")
+_STEP_TMP_RE = re.compile(r"^step-(\d+)\.tmp$")
+# Every file name this checkpointer (or DCP's FileSystemWriter) creates inside a step folder.
+_OWN_FILE_RE = re.compile(
+    r"^(__\d+_\d+\.distcp|\.metadata|meta\.json|fingerprint\.json|manifest\.json(\.tmp)?"
+    r"|[A-Za-z0-9_]+\.rank\d+\.json)$"
+)
 _META = "meta.json"
 _FINGERPRINT = "fingerprint.json"
+_MANIFEST = "manifest.json"
 _RNG_KEY = "rng"
+_HASH_CHUNK = 8 << 20
 # Flattened optimizer state ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") merges several
 # optimizers into one dict and survives a regrouping of parameters.
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used with this run; the message says why and how to fix it."""
+    """A checkpoint cannot be used (or written); the message says why and how to fix it."""
 
 
 # ----------------------------------------------------------------------------- stateful wrappers
@@ -86,6 +106,15 @@ class ModelState(Stateful):
         for part in self.parts:
             set_model_state_dict(part, state_dict, options=StateDictOptions(strict=strict))
 
+    def all_finite(self) -> bool:
+        """This rank's parameters and buffers are all finite (local shards only)."""
+        for part in self.parts:
+            for t in list(part.parameters()) + list(part.buffers()):
+                local = t.to_local() if isinstance(t, DTensor) else t
+                if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+                    return False
+        return True
+
 
 class OptimizerState(Stateful):
     """One or more optimizers over (disjoint parameter sets of) one model, as DCP state."""
@@ -105,66 +134,55 @@ class OptimizerState(Stateful):
 
 @dataclass
 class TrainState(Stateful):
-    """Loop counters. Values must be global (equal on all ranks): DCP stores one copy."""
+    """Loop counters. Values must be global (equal on all ranks): DCP stores one copy.
+
+    Stored as int64 tensors, so DCP reads them without unpickling."""
 
     step: int = 0
     tokens_seen: int = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
+        return {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.tokens_seen = int(state_dict["tokens_seen"])
 
 
-class RNGState(Stateful):
-    """Python, numpy, torch CPU and current-accelerator RNG states of this process."""
+class RNGState:
+    """Python, numpy, torch CPU and current-accelerator RNG states of this process, as JSON."""
 
     def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
         state: dict[str, Any] = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
+            "python": [version, list(internal), gauss],
+            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+            "torch": torch.get_rng_state().tolist(),
         }
         acc = torch.accelerator.current_accelerator()
         if acc is not None:
-            state["accelerator"] = (acc.type, torch.get_device_module(acc.type).get_rng_state())
+            rng = torch.get_device_module(acc.type).get_rng_state()
+            state["accelerator"] = [acc.type, rng.tolist()]
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        random.setstate(state_dict["python"])
-        np.random.set_state(state_dict["numpy"])
-        torch.set_rng_state(state_dict["torch"])
-        saved = state_dict.get("accelerator")
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+        saved = state.get("accelerator")
         acc = torch.accelerator.current_accelerator()
         if saved is not None and acc is not None and saved[0] == acc.type:
-            torch.get_device_module(acc.type).set_rng_state(saved[1])
+            rng = torch.tensor(saved[1], dtype=torch.uint8)
+            torch.get_device_module(acc.type).set_rng_state(rng)
         elif saved is not None or acc is not None:
             logger.warning(
                 "checkpoint accelerator RNG (%s) does not match this device (%s): not restored",
                 saved[0] if saved else None,
                 acc.type if acc else None,
             )
-
-
-class _PerRankBlob(Stateful):
-    """Stores a rank's state as one opaque blob.
-
-    A fresh data loader's state_dict() need not have the same keys as a mid-epoch one, and
-    DCP loads only the keys of the destination dict; one pickled leaf avoids both problems."""
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-
-    def state_dict(self) -> dict[str, Any]:
-        buf = io.BytesIO()
-        torch.save(self.inner.state_dict(), buf)
-        return {"blob": buf.getvalue()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Our own file, written by torch.save above: full unpickling is intended.
-        self.inner.load_state_dict(torch.load(io.BytesIO(state_dict["blob"]), weights_only=False))
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -191,6 +209,21 @@ def _broadcast_from_rank0(value: Any) -> Any:
     return box[0]
 
 
+def _all_gather(value: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _raise_if_any(error: str | None) -> None:
+    """Collective: every rank raises the first rank's error, so no rank waits forever."""
+    errors = [e for e in _all_gather(error) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+
+
 def _write_json(path: Path, obj: Any) -> None:
     with path.open("w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
@@ -208,6 +241,30 @@ def _fsync_dir(path: Path) -> None:
         logger.debug("fsync of directory %s not supported: %s", path, e)
     finally:
         os.close(fd)
+
+
+def file_checksum(path: Path) -> str:
+    """CRC-32 (zlib) of a file, hex: ~0.5 s/GB on one core (docs/checkpointing.md)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _is_no_space(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        stack += [e.__cause__, e.__context__]
+    text = str(exc)
+    return "No space left" in text or "Disk quota exceeded" in text
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -231,19 +288,110 @@ def fingerprint_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> li
         if va != vb:
             sa = "<absent>" if va is missing else json.dumps(va)
             sb = "<absent>" if vb is missing else json.dumps(vb)
+            if len(sa) + len(sb) > 200:  # long lists (table primes): say that, not all of them
+                sa, sb = sa[:90] + "...", sb[:90] + "..."
             lines.append(f"{key}: checkpoint {sa}, this run {sb}")
     return lines
+
+
+# ----------------------------------------------------------------------------- manifest
+
+
+def _checksum_share(folder: Path, names: list[str], rank: int, world: int) -> dict[str, Any]:
+    """{name: (size, crc) or "error text"} for this rank's share of `names`."""
+    out: dict[str, Any] = {}
+    for name in names[rank::world]:
+        try:
+            out[name] = (os.path.getsize(folder / name), file_checksum(folder / name))
+        except OSError as e:
+            out[name] = f"cannot be read ({e.strerror or e})"
+    return out
+
+
+def _collective_checksums(folder: Path, names: list[str]) -> dict[str, Any]:
+    """Every rank checksums a share of the files; all ranks get all results."""
+    merged: dict[str, Any] = {}
+    for part in _all_gather(_checksum_share(folder, names, _rank(), _world_size())):
+        merged.update(part)
+    return merged
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The parsed manifest of checkpoint `path`; CheckpointError naming the file if unusable."""
+    file = path / _MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {path}: {_MANIFEST} is missing (an incomplete save, or a checkpoint "
+            "written before manifests existed)"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: {file} cannot be read: {e}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"checkpoint {path}: {file} is not a checkpoint manifest")
+    return manifest
+
+
+def verify_checkpoint(path: Path, checksums: bool = True, collective: bool = True) -> list[str]:
+    """Problems of checkpoint folder `path` (empty: intact), each naming the file.
+
+    Collective when torch.distributed is initialised and `checksums` is set (every rank hashes a
+    share of the files); call it on all ranks then. `checksums=False` checks only presence and
+    sizes (cheap: what pruning and listing use). `collective=False`: this process alone."""
+    collective = collective and checksums and dist.is_initialized()
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as e:
+        problems = [str(e)]
+        if collective:  # the same collectives as the path below, so ranks stay aligned
+            _all_gather(None)
+            problems = list(dict.fromkeys(p for part in _all_gather(problems) for p in part))
+        return problems
+    files: dict[str, dict[str, Any]] = manifest["files"]
+    names = sorted(files)
+    if collective:
+        actual = _collective_checksums(path, names)
+    elif checksums:
+        actual = _checksum_share(path, names, 0, 1)
+    else:
+        actual = {}
+        for name in names:
+            try:
+                actual[name] = (os.path.getsize(path / name), files[name]["crc32"])
+            except OSError as e:
+                actual[name] = f"cannot be read ({e.strerror or e})"
+    problems = []
+    for name in names:
+        want, got = files[name], actual[name]
+        where = f"checkpoint {path}: file {name}"
+        if isinstance(got, str):
+            problems.append(f"{where} is missing" if "No such file" in got else f"{where} {got}")
+        elif got[0] != want["size"]:
+            problems.append(
+                f"{where} has {got[0]} bytes, the manifest says {want['size']} (truncated or replaced)"
+            )
+        elif got[1] != want["crc32"]:
+            problems.append(
+                f"{where} has checksum {got[1]}, the manifest says {want['crc32']} (damaged bytes)"
+            )
+    for required in (".metadata", _META, _FINGERPRINT):
+        if required not in files:
+            problems.append(f"checkpoint {path}: the manifest does not list {required}")
+    if collective:  # every rank decides the same (a rank without the shared folder counts)
+        problems = list(dict.fromkeys(p for part in _all_gather(problems) for p in part))
+    return problems
 
 
 # ----------------------------------------------------------------------------- manager
 
 
 class CheckpointManager:
-    """Save every `cfg.interval` steps and at the last step; resume from the newest complete one.
+    """Save every `cfg.interval` steps and at the last step; resume from the newest intact one.
 
     `states` maps names to Stateful objects (model, optimizer, lr_scheduler, dataloader,
-    train_state, ...). Names in `per_rank` hold state that differs between ranks (the data
-    loader) and are saved as `<name>.rank<k>`; this process's RNG state is added the same way
+    train_state, ...). Names in `per_rank` are stored as plain JSON per rank (their state_dict()
+    must be JSON-serialisable: the data loader); this process's RNG state is added the same way
     when `save_rng` is set. Every method is collective: call it on all ranks.
     """
 
@@ -261,53 +409,60 @@ class CheckpointManager:
         self.fingerprint = fingerprint
         self.per_rank = [k for k in per_rank if k in states]
         for name, obj in states.items():
-            if not isinstance(obj, Stateful):
+            if not callable(getattr(obj, "state_dict", None)) or not callable(
+                getattr(obj, "load_state_dict", None)
+            ):
                 raise TypeError(
                     f"checkpoint state {name!r} ({type(obj).__name__}) needs state_dict() and "
                     "load_state_dict(): wrap it (ModelState, OptimizerState, TrainState)"
                 )
-            if name == _RNG_KEY or ".rank" in name:
-                raise ValueError(f"checkpoint state name {name!r} is reserved; rename it")
+            if name == _RNG_KEY or not re.fullmatch(r"[A-Za-z0-9_]+", name):
+                raise ValueError(
+                    f"checkpoint state name {name!r} is reserved or not [A-Za-z0-9_]+; rename it"
+                )
         self.states = dict(states)
         self.save_rng = save_rng
         self.rank = _rank()
         self.world_size = _world_size()
+        self.last_saved_step: int | None = None
+        self.loaded_step: int = 0
+        self._last_size = 0
 
     # -- paths
 
     def step_dir(self, step: int) -> Path:
         return self.folder / f"step-{step}"
 
-    def complete_steps(self) -> list[int]:
-        """Steps with a complete checkpoint folder, ascending."""
+    def _step_folders(self) -> list[int]:
+        """Steps of every `step-<N>` folder (intact or not), ascending."""
         if not self.folder.is_dir():
             return []
-        steps = []
-        for p in self.folder.iterdir():
-            m = _STEP_RE.match(p.name)
-            if m and p.is_dir():
-                if (p / ".metadata").is_file() and (p / _META).is_file():
-                    steps.append(int(m.group(1)))
-                else:
-                    logger.warning("ignoring incomplete checkpoint folder %s", p)
-        return sorted(steps)
+        return sorted(
+            int(m.group(1))
+            for p in self.folder.iterdir()
+            if (m := _STEP_RE.match(p.name)) and p.is_dir()
+        )
+
+    def complete_steps(self) -> list[int]:
+        """Steps with a committed checkpoint (manifest present, files present with the listed
+        sizes; checksums are verified on load), ascending."""
+        return [s for s in self._step_folders() if not verify_checkpoint(self.step_dir(s), False)]
+
+    def last_good_checkpoint(self) -> Path | None:
+        steps = self.complete_steps()
+        return self.step_dir(steps[-1]) if steps else None
 
     # -- state dict assembly
 
     def _dcp_state(self) -> dict[str, Any]:
         """A fresh dict per call: dcp.load replaces Stateful values in the dict it is given."""
-        out: dict[str, Any] = {}
-        for name, obj in self.states.items():
-            if name in self.per_rank:
-                out[f"{name}.rank{self.rank}"] = _PerRankBlob(obj)
-            else:
-                out[name] = obj
-        if self.save_rng:
-            out[f"{_RNG_KEY}.rank{self.rank}"] = _PerRankBlob(RNGState())
-        return out
+        return {k: v for k, v in self.states.items() if k not in self.per_rank}
 
-    def _per_rank_names(self) -> list[str]:
+    def _json_names(self) -> list[str]:
         return self.per_rank + ([_RNG_KEY] if self.save_rng else [])
+
+    def _json_state(self, name: str) -> Any:
+        return RNGState() if name == _RNG_KEY else self.states[name]
 
     # -- save
 
@@ -321,51 +476,132 @@ class CheckpointManager:
         self.save(step)
         return True
 
+    def _check_finite(self, step: int) -> None:
+        local_ok = all(s.all_finite() for s in self.states.values() if isinstance(s, ModelState))
+        if not all(_all_gather(local_ok)):
+            good = self.last_good_checkpoint()
+            raise CheckpointError(
+                f"refusing to save step {step}: the model holds non-finite values (NaN/inf). "
+                f"The last good checkpoint is {good or 'none'}; resume from it with a lower "
+                "optimizer.lr or a clipping norm (training.max_norm)"
+            )
+
     def save(self, step: int) -> Path:
         begin = time.perf_counter()
+        self._check_finite(step)
         final = self.step_dir(step)
         tmp = final.with_name(final.name + ".tmp")
+        try:
+            self._save_into(step, tmp, final)
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            raise self._save_failed(step, tmp, e) from e
         if self.rank == 0:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():  # left by a crashed save of this step
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        _barrier()
-        dcp.save(self._dcp_state(), checkpoint_id=str(tmp))
-        _barrier()  # every rank's shards are on disk before the folder is declared complete
-        if self.rank == 0:
-            self._commit(step, tmp, final)
-        _barrier()
-        if self.rank == 0:
-            size = sum(f.stat().st_size for f in final.iterdir()) / 2**20
             logger.info(
                 "saved checkpoint %s (%.1f MiB) in %.1f s",
                 final,
-                size,
+                self._last_size / 2**20,
                 time.perf_counter() - begin,
             )
+        self.last_saved_step = step
         return final
 
-    def _commit(self, step: int, tmp: Path, final: Path) -> None:
+    def _save_into(self, step: int, tmp: Path, final: Path) -> None:
+        error = None
+        if self.rank == 0:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():  # left by a crashed save of this step
+                    self._remove_own_tmp(tmp)
+                tmp.mkdir()
+            except (OSError, CheckpointError) as e:
+                error = self._describe_save_error(step, tmp, e)
+        _raise_if_any(error)
+        dcp.save(self._dcp_state(), checkpoint_id=str(tmp))
+        error = None
+        try:
+            for name in self._json_names():
+                state = self._json_state(name).state_dict()
+                _write_json(tmp / f"{name}.rank{self.rank}.json", state)
+        except OSError as e:
+            error = self._describe_save_error(step, tmp, e)
+        except TypeError as e:
+            error = f"checkpoint state {name!r} is not JSON-serialisable: {e}"
+        _raise_if_any(error)  # also the barrier: every rank's files are on disk
+        names = _broadcast_from_rank0(
+            sorted(p.name for p in tmp.iterdir()) if self.rank == 0 else None
+        )
+        checksums = _collective_checksums(tmp, names)
+        error = None
+        if self.rank == 0:
+            try:
+                self._commit(step, tmp, final, checksums)
+            except (OSError, CheckpointError) as e:
+                error = self._describe_save_error(step, tmp, e)
+        _raise_if_any(error)
+
+    def _describe_save_error(self, step: int, tmp: Path, e: BaseException) -> str:
+        what = "no space left on the device" if _is_no_space(e) else f"{type(e).__name__}: {e}"
+        return (
+            f"saving checkpoint step-{step} into {tmp} failed: {what}. Previous checkpoints "
+            f"in {self.folder} are untouched. Free space (or lower checkpoint.keep_latest_k), "
+            "or point job.dump_folder / checkpoint.folder at a writable filesystem"
+        )
+
+    def _save_failed(self, step: int, tmp: Path, e: BaseException) -> CheckpointError:
+        """A save raised (on any rank): remove our partial folder, report the path and why."""
+        if self.rank == 0 and tmp.is_dir():
+            try:
+                self._remove_own_tmp(tmp)
+            except (OSError, CheckpointError) as cleanup:
+                logger.warning("could not remove partial checkpoint %s: %s", tmp, cleanup)
+        return CheckpointError(self._describe_save_error(step, tmp, e))
+
+    def _commit(self, step: int, tmp: Path, final: Path, checksums: dict[str, Any]) -> None:
         meta = {
+            "format": FORMAT,
             "step": step,
             "world_size": self.world_size,
-            "per_rank": self._per_rank_names(),
+            "json_states": self._json_names(),
             "states": sorted(self.states),
             "torch_version": torch.__version__,
             "time": time.time(),
         }
         _write_json(tmp / _FINGERPRINT, self.fingerprint)
-        _write_json(tmp / _META, meta)  # written last: its presence marks the folder complete
+        _write_json(tmp / _META, meta)
+        files = {}
+        for name, got in checksums.items():
+            if isinstance(got, str):
+                raise OSError(f"{tmp / name} {got}")
+            files[name] = {"size": got[0], "crc32": got[1]}
+        for name in (_FINGERPRINT, _META):
+            files[name] = {"size": (tmp / name).stat().st_size, "crc32": file_checksum(tmp / name)}
+        # The manifest is written last and atomically: its presence marks the folder complete.
+        self._last_size = sum(f["size"] for f in files.values())
+        _write_json(tmp / (_MANIFEST + ".tmp"), {"format": FORMAT, "step": step, "files": files})
+        os.replace(tmp / (_MANIFEST + ".tmp"), tmp / _MANIFEST)
+        _fsync_dir(tmp)
         if final.exists():
-            # Re-saving a step (resumed from an older checkpoint): the new history wins.
-            logger.warning("overwriting existing checkpoint %s", final)
-            old = final.with_name(final.name + ".replaced.tmp")
-            if old.exists():
+            problems = verify_checkpoint(final, collective=False)
+            if problems:
+                # Never overwrite what could not be read: keep it aside for inspection.
+                aside = final.with_name(f"{final.name}.unreadable-{int(time.time())}")
+                logger.error(
+                    "checkpoint %s could not be read (%s); moved to %s, not overwritten",
+                    final,
+                    problems[0],
+                    aside,
+                )
+                os.rename(final, aside)
+                os.rename(tmp, final)
+            else:
+                # Re-saving a step (resumed from an older checkpoint): the new history wins.
+                logger.warning("replacing existing checkpoint %s", final)
+                old = final.with_name(final.name + ".tmp.replaced")
+                os.rename(final, old)
+                os.rename(tmp, final)
                 shutil.rmtree(old)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
         else:
             os.rename(tmp, final)
         latest_tmp = self.folder / "latest.tmp"
@@ -375,6 +611,7 @@ class CheckpointManager:
         self._prune()
 
     def _prune(self) -> None:
+        """Remove intact checkpoints beyond the newest keep_latest_k; never damaged ones."""
         k = self.cfg.keep_latest_k
         if k <= 0:
             return
@@ -384,70 +621,164 @@ class CheckpointManager:
 
     # -- load
 
+    def _remove_own_tmp(self, path: Path) -> None:
+        """Remove a `step-<N>.tmp` folder only if every file in it has one of our names."""
+        foreign = [
+            p.name for p in path.iterdir() if not (p.is_file() and _OWN_FILE_RE.match(p.name))
+        ]
+        if foreign:
+            raise CheckpointError(
+                f"{path} looks like an interrupted save but holds files this checkpointer does "
+                f"not write ({', '.join(sorted(foreign)[:5])}): not removing it. Move it away"
+            )
+        shutil.rmtree(path)
+
     def _clean_tmp(self) -> None:
+        """Remove leftovers of interrupted saves: only our own names (step-<N>.tmp, latest.tmp)."""
         if not self.folder.is_dir():
             return
         for p in self.folder.iterdir():
-            if p.name.endswith(".tmp"):
-                logger.warning("removing leftover of an interrupted save: %s", p)
-                if p.is_dir():
-                    shutil.rmtree(p)
-                else:
-                    p.unlink()
+            if _STEP_TMP_RE.match(p.name) and p.is_dir():
+                try:
+                    self._remove_own_tmp(p)
+                    logger.warning("removed leftover of an interrupted save: %s", p)
+                except CheckpointError as e:
+                    logger.warning("%s", e)
+            elif p.name == "latest.tmp" and p.is_file():
+                p.unlink()
 
-    def _choose_step(self) -> int:
-        """Rank 0: the step to load (0 for none), after removing leftovers of crashed saves."""
+    def _candidates(self) -> list[int]:
+        """Rank 0: the steps to try, newest first; [] for a fresh start."""
         self._clean_tmp()
-        steps = self.complete_steps()
-        if self.cfg.load_step >= 0:
+        steps = self._step_folders()
+        if self.cfg.load_step == 0:
+            if steps:
+                logger.warning(
+                    "checkpoint.load_step = 0: starting from step 0 although %s holds "
+                    "checkpoints %s (they are kept)",
+                    self.folder,
+                    steps,
+                )
+            return []
+        if self.cfg.load_step > 0:
             if self.cfg.load_step not in steps:
                 raise CheckpointError(
-                    f"checkpoint.load_step={self.cfg.load_step} but {self.folder} has no complete "
-                    f"step-{self.cfg.load_step}; complete steps: {steps or 'none'}. Set "
-                    "checkpoint.load_step to one of them, or -1 for the newest"
+                    f"checkpoint.load_step={self.cfg.load_step} but {self.folder} has no "
+                    f"step-{self.cfg.load_step}; checkpoints: {steps or 'none'}. Set "
+                    "checkpoint.load_step to one of them, -1 for the newest, or 0 to start fresh"
                 )
-            return self.cfg.load_step
-        return steps[-1] if steps else 0
+            return [self.cfg.load_step]
+        return steps[::-1]
 
     def load(self) -> int:
-        """Resume from `cfg.load_step` or the newest complete checkpoint; returns its step.
+        """Resume from `cfg.load_step` or the newest intact checkpoint; returns its step.
 
-        Returns 0 (states untouched) when checkpointing is disabled or there is none yet.
-        """
+        Returns 0 (states untouched) when checkpointing is disabled, there is no checkpoint
+        yet, or `checkpoint.load_step = 0`."""
         if not self.cfg.enable:
             return 0
-        choice: int | str = 0
+        choice: list[int] | str = []
         if self.rank == 0:
             try:
-                choice = self._choose_step()
+                choice = self._candidates()
             except CheckpointError as e:
                 choice = str(e)  # tell the other ranks, so nobody waits forever
         choice = _broadcast_from_rank0(choice)
         if isinstance(choice, str):
             raise CheckpointError(choice)
-        if choice == 0:
-            logger.info("no checkpoint in %s: starting from step 0", self.folder)
+        if not choice:
+            logger.info("no checkpoint to load in %s: starting from step 0", self.folder)
             return 0
-        path = self.step_dir(choice)
-        self._check_compatible(path)
+        damaged: list[str] = []
+        for step in choice:
+            path = self.step_dir(step)
+            problems = verify_checkpoint(path)
+            if not problems:
+                break
+            damaged.append(f"{path}:\n    " + "\n    ".join(problems))
+            if self.cfg.on_damaged == "error" or self.cfg.load_step > 0:
+                raise CheckpointError(
+                    f"checkpoint {path} is damaged or incomplete:\n    "
+                    + "\n    ".join(problems)
+                    + "\nNothing was changed in the folder. Fix: restore the files, set "
+                    'checkpoint.on_damaged = "previous" to resume from the newest intact '
+                    "checkpoint, or checkpoint.load_step to another step (0: start fresh)"
+                )
+            logger.error(
+                "CHECKPOINT %s IS DAMAGED, falling back to an older one "
+                "(checkpoint.on_damaged = previous):\n    %s",
+                path,
+                "\n    ".join(problems),
+            )
+        else:
+            raise CheckpointError(
+                f"{self.folder} holds checkpoints but none is intact:\n  "
+                + "\n  ".join(damaged)
+                + "\nRefusing to start from step 0 over them. Fix: restore the files, or set "
+                "checkpoint.load_step = 0 to start fresh (the damaged checkpoints are kept), or "
+                "use another checkpoint.folder"
+            )
+        meta = self._check_compatible(path)
         begin = time.perf_counter()
-        dcp.load(self._dcp_state(), checkpoint_id=str(path))
+        try:
+            dcp.load(self._dcp_state(), checkpoint_id=str(path))
+        except (Exception, CheckpointException) as e:  # name the checkpoint, not just DCP
+            raise CheckpointError(
+                f"checkpoint {path} passed its manifest check but DCP could not load it into "
+                f"this run: {type(e).__name__}: {e}"
+            ) from e
+        self._load_json_states(path, meta)
         _barrier()
         logger.info("loaded checkpoint %s in %.1f s", path, time.perf_counter() - begin)
-        return choice
+        self.loaded_step = step
+        return step
 
-    def _check_compatible(self, path: Path) -> None:
+    def _load_json_states(self, path: Path, meta: dict[str, Any]) -> None:
+        saved_world = int(meta["world_size"])
+        for name in self._json_names():
+            states = []
+            for k in range(saved_world):
+                try:
+                    states.append(json.loads((path / f"{name}.rank{k}.json").read_text()))
+                except (OSError, ValueError) as e:
+                    raise CheckpointError(
+                        f"checkpoint {path}: {name}.rank{k}.json cannot be read: {e}"
+                    ) from None
+            if all(s == states[0] for s in states):
+                self._json_state(name).load_state_dict(states[0])  # global: any world size
+            elif saved_world == self.world_size:
+                self._json_state(name).load_state_dict(states[self.rank])
+            elif name == _RNG_KEY:
+                if self.rank == 0:
+                    logger.warning(
+                        "checkpoint %s was saved by %d ranks, this run has %d: the per-rank RNG "
+                        "states are not restored",
+                        path,
+                        saved_world,
+                        self.world_size,
+                    )
+            else:
+                raise CheckpointError(
+                    f"checkpoint {path} was saved by {saved_world} ranks but this run has "
+                    f"{self.world_size}, and its {name!r} state differs between ranks (a "
+                    f"per-rank position), so it cannot be resharded. Resume with {saved_world} "
+                    "ranks, or use a loader whose state is global (the same on every rank)"
+                )
+
+    def _check_compatible(self, path: Path) -> dict[str, Any]:
         try:
             meta = json.loads((path / _META).read_text())
             saved_fp = json.loads((path / _FINGERPRINT).read_text())
-        except FileNotFoundError as e:
+        except (OSError, ValueError) as e:
             raise CheckpointError(
-                f"rank {self.rank} cannot read {e.filename}, which rank 0 sees: the checkpoint "
-                "folder (job.dump_folder) must be on a filesystem shared by all nodes"
+                f"rank {self.rank} cannot read {getattr(e, 'filename', None) or path}: {e}. "
+                "On several nodes the checkpoint folder (job.dump_folder) must be on a "
+                "filesystem shared by all nodes"
             ) from None
         fix = (
-            "Fix: run with the config this checkpoint was written with, or start a fresh run "
-            "(a new job.run_name, or another job.dump_folder)."
+            "Nothing was changed in the run folder. Fix: run with the config this checkpoint "
+            "was written with, or start a fresh run (a new job.run_name, or another "
+            "job.dump_folder)."
         )
         diffs = fingerprint_mismatches(saved_fp, self.fingerprint)
         if diffs:
@@ -461,13 +792,7 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpoint {path} has no state for {missing} (it holds {meta['states']}). {fix}"
             )
-        wanted = self._per_rank_names()
-        if wanted and meta["world_size"] != self.world_size:
-            raise CheckpointError(
-                f"checkpoint {path} was saved by {meta['world_size']} ranks but this run has "
-                f"{self.world_size}: per-rank state {wanted} (data-loader position, RNG) cannot "
-                f"be resharded. Resume with {meta['world_size']} ranks, or start a fresh run."
-            )
-        lacking = sorted(set(wanted) - set(meta["per_rank"]))
+        lacking = sorted(set(self._json_names()) - set(meta.get("json_states", [])))
         if lacking:
-            raise CheckpointError(f"checkpoint {path} has no per-rank state for {lacking}. {fix}")
+            raise CheckpointError(f"checkpoint {path} has no state for {lacking}. {fix}")
+        return meta

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +22,10 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 
+# Largest n-gram order of the C hashing kernel (MAX_NGRAM in engram/csrc/ngram_hash.c).
+MAX_NGRAM = 16
+
+
 class ConfigError(ValueError):
     """A configuration problem; the message says how to fix it."""
 
@@ -27,6 +33,11 @@ class ConfigError(ValueError):
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def _check_finite(value: float, key: str, hint: str = "") -> None:
+    """NaN compares false with everything and inf passes `> 0`: reject both by name."""
+    _check(math.isfinite(value), f"{key} must be a finite number, got {value!r} {hint}".rstrip())
 
 
 @dataclass
@@ -147,6 +158,13 @@ class Engram:
             f"engram.init must be identity or paper, got {self.init!r}",
         )
         _check(self.pad_id >= -1, "engram.pad_id must be a token id or -1 (tokenizer's pad/eos)")
+        _check(
+            self.max_ngram <= MAX_NGRAM,
+            f"engram.max_ngram = {self.max_ngram}, but the hashing kernels support n-gram orders "
+            f"up to {MAX_NGRAM}",
+        )
+        _check_finite(self.table_init_std, "engram.table_init_std")
+        _check(self.table_init_std > 0, "engram.table_init_std must be > 0")
 
     @property
     def head_dim(self) -> int:
@@ -171,6 +189,9 @@ class Training:
     """Optimizer steps to run."""
     max_norm: float = 1.0
     """Global gradient-norm clipping threshold; <= 0 disables clipping."""
+    max_nonfinite_steps: int = 3
+    """A step with a non-finite loss or gradient norm is skipped (no optimizer update); this
+    many in a row stop the run with an error naming the last good checkpoint."""
 
     def __post_init__(self) -> None:
         _check(
@@ -181,6 +202,8 @@ class Training:
             _check(
                 getattr(self, name) > 0, f"training.{name} must be > 0, got {getattr(self, name)}"
             )
+        _check(self.max_nonfinite_steps > 0, "training.max_nonfinite_steps must be > 0")
+        _check_finite(self.max_norm, "training.max_norm", "(use 0 to disable clipping)")
 
 
 @dataclass
@@ -233,14 +256,22 @@ class Optimizer:
 
     def __post_init__(self) -> None:
         _check(self.name == "AdamW", f"optimizer.name must be AdamW, got {self.name!r}")
+        for name in ("lr", "eps", "weight_decay", "engram_lr_mult", "table_lr_mult"):
+            _check_finite(getattr(self, name), f"optimizer.{name}")
+        _check_finite(self.table_weight_decay, "optimizer.table_weight_decay")
+        for i, b in enumerate(self.betas):
+            _check_finite(b, f"optimizer.betas[{i}]")
         _check(self.lr > 0, "optimizer.lr must be > 0")
+        _check(self.eps >= 0, "optimizer.eps must be >= 0")
+        for name in ("weight_decay", "table_weight_decay"):
+            _check(getattr(self, name) >= 0, f"optimizer.{name} must be >= 0")
         _check(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
             "optimizer.betas must be two values in [0, 1)",
         )
         _check(
             self.table_lr_mult > 0 and self.engram_lr_mult > 0,
-            "optimizer lr multipliers must be > 0",
+            "optimizer.table_lr_mult and optimizer.engram_lr_mult must be > 0",
         )
 
 
@@ -323,11 +354,20 @@ class Checkpoint:
     keep_latest_k: int = 3
     """Keep the newest k checkpoints; 0 keeps all."""
     load_step: int = -1
-    """Resume from this step; -1: the newest complete checkpoint if any."""
+    """Resume from this step; -1: the newest checkpoint (an error if it is damaged, see
+    on_damaged); 0: start from step 0 even if the folder holds checkpoints (they are kept)."""
+    on_damaged: str = "error"
+    """When the checkpoint to resume from fails its manifest check: error (stop, change nothing)
+    | previous (resume from the newest intact older checkpoint, with a loud warning)."""
 
     def __post_init__(self) -> None:
         _check(self.interval >= 1, "checkpoint.interval must be >= 1")
         _check(self.keep_latest_k >= 0, "checkpoint.keep_latest_k must be >= 0")
+        _check(self.load_step >= -1, "checkpoint.load_step must be >= -1")
+        _check(
+            self.on_damaged in ("error", "previous"),
+            f"checkpoint.on_damaged must be error or previous, got {self.on_damaged!r}",
+        )
 
 
 @dataclass
@@ -483,6 +523,10 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
                 raw = tomllib.load(f)
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        if not raw:
+            logging.getLogger("engram").warning(
+                "config file %s is empty: every setting takes its default value", path
+            )
         source = str(path)
     merged = _merge(raw, rest)
     merged.setdefault("job", {})["config_file"] = args.config_file

@@ -27,9 +27,11 @@ from engram.config import JobConfig, load_config
 from engram.data.loader import build_dataloader
 from engram.data.tokenizer import load_tokenizer
 from engram.distributed import destroy_distributed, init_distributed
+from engram.fingerprint import config_fingerprint
 from engram.hf_load import load_hf_backbone
 from engram.metrics import MetricsLogger, init_logger, logger
-from engram.models.builder import build_from_config, model_fingerprint
+from engram.models.builder import build_from_config
+from engram.nonfinite import NonFiniteGuard
 from engram.optim import apply_training_mode, build_lr_schedulers, build_optimizers, clip_grad_norm_
 from engram.profiling import maybe_profile
 from parallelisms.fsdp import defer_grad_sync
@@ -149,8 +151,7 @@ def train(cfg: JobConfig) -> TrainResult:
     def make_eval_loader():
         return build_dataloader(cfg, tokenizer, hasher, dp_rank, dims.dp_size, split="val")
 
-    # --- run folder: metrics, TensorBoard, checkpoints -------------------------------------
-    metrics = MetricsLogger(cfg.run_folder, cfg.metrics, rank, config_dict=cfg.to_dict())
+    # --- run folder: checkpoints, then metrics, TensorBoard ---------------------------------
     state = TrainState()
     checkpointer = CheckpointManager(
         cfg.checkpoint,
@@ -162,13 +163,12 @@ def train(cfg: JobConfig) -> TrainResult:
             "dataloader": train_loader,
             "train_state": state,
         },
-        fingerprint={
-            **model_fingerprint(cfg, model),
-            "training_mode": cfg.training.mode,
-            "table_lazy": cfg.optimizer.table_lazy,
-        },
+        fingerprint=config_fingerprint(cfg, tokenizer, hasher),
     )
     start_step = checkpointer.load()
+    # Only now: a refused resume must leave the run folder's config record untouched.
+    metrics = MetricsLogger(cfg.run_folder, cfg.metrics, rank, config_dict=cfg.to_dict())
+    guard = NonFiniteGuard(cfg.training.max_nonfinite_steps, checkpointer.last_good_checkpoint)
     if cfg.model.hf_checkpoint and start_step == 0:  # a resumed run has its weights already
         if cfg.engram.enabled and cfg.engram.init != "identity":
             logger.warning(
@@ -201,15 +201,17 @@ def train(cfg: JobConfig) -> TrainResult:
                     model_parts, batch, 1.0 / cfg.training.grad_accum_steps, sharded_logits
                 )
             grad_norm = clip_grad_norm_(trainable, cfg.training.max_norm)
+            loss_value = dp_mean(loss_sum / cfg.training.grad_accum_steps, dp_group)
+            skip = guard.skip(step, loss_value, grad_norm.item())  # before any update
             for opt in optimizers:
-                opt.step()
+                if not skip:
+                    opt.step()
                 opt.zero_grad(set_to_none=True)
             for sched in schedulers:
                 sched.step()
             profiler.step()
             state.step = step
             state.tokens_seen += tokens_per_step * dims.dp_size
-            loss_value = dp_mean(loss_sum / cfg.training.grad_accum_steps, dp_group)
             result.losses.append(loss_value)
             result.grad_norms.append(grad_norm.item())
             dev.synchronize(device)
@@ -225,6 +227,7 @@ def train(cfg: JobConfig) -> TrainResult:
                         "tokens_per_s": tokens_per_step * dims.dp_size / dt,
                         "step_time_s": dt,
                         "tokens_seen": state.tokens_seen,
+                        "nonfinite_steps": guard.total,
                         **{f"mem_{k}": v for k, v in mem.items()},
                     },
                 )

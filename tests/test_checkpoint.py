@@ -3,6 +3,7 @@ DTensor table, per-rank loader/RNG state, crash safety, pruning, config mismatch
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -175,9 +176,17 @@ def test_resume_is_exact(first_run):
     assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-3", "step-6"]
     assert (folder / "latest").read_text().strip() == "6"
     keys = set(dcp.FileSystemReader(folder / "step-3").read_metadata().state_dict_metadata)
-    for name in ("dataloader", "rng"):
-        assert {f"{name}.rank0.blob", f"{name}.rank1.blob"} <= keys
     assert "train_state.step" in keys and "model.table" in keys
+    assert not any(k.startswith(("dataloader", "rng")) for k in keys)
+    # Per-rank states are plain JSON files, listed in the manifest with the DCP files.
+    manifest = json.loads((folder / "step-3" / "manifest.json").read_text())
+    for name in ("dataloader", "rng"):
+        for rank in range(2):
+            assert f"{name}.rank{rank}.json" in manifest["files"]
+    assert json.loads((folder / "step-3" / "dataloader.rank1.json").read_text()) == {
+        "position": 103
+    }
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"} <= set(manifest["files"])
 
     resumed = run_distributed(_resume, 2, run)
     for rank in range(2):
@@ -203,7 +212,7 @@ def _load_at_world(rank: int, world_size: int, run: Path) -> str:
 def test_world_size_change_is_a_clear_error(first_run):
     run, _ = first_run
     (msg,) = run_distributed(_load_at_world, 1, run)
-    assert "saved by 2 ranks but this run has 1" in msg and "dataloader" in msg
+    assert "saved by 2 ranks but this run has 1" in msg and "'dataloader' state differs" in msg
 
 
 def _crash_and_prune(rank: int, world_size: int, run: Path) -> dict[str, Any]:
@@ -231,8 +240,17 @@ def _crash_and_prune(rank: int, world_size: int, run: Path) -> dict[str, Any]:
 
 
 def _after_crash(rank: int, world_size: int, run: Path) -> dict[str, Any]:
-    t = Trainer(rank, world_size, 1, Checkpoint(enable=True, interval=2, keep_latest_k=2), run)
-    return {"step": t.ckpt.load(), "weights": t.full_weights(), "steps": t.ckpt.complete_steps()}
+    cfg = Checkpoint(enable=True, interval=2, keep_latest_k=2)
+    t = Trainer(rank, world_size, 1, cfg, run)
+    with pytest.raises(CheckpointError) as e:  # step-9 is newest and has no manifest
+        t.ckpt.load()
+    cfg.on_damaged = "previous"
+    return {
+        "error": str(e.value),
+        "step": t.ckpt.load(),
+        "weights": t.full_weights(),
+        "steps": t.ckpt.complete_steps(),
+    }
 
 
 def test_interrupted_save_keeps_last_good_checkpoint(tmp_path):
@@ -248,11 +266,13 @@ def test_interrupted_save_keeps_last_good_checkpoint(tmp_path):
 
     resumed = run_distributed(_after_crash, 2, tmp_path)
     for rank in range(2):
+        assert "step-9: manifest.json is missing" in resumed[rank]["error"]
         assert resumed[rank]["step"] == 6
         assert resumed[rank]["steps"] == [4, 6]
         for name, w in crashed[rank]["weights"].items():
             assert np.array_equal(w, resumed[rank]["weights"][name]), name
     assert not list(folder.glob("*.tmp"))
+    assert (folder / "step-9").is_dir()  # unreadable: never deleted
 
 
 def _save_then_load_other(rank: int, world_size: int, run: Path) -> list[str]:

@@ -1,0 +1,247 @@
+"""Fault injection on checkpoints: damaged, incomplete and unreadable files, unrelated files in
+the folder, a full disk during save, a non-finite model. Each asserts what the run does: a clear
+error naming the checkpoint, the file and the problem (or a loud fallback with
+checkpoint.on_damaged = "previous"), and a folder left exactly as it was."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launcher import run_distributed
+from test_checkpoint import Trainer
+
+from engram.checkpoint import CheckpointError, verify_checkpoint
+from engram.config import Checkpoint
+
+
+def _save_steps(rank: int, world_size: int, run: Path, folder: str) -> None:
+    t = Trainer(
+        rank,
+        world_size,
+        0,
+        Checkpoint(enable=True, interval=2, keep_latest_k=0, folder=folder),
+        run,
+    )
+    for step in range(1, 5):
+        t.step()
+        t.ckpt.maybe_save(step)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A run folder with intact checkpoints step-2 and step-4 (world 1)."""
+    run = tmp_path_factory.mktemp("saved")
+    run_distributed(_save_steps, 1, run, "checkpoint")
+    return run
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_symlink():
+            out[str(p.relative_to(folder))] = "link:" + os.readlink(p)
+        elif p.is_file():
+            out[str(p.relative_to(folder))] = hashlib.sha256(p.read_bytes()).hexdigest()
+        else:
+            out[str(p.relative_to(folder))] = "dir"
+    return out
+
+
+def _try_load(rank: int, world_size: int, run: Path, cfg: Checkpoint) -> dict[str, Any]:
+    t = Trainer(rank, world_size, 1, cfg, run)
+    try:
+        step = t.ckpt.load()
+    except CheckpointError as e:
+        return {"error": str(e)}
+    return {"step": step, "train_step": t.train_state.step}
+
+
+def _copy(saved: Path, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(saved, run, symlinks=True)
+    return run
+
+
+def _truncate(p: Path) -> None:
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def _flip_bytes(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 64] = bytes(b ^ 0x5A for b in data[mid : mid + 64])
+    p.write_bytes(bytes(data))
+
+
+def _unreadable(p: Path) -> None:
+    p.unlink()
+    os.symlink(p.name, p)  # a symlink to itself: every open fails (ELOOP), even as root
+
+
+DAMAGES = {
+    "truncated_shard": ("__0_0.distcp", _truncate, "bytes, the manifest says"),
+    "changed_bytes": ("__0_0.distcp", _flip_bytes, "damaged bytes"),
+    "missing_manifest": ("manifest.json", Path.unlink, "manifest.json is missing"),
+    "missing_metadata": (".metadata", Path.unlink, "file .metadata is missing"),
+    "missing_meta": ("meta.json", Path.unlink, "file meta.json is missing"),
+    "missing_loader_state": ("dataloader.rank0.json", Path.unlink, "is missing"),
+    "unreadable_file": ("__0_0.distcp", _unreadable, "cannot be read"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGES))
+def test_damaged_newest_checkpoint(saved, tmp_path, case):
+    name, damage, expected = DAMAGES[case]
+    run = _copy(saved, tmp_path)
+    folder = run / "checkpoint"
+    damage(folder / "step-4" / name)
+    before = _snapshot(folder)
+
+    (refused,) = run_distributed(_try_load, 1, run, Checkpoint(enable=True))
+    msg = refused["error"]
+    assert "step-4" in msg and name in msg and expected in msg, msg
+    assert "on_damaged" in msg
+    assert _snapshot(folder) == before  # a refused load changes nothing
+
+    cfg = Checkpoint(enable=True, on_damaged="previous", keep_latest_k=1, interval=1)
+    (fallback,) = run_distributed(_try_load, 1, run, cfg)
+    assert fallback == {"step": 2, "train_step": 2}
+    assert _snapshot(folder) == before  # the damaged one is kept for inspection
+
+
+def _load_then_save(rank: int, world_size: int, run: Path, cfg: Checkpoint) -> dict[str, Any]:
+    t = Trainer(rank, world_size, 1, cfg, run)
+    step = t.ckpt.load()
+    for s in range(step + 1, step + 3):
+        t.step()
+        t.ckpt.maybe_save(s)
+    return {"step": step, "steps": t.ckpt.complete_steps()}
+
+
+def test_fallback_never_overwrites_or_prunes_a_damaged_checkpoint(saved, tmp_path):
+    run = _copy(saved, tmp_path)
+    folder = run / "checkpoint"
+    _flip_bytes(folder / "step-4" / "__0_0.distcp")
+    damaged = _snapshot(folder / "step-4")
+    cfg = Checkpoint(enable=True, on_damaged="previous", keep_latest_k=1, interval=1)
+    (out,) = run_distributed(_load_then_save, 1, run, cfg)
+    # Resumed at 2, saved 3 and 4: step-4 is the new one, the damaged one moved aside intact.
+    assert out == {"step": 2, "steps": [4]}
+    (aside,) = folder.glob("step-4.unreadable-*")
+    assert _snapshot(aside) == damaged
+    assert verify_checkpoint(folder / "step-4") == []
+
+
+def test_no_intact_checkpoint_never_starts_from_zero(saved, tmp_path):
+    run = _copy(saved, tmp_path)
+    folder = run / "checkpoint"
+    (folder / "step-2" / "meta.json").unlink()  # shards and DCP metadata still intact
+    (folder / "step-4" / "meta.json").unlink()
+    before = _snapshot(folder)
+    (out,) = run_distributed(_try_load, 1, run, Checkpoint(enable=True, on_damaged="previous"))
+    assert "none is intact" in out["error"] and "load_step = 0" in out["error"], out
+    assert _snapshot(folder) == before
+    # The user says so explicitly: a fresh start, and the old checkpoints stay.
+    (fresh,) = run_distributed(_try_load, 1, run, Checkpoint(enable=True, load_step=0))
+    assert fresh == {"step": 0, "train_step": 0}
+    assert _snapshot(folder) == before
+
+
+def test_load_step_names_the_damage(saved, tmp_path):
+    run = _copy(saved, tmp_path)
+    _truncate(run / "checkpoint" / "step-2" / "__0_0.distcp")
+    cfg = Checkpoint(enable=True, load_step=2, on_damaged="previous")
+    (out,) = run_distributed(_try_load, 1, run, cfg)
+    assert "step-2" in out["error"] and "__0_0.distcp" in out["error"]
+
+
+def test_unrelated_files_in_an_absolute_folder_are_left_alone(tmp_path):
+    shared = tmp_path / "shared_dir"
+    shared.mkdir()
+    (shared / "notes.tmp").write_text("mine")
+    (shared / "scratch.tmp").mkdir()
+    (shared / "scratch.tmp" / "x.bin").write_bytes(b"1")
+    (shared / "step-7.tmp").mkdir()  # our naming, but a file we never write inside
+    (shared / "step-7.tmp" / "thesis.tex").write_text("do not delete")
+    (shared / "latest.txt").write_text("other tool")
+    before = _snapshot(shared)
+    run = tmp_path / "run"
+    run_distributed(_save_steps, 1, run, str(shared))  # absolute checkpoint.folder
+    (out,) = run_distributed(_try_load, 1, run, Checkpoint(enable=True, folder=str(shared)))
+    assert out["step"] == 4
+    after = _snapshot(shared)
+    assert {k: after[k] for k in before} == before
+    assert not (run / "checkpoint").exists()
+
+
+def _save_nonfinite(rank: int, world_size: int, run: Path) -> str:
+    t = Trainer(rank, world_size, 0, Checkpoint(enable=True, interval=1), run)
+    t.step()
+    t.ckpt.save(1)
+    with torch.no_grad():
+        t.model.net[0].weight.to_local()[0, 0] = float("nan")
+    with pytest.raises(CheckpointError) as e:
+        t.ckpt.save(2)
+    return str(e.value)
+
+
+def test_non_finite_state_is_never_saved(tmp_path):
+    msgs = run_distributed(_save_nonfinite, 2, tmp_path)
+    for msg in msgs:
+        assert "refusing to save step 2" in msg and "step-1" in msg
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["latest", "step-1"]
+
+
+# ----------------------------------------------------------------------------- full disk
+
+
+def _save_until_full(rank: int, world_size: int, run: Path, folder: str, filler: Path) -> dict:
+    cfg = Checkpoint(enable=True, interval=1, keep_latest_k=0, folder=folder)
+    t = Trainer(rank, world_size, 0, cfg, run)
+    t.step()
+    t.ckpt.save(1)
+    if rank == 0:  # leave a few KiB: the next save cannot fit
+        free = shutil.disk_usage(folder).free
+        filler.write_bytes(b"\0" * max(free - 8192, 0))
+    t.step()
+    with pytest.raises(CheckpointError) as e:
+        t.ckpt.save(2)
+    return {"error": str(e.value)}
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root: the full-disk test did not run")
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()}): test did not run")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_disk_full_during_save(tmp_path, small_tmpfs):
+    folder = small_tmpfs / "ckpt"
+    filler = small_tmpfs / "filler"
+    outs = run_distributed(_save_until_full, 2, tmp_path, str(folder), filler)
+    for out in outs:
+        msg = out["error"]
+        assert "no space left" in msg and str(folder / "step-2.tmp") in msg, msg
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-1"]  # partial removed
+    assert verify_checkpoint(folder / "step-1") == []
+    filler.unlink()
+    cfg = Checkpoint(enable=True, folder=str(folder))
+    assert run_distributed(_try_load, 2, tmp_path, cfg) == [{"step": 1, "train_step": 1}] * 2
