@@ -174,9 +174,14 @@ class TokenShards:
         for k, lo, hi in self._pieces(start, stop):
             tokens[filled : filled + hi - lo] = self._tokens[k].array[lo:hi]
             self._tokens[k].release(lo, hi)
+            # document index = number of document ends at or before each token, from lo
             ends = self._ends[k].array
-            first = np.searchsorted(ends, lo, side="right")
-            local = np.searchsorted(ends, np.arange(lo, hi), side="right") - first
+            # same dtype as the index: a mixed-type search would convert the whole index
+            i0, i1 = np.searchsorted(ends, np.array([lo, hi - 1], dtype=ends.dtype), side="right")
+            bumps = np.zeros(hi - lo, dtype=np.int64)
+            inside = ends[i0:i1].astype(np.int64) - lo
+            bumps[inside[inside < hi - lo]] = 1
+            local = np.cumsum(bumps)
             segs[filled : filled + hi - lo] = local + seg0
             seg0 = int(local[-1]) + 1  # a shard always ends at a document end
             filled += hi - lo

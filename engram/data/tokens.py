@@ -30,11 +30,16 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def permute(index: np.ndarray, n: int, key: list[int]) -> np.ndarray:
-    """A seeded bijection of [0, n) applied to `index` (values in [0, n))."""
+def round_keys(key: list[int]) -> np.ndarray:
+    return np.random.default_rng(key).integers(0, 1 << 63, size=4, dtype=np.uint64)
+
+
+def permute(index: np.ndarray, n: int, key: list[int] | np.ndarray) -> np.ndarray:
+    """A seeded bijection of [0, n) applied to `index` (values in [0, n)); `key`: a seed list
+    or its round_keys."""
     half = max(1, (max(1, int(n - 1).bit_length()) + 1) // 2)
     mask = np.uint64((1 << half) - 1)
-    keys = np.random.default_rng(key).integers(0, 1 << 63, size=4, dtype=np.uint64)
+    keys = key if isinstance(key, np.ndarray) else round_keys(key)
     x = np.asarray(index, dtype=np.uint64).copy()
     todo = np.ones(x.shape, dtype=bool)
     while todo.any():  # cycle-walk values that land outside [0, n)
@@ -59,6 +64,7 @@ class ChunkStream:
         self.size = held if split == "val" else chunks - held
         self.split = split
         self.key = [seed, stream, 1 if split == "val" else 0]
+        self._keys: tuple[int, np.ndarray] | None = None
         if self.size == 0 or (split == "train" and held == 0):
             raise ValueError(
                 f"{shards.folder} holds {shards.num_tokens} tokens, {chunks} sequence(s) of "
@@ -72,7 +78,9 @@ class ChunkStream:
         chunks = np.empty_like(positions)
         for e in np.unique(epoch):
             sel = epoch == e
-            p = permute(positions[sel] % self.size, self.size, [*self.key, int(e)])
+            if self._keys is None or self._keys[0] != e:
+                self._keys = (int(e), round_keys([*self.key, int(e)]))
+            p = permute(positions[sel] % self.size, self.size, self._keys[1])
             if self.split == "val":
                 chunks[sel] = p * self.period + self.period - 1
             else:
@@ -126,14 +134,20 @@ class TokenMixture:
         return self._cache[1], self._cache[2]
 
     def samples(self, first: int, count: int) -> list[dict[str, np.ndarray]]:
-        out = []
-        for j in range(first, first + count):
+        """Global samples [first, first + count): input_ids, labels, segment_ids (int64 [T])."""
+        source = np.empty(count, dtype=np.int64)
+        index = np.empty(count, dtype=np.int64)  # position in its source's stream
+        for i, j in enumerate(range(first, first + count)):
             b, pos = divmod(j, self.block)
             labels, rank = self._block(b)
-            k = int(labels[pos])
+            source[i] = labels[pos]
+            index[i] = b * self.counts[source[i]] + rank[pos]
+        chunks = np.empty(count, dtype=np.int64)
+        for k in np.unique(source):
+            chunks[source == k] = self.streams[k].chunk_of(index[source == k])
+        out = []
+        for k, c in zip(source.tolist(), chunks.tolist(), strict=True):
             stream = self.streams[k]
-            m = b * int(self.counts[k]) + int(rank[pos])
-            c = int(stream.chunk_of(np.array([m]))[0])
             x, seg = stream.shards.read(c * stream.chunk, (c + 1) * stream.chunk)
             if x.max() >= self.vocab_size:  # corrupt shard bytes (the header said otherwise)
                 raise ValueError(
