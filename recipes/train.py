@@ -187,6 +187,11 @@ def train(cfg: JobConfig) -> TrainResult:
                         "step_time_s": dt,
                         "tokens_seen": state.tokens_seen,
                         **{f"mem_{k}": v for k, v in mem.items()},
+                        # data: global tokens consumed per mixture source (tokens dataset)
+                        **{
+                            f"data_tokens/{name}": n * cfg.training.seq_len
+                            for name, n in train_loader.samples_per_source().items()
+                        },
                     },
                 )
             if cfg.data.eval_batches > 0 and (

@@ -472,3 +472,46 @@ def test_memory_bound_of_prepare_and_reader(tmp_path):
     _write_big_shards(big, 160 * 2**20, shards=4)
     got = _run_memory("read", big)
     assert got["read_mb"] > 1.2 * budget_mb and got["peak_mb"] < budget_mb, got
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _train(rank: int, world: int, raw: dict) -> list[float]:
+    from recipes.train import train
+
+    return train(config_from_dict(raw)).losses
+
+
+@pytest.mark.slow
+def test_train_on_a_prepared_mixture_logs_tokens_per_source(corpus, tmp_path):
+    from launcher import run_distributed
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root, _ = corpus
+    _write_corpus(tmp_path / "corpus2", seed=2, n_jsonl=150, n_text=0)
+    _prepare(tmp_path / "corpus2", tmp_path / "other")
+    sources = [{"path": str(root / "prepared"), "weight": 0.7}, {"path": str(tmp_path / "other"), "weight": 0.3}]  # fmt: skip
+    raw = {
+        "job": {"dump_folder": str(tmp_path), "run_name": "mix", "device": "cpu"},
+        "engram": {
+            "n_head_per_ngram": 2,
+            "vocab_size_per_ngram": [1009, 997],
+            "n_embed_per_ngram": 32,
+        },  # fmt: skip
+        "training": {"seq_len": SEQ, "local_batch_size": 4, "steps": 3},
+        "data": {"dataset": "tokens", "sources": sources, "eval_batches": 1},
+    }
+    losses = run_distributed(_train, 1, raw)[0]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    run = tmp_path / "mix"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if "loss" in r][-1]
+    per_source = {k: v for k, v in last.items() if k.startswith("data_tokens/")}
+    assert set(per_source) == {"data_tokens/prepared", "data_tokens/other"}
+    assert sum(per_source.values()) == 3 * 4 * SEQ
+    assert any("eval_loss" in r for r in records)
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    assert len(acc.Scalars("data_tokens/prepared")) == 3
+    assert load_config([f"--job.config_file={run / 'config.toml'}"]).data.sources[1].weight == 0.3
