@@ -343,7 +343,7 @@ def _copy(src: Path, dst: Path) -> Path:
 def test_refuses_garbage_with_errors_that_name_the_file_and_fix(corpus, tmp_path):
     root, _ = corpus
     good = root / "prepared"
-    fp = tokenizer_fingerprint(TOK.hf)
+    fp = tokenizer_fingerprint(TOK)
     # Shards made with another tokenizer.
     other = _other_tokenizer(tmp_path / "other.json")
     _prepare(root / "corpus" / "a.jsonl", tmp_path / "other_tok", tokenizer_path=str(other))
@@ -406,7 +406,7 @@ if mode == "prepare":
     print(json.dumps({{"peak_mb": max(rss_mb("VmHWM"), kids)}}))
 else:
     tok = load_tokenizer("")
-    mix = TokenMixture([folder], [1.0], tokenizer_fingerprint(tok.hf), tok.vocab_size, 8191,
+    mix = TokenMixture([folder], [1.0], tokenizer_fingerprint(tok), tok.vocab_size, 8191,
                        "train", 0)
     stream = mix.streams[0]
     n = int(stream.size * 0.8)
@@ -449,29 +449,30 @@ def _write_big_shards(folder: Path, tokens: int, shards: int) -> None:
     manifest = {
         "format": "engram-tokens/1", "dtype": "<u2", "max_token_id": TOK.vocab_size - 1,
         "fingerprint": "big", "shards": entries, "num_tokens": per * shards,
-        "tokenizer": {"fingerprint": tokenizer_fingerprint(TOK.hf), "path": "", "eos_id": TOK.eos_id},
+        "tokenizer": {"fingerprint": tokenizer_fingerprint(TOK), "path": "", "eos_id": TOK.eos_id},
     }  # fmt: skip
     (folder / MANIFEST).write_text(json.dumps(manifest))
 
 
 def test_memory_bound_of_prepare_and_reader(tmp_path):
-    """A 300 MB corpus is prepared and 80% of a 320 MB token folder is read, each in a process
-    whose peak RSS (measured) stays under a 200 MB budget."""
-    budget_mb = 200
+    """A 250 MB corpus is prepared and 80% of a 320 MB token folder is read, each in a process
+    whose peak RSS (measured) stays under a 100 MB budget (the reader without dropping its
+    mapped pages peaks at ~370 MB)."""
+    budget_mb = 100
     # Prepare: 300 MB of jsonl whose bulk is a metadata field (cheap to tokenise), so the test
     # exercises streaming, hashing and shard planning of a corpus larger than the budget.
     line = json.dumps({"text": "The capital of Zorland is Brimfast.", "meta": "x" * 20_000})
     with (tmp_path / "corpus.jsonl").open("w") as f:
-        for _ in range(300 * 2**20 // len(line)):
+        for _ in range(250 * 2**20 // len(line)):
             f.write(line + "\n")
-    assert (tmp_path / "corpus.jsonl").stat().st_size > 1.4 * budget_mb * 2**20
+    assert (tmp_path / "corpus.jsonl").stat().st_size > 2.4 * budget_mb * 2**20
     got = _run_memory("prepare", tmp_path)
     assert got["peak_mb"] < budget_mb, got
     # Reader: 320 MB of token shards, 80% of it read in shuffled order.
     big = tmp_path / "big"
     _write_big_shards(big, 160 * 2**20, shards=4)
     got = _run_memory("read", big)
-    assert got["read_mb"] > 1.2 * budget_mb and got["peak_mb"] < budget_mb, got
+    assert got["read_mb"] > 2.4 * budget_mb and got["peak_mb"] < budget_mb, got
 
 
 # ----------------------------------------------------------------------------- training
@@ -515,3 +516,13 @@ def test_train_on_a_prepared_mixture_logs_tokens_per_source(corpus, tmp_path):
     acc.Reload()
     assert len(acc.Scalars("data_tokens/prepared")) == 3
     assert load_config([f"--job.config_file={run / 'config.toml'}"]).data.sources[1].weight == 0.3
+
+
+@pytest.mark.slow
+def test_bench_loader_stays_runnable():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_loader.py", "--quick"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| tokens |" in proc.stdout and "| debug (2,048) | 1 |" in proc.stdout

@@ -257,7 +257,7 @@ def build_dataset(
         mixture = TokenMixture(
             [s.path for s in sources],
             [s.weight for s in sources],
-            tokenizer_fingerprint(tokenizer.hf),
+            tokenizer_fingerprint(tokenizer),
             tokenizer.vocab_size,
             seq_len,
             split,

@@ -133,7 +133,9 @@ def iter_documents(segments: list[tuple[str, int, int]], text_field: str) -> Ite
                 if path.suffix == ".jsonl":
                     if not line.strip():
                         continue
-                    yield _json_text(line, text_field, lineno_hint)
+                    text = _json_text(line, text_field, lineno_hint)
+                    if text.strip():  # as the jsonl dataset: blank documents are skipped
+                        yield text
                 elif _is_blank(line):
                     if doc := b"".join(lines).decode("utf-8").strip():
                         yield doc
@@ -231,7 +233,7 @@ def prepare(inputs: list[str], out: str | Path, opts: Options, progress: bool = 
     dtype = token_dtype(tok.vocab_size)
     common = {
         "format": FORMAT,
-        "tokenizer_fingerprint": tokenizer_fingerprint(tok.hf),
+        "tokenizer_fingerprint": tokenizer_fingerprint(tok),
         "dtype": dtype.str,
         "text_field": opts.text_field,
         "append_eos": opts.append_eos,

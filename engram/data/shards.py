@@ -14,7 +14,6 @@ they touched after each read, so a reader's RSS stays small whatever the corpus 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from engram.data.tokenizer import Tokenizer
 
 FORMAT = "engram-tokens/1"
 MANIFEST = "dataset.json"
@@ -38,10 +39,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
-def tokenizer_fingerprint(hf: Any) -> str:
+def tokenizer_fingerprint(tok: Tokenizer) -> str:
     """Hash of the tokenizer's canonical JSON (vocab, merges, normalizer, special tokens)."""
-    canon = json.dumps(json.loads(hf.to_str()), sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+    return tok.fingerprint
 
 
 def write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
