@@ -76,16 +76,19 @@ def train_bpe(corpus: Path, vocab: int, out: Path) -> Path:
     return out
 
 
-def loader_rate(cfg, tok, hasher, rank: int, world: int, batches: int) -> float:
-    """Delivered tokens/s of one rank (first batch excluded: it builds the source)."""
+def loader_rate(cfg, tok, hasher, rank: int, world: int, batches: int, min_s: float) -> float:
+    """Delivered tokens/s of one rank (first batch excluded: it builds the source), over at
+    least `batches` batches and `min_s` seconds."""
     loader = build_dataloader(cfg, tok, hasher, rank, world)
     it = iter(loader)
     next(it)
     t0 = time.perf_counter()
-    for _ in range(batches):
+    n = 0
+    while n < batches or time.perf_counter() - t0 < min_s:
         batch = next(it)
+        n += 1
     dt = time.perf_counter() - t0
-    return batches * batch["input_ids"].numel() / dt
+    return n * batch["input_ids"].numel() / dt
 
 
 def bench_loader(args, tmp: Path) -> list[dict]:
@@ -109,7 +112,7 @@ def bench_loader(args, tmp: Path) -> list[dict]:
         for world in args.dp:
             for rank in sorted({0, world - 1}):
                 for name, cfg in cfgs.items():
-                    r = loader_rate(cfg, tok, hasher, rank, world, args.batches)
+                    r = loader_rate(cfg, tok, hasher, rank, world, args.batches, args.min_s)
                     rates.setdefault((name, world, rank), []).append(r)
     rows = []
     for (name, world, rank), r in rates.items():
@@ -158,7 +161,9 @@ def main() -> None:
     p.add_argument("--dp", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--batches", type=int, default=2, help="at least this many per measurement")
+    p.add_argument("--min-s", type=float, default=1.0, help="and at least this long")
+    p.add_argument("--only", choices=["loader", "prepare"], default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--docs", type=int, default=30_000)
     p.add_argument("--prepare-docs", type=int, default=20_000)
@@ -167,35 +172,43 @@ def main() -> None:
     p.add_argument("--bpe-train-mb", type=float, default=8)
     args = p.parse_args()
     if args.quick:
-        args.dp, args.seq_len, args.batches, args.repeats = [1, 4], 64, 2, 1
+        args.dp, args.seq_len, args.batches, args.repeats, args.min_s = [1, 4], 64, 2, 1, 0.0
         args.docs, args.prepare_docs, args.prepare_workers = 400, 200, [1]
         args.bpe_vocab, args.bpe_train_mb = 600, 0.2
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        rows = bench_loader(args, tmp)
+        if args.only != "prepare":
+            print_loader(args, bench_loader(args, tmp))
+        if args.only != "loader":
+            print_prepare(bench_prepare(args, tmp))
+
+
+def print_loader(args, rows: list[dict]) -> None:
+    print(
+        f"\nloader: tokens/s delivered per rank (batch {args.batch} x {args.seq_len}, hashing included)"
+    )
+    print(
+        "| source | "
+        + " | ".join(f"dp {w} rank {r}" for w in args.dp for r in sorted({0, w - 1}))
+        + " |"
+    )
+    print("| --- " * (1 + sum(len({0, w - 1}) for w in args.dp)) + "|")
+    for name in ("tokens", "jsonl"):
+        cells = [f"{r['tok_s']:,.0f}" for r in rows if r["source"] == name]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def print_prepare(prep_rows: list[dict]) -> None:
+    print("\nprepare: tokens/s per worker")
+    print("| tokenizer | workers | input MB | tokens | tokens/s per worker | MB/s total |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in prep_rows[:-1]:
         print(
-            f"\nloader: tokens/s delivered per rank (batch {args.batch} x {args.seq_len}, hashing included)"
+            f"| {r['tokenizer']} | {r['workers']} | {r['mb']:.1f} | {r['tokens']:,} | "
+            f"{r['tok_s_per_worker']:,.0f} | {r['mb_s']:.2f} |"
         )
-        print(
-            "| source | "
-            + " | ".join(f"dp {w} rank {r}" for w in args.dp for r in sorted({0, w - 1}))
-            + " |"
-        )
-        print("| --- " * (1 + sum(len({0, w - 1}) for w in args.dp)) + "|")
-        for name in ("tokens", "jsonl"):
-            cells = [f"{r['tok_s']:,.0f}" for r in rows if r["source"] == name]
-            print(f"| {name} | " + " | ".join(cells) + " |")
-        prep_rows = bench_prepare(args, tmp)
-        print("\nprepare: tokens/s per worker")
-        print("| tokenizer | workers | input MB | tokens | tokens/s per worker | MB/s total |")
-        print("| --- | --- | --- | --- | --- | --- |")
-        for r in prep_rows[:-1]:
-            print(
-                f"| {r['tokenizer']} | {r['workers']} | {r['mb']:.1f} | {r['tokens']:,} | "
-                f"{r['tok_s_per_worker']:,.0f} | {r['mb_s']:.2f} |"
-            )
-        print(f"(BPE trained in {prep_rows[-1]['bpe_train_s']:.1f} s)")
+    print(f"(BPE trained in {prep_rows[-1]['bpe_train_s']:.1f} s)")
 
 
 if __name__ == "__main__":
