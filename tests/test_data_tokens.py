@@ -218,6 +218,25 @@ def test_tokens_batches_independent_of_layout(corpus, world, workers):
                 assert np.array_equal(mine[step][key].numpy(), want), (rank, step, key)
 
 
+def test_tokens_rank_reads_and_hashes_only_its_rows(corpus, monkeypatch):
+    """O(local batch) per rank: at dp 64 a rank reads b chunks and hashes a [b, T] batch."""
+    root, _ = corpus
+    reads, hashed = [], []
+    real = TokenShards.read
+    monkeypatch.setattr(
+        TokenShards, "read", lambda self, a, b: reads.append(b - a) or real(self, a, b)
+    )
+
+    class CountingHasher(StandInHasher):
+        def __call__(self, input_ids, segment_ids=None):
+            hashed.append(input_ids.shape)
+            return super().__call__(input_ids, segment_ids)
+
+    b = 2
+    _take(build_dataloader(_cfg(root / "prepared", b), TOK, CountingHasher(), 63, 64), 3)
+    assert reads == [SEQ + 1] * (3 * b) and hashed == [(b, SEQ)] * 3
+
+
 def _source_cfg(kind: str, root: Path, batch: int, workers: int):
     if kind == "tokens":
         return _cfg(root / "prepared", batch, workers)
