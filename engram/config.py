@@ -207,11 +207,25 @@ class Training:
 
 
 @dataclass
+class DataSource:
+    """One pre-tokenized dataset of a mixture (an entry of data.sources)."""
+
+    path: str = ""
+    """Folder written by scripts/prepare_data.py."""
+    weight: float = 1.0
+    """Relative share of the training samples drawn from this source (normalised over sources)."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.path), "data.sources entries need a path (a prepared token folder)")
+        _check(self.weight > 0, f"data.sources weight must be > 0, got {self.weight}")
+
+
+@dataclass
 class Data:
     dataset: str = "synthetic_facts"
-    """synthetic_facts (generated, deterministic) | text (a .txt file or folder) | jsonl ("text" field)."""
+    """synthetic_facts (generated, deterministic) | text (a .txt file or folder) | jsonl ("text" field) | tokens (folders written by scripts/prepare_data.py: memory-mapped, for large corpora)."""
     path: str = ""
-    """File or folder for text/jsonl datasets."""
+    """File or folder for text/jsonl datasets; the prepared folder for tokens (or use sources)."""
     num_workers: int = 0
     """Data-loader worker processes (hash ids are computed there)."""
     synthetic_num_entities: int = 512
@@ -222,19 +236,36 @@ class Data:
     """Evaluate held-out loss every N steps (0: only at the end when eval_batches > 0)."""
     eval_batches: int = 0
     """Held-out batches per evaluation (0: no evaluation)."""
+    sources: list[DataSource] = field(default_factory=list)
+    """tokens only: a weighted mixture of prepared folders, as a TOML array of tables
+    [[data.sources]] path = "..." weight = 0.7 (instead of data.path)."""
 
     def __post_init__(self) -> None:
         _check(
-            self.dataset in ("synthetic_facts", "text", "jsonl"),
-            f"data.dataset must be synthetic_facts, text or jsonl, got {self.dataset!r}",
+            self.dataset in ("synthetic_facts", "text", "jsonl", "tokens"),
+            f"data.dataset must be synthetic_facts, text, jsonl or tokens, got {self.dataset!r}",
         )
         _check(
-            self.dataset == "synthetic_facts" or bool(self.path),
+            self.dataset == "tokens" or not self.sources,
+            'data.sources (a mixture) needs data.dataset = "tokens": prepare each corpus with '
+            "scripts/prepare_data.py",
+        )
+        _check(
+            not (self.path and self.sources),
+            "set data.path (one prepared folder) or data.sources (a mixture), not both",
+        )
+        _check(
+            self.dataset == "synthetic_facts" or bool(self.path) or bool(self.sources),
             f"data.path is required for data.dataset={self.dataset!r}",
         )
         for name in ("num_workers", "eval_every", "eval_batches"):
             _check(getattr(self, name) >= 0, f"data.{name} must be >= 0")
         _check(self.synthetic_num_entities > 0, "data.synthetic_num_entities must be > 0")
+
+    @property
+    def token_sources(self) -> list[DataSource]:
+        """The mixture of a tokens dataset: data.sources, or data.path with weight 1."""
+        return list(self.sources) if self.sources else [DataSource(self.path, 1.0)]
 
 
 @dataclass
@@ -422,8 +453,24 @@ class JobConfig:
 def _convert(value: Any, tp: Any, where: str) -> Any:
     """Check/convert a TOML or CLI value to the annotated field type."""
     origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):  # a table inside a list, e.g. data.sources entries
+        _check(
+            isinstance(value, dict), f"{where} must be a table {{key = value, ...}}, got {value!r}"
+        )
+        hints = typing.get_type_hints(tp)
+        known = {f.name for f in dataclasses.fields(tp)}
+        unknown = sorted(set(value) - known)
+        _check(
+            not unknown,
+            f"unknown key(s) {unknown} in {where}; valid keys: {', '.join(sorted(known))}",
+        )
+        return tp(**{k: _convert(v, hints[k], f"{where}.{k}") for k, v in value.items()})
     if origin is list:
         (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str) and dataclasses.is_dataclass(item_tp):
+            raise ConfigError(
+                f"{where} is a list of tables: set it in the TOML file, not on the CLI"
+            )
         if isinstance(value, str):  # CLI: --engram.layer_ids=1,3
             value = [v for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
         _check(isinstance(value, list), f"{where} must be a list, got {value!r}")
@@ -556,4 +603,6 @@ def _toml_value(value: Any) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # inline table (entries of a list of tables)
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return repr(value)

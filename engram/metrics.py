@@ -75,6 +75,8 @@ def _toml_value(value: Any) -> str:
         return json.dumps(value)  # a JSON string literal is a valid TOML basic string
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # inline table, e.g. data.sources entries
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return repr(value)
 
 

@@ -229,6 +229,11 @@ def train(cfg: JobConfig) -> TrainResult:
                         "tokens_seen": state.tokens_seen,
                         "nonfinite_steps": guard.total,
                         **{f"mem_{k}": v for k, v in mem.items()},
+                        # data: global tokens consumed per mixture source (tokens dataset)
+                        **{
+                            f"data_tokens/{name}": n * cfg.training.seq_len
+                            for name, n in train_loader.samples_per_source().items()
+                        },
                     },
                 )
             if cfg.data.eval_batches > 0 and (

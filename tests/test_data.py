@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import pickle
 import re
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from engram.data.datasets import (
     read_text_documents,
     split_documents,
 )
-from engram.data.loader import PackedDataset, build_dataloader, next_owned_sample
+from engram.data.loader import StreamSource, build_dataloader
 from engram.data.synthetic import ATTRIBUTES, TEMPLATES, FactBase, SyntheticFacts
 from engram.data.tokenizer import DEBUG_TOKENIZER, load_tokenizer
 from tests.launcher import run_distributed
@@ -225,30 +224,17 @@ def _naive_samples(docs, seq_len, n):
 @pytest.mark.parametrize("seq_len", [7, 64, 300])
 def test_packing_matches_naive_reference(seq_len):
     docs = SyntheticFacts(1, 32, 0, "train")
-    ds = PackedDataset(docs, TOK.encode, TOK.eos_id, seq_len, local_batch=1)
-    it = iter(ds)
-    got = [next(it) for _ in range(12)]
+    source = StreamSource(docs, TOK.encode, TOK.eos_id, seq_len, "fp")
+    reader = source.reader(source.start())
+    got = reader.read(0, 5) + reader.read(6, 1)
+    got[5:5] = source.reader(source.start()).read(5, 1)  # a fresh reader skips to sample 5
+    got += reader.read(7, 5)
     for sample, (inputs, labels, segs) in zip(got, _naive_samples(docs, seq_len, 12), strict=True):
         assert sample["input_ids"].dtype == np.int64
         assert sample["input_ids"].tolist() == inputs
         assert sample["labels"].tolist() == labels
         assert sample["segment_ids"].tolist() == segs
     assert any(s["segment_ids"].max() > 0 for s in got)
-
-
-def test_next_owned_sample_matches_enumeration():
-    for world, b, workers in [(1, 3, 1), (2, 2, 3), (4, 1, 2), (3, 2, 1)]:
-        g = world * b
-        for rank in range(world):
-            for w in range(workers):
-                owned = [
-                    j
-                    for j in range(200)
-                    if (j // g) % workers == w and rank * b <= j % g < (rank + 1) * b
-                ]
-                for j in range(150):
-                    expected = next(o for o in owned if o >= j)
-                    assert next_owned_sample(j, g, b, rank, w, workers) == expected
 
 
 # ------------------------------------------------------------------------------- loader
@@ -294,7 +280,7 @@ def test_resume_is_exact(workers):
     first = build_dataloader(cfg, TOK, StandInHasher(), 0, 1)
     it = iter(first)
     head = [next(it) for _ in range(k)]
-    state = pickle.loads(pickle.dumps(first.state_dict()))
+    state = json.loads(json.dumps(first.state_dict()))  # plain, JSON-able
     del it, first
     resumed = build_dataloader(cfg, TOK, StandInHasher(), 0, 1)
     resumed.load_state_dict(state)
@@ -302,11 +288,23 @@ def test_resume_is_exact(workers):
     _assert_batches_equal(head + tail, full)
 
 
-def test_resume_rejects_changed_shape():
-    ds = PackedDataset(SyntheticFacts(1, 8, 0, "train"), TOK.encode, TOK.eos_id, 16, 2)
-    other = PackedDataset(SyntheticFacts(1, 8, 0, "train"), TOK.encode, TOK.eos_id, 32, 2)
-    with pytest.raises(ValueError, match="training.seq_len"):
-        other.load_state_dict(ds.state_dict())
+def test_resume_rejects_changed_data_or_shape():
+    state = _take_state(_cfg(seq_len=16), 2)
+    for cfg, needle in [
+        (_cfg(seq_len=32), "training.seq_len"),
+        (_cfg(data={"synthetic_seed": 9}), "fingerprint"),
+        (_cfg(job={"seed": 3}), "seed"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            build_dataloader(cfg, TOK, None, 0, 1).load_state_dict(state)
+    with pytest.raises(ValueError, match="engram-loader/1"):
+        build_dataloader(_cfg(), TOK, None, 0, 1).load_state_dict({"sample": 3})
+
+
+def _take_state(cfg, n, rank=0, world=1):
+    loader = build_dataloader(cfg, TOK, None, rank, world)
+    _take(loader, n)
+    return json.loads(json.dumps(loader.state_dict()))
 
 
 @pytest.mark.parametrize("world,workers", [(2, 0), (4, 0), (2, 2)])

@@ -1,15 +1,27 @@
-"""Tokenizer, document sources, sequence packing and the stateful loader (with Engram hash ids)."""
+"""Tokenizer, document sources, sequence packing, prepared token shards and the loader.
 
-from engram.data.datasets import build_documents
-from engram.data.loader import Collate, PackedDataset, build_dataloader, build_dataset
-from engram.data.tokenizer import Tokenizer, load_tokenizer
+Names are imported lazily so that scripts/prepare_data.py (tokenizer + numpy only) does not pay
+for importing torch.
+"""
 
-__all__ = [
-    "Collate",
-    "PackedDataset",
-    "Tokenizer",
-    "build_dataloader",
-    "build_dataset",
-    "build_documents",
-    "load_tokenizer",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Collate": "engram.data.loader",
+    "DataLoader": "engram.data.loader",
+    "PackedDataset": "engram.data.loader",
+    "build_dataloader": "engram.data.loader",
+    "build_dataset": "engram.data.loader",
+    "build_documents": "engram.data.datasets",
+    "Tokenizer": "engram.data.tokenizer",
+    "load_tokenizer": "engram.data.tokenizer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engram.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -48,6 +51,12 @@ class Tokenizer:
             if token_id is not None:
                 return token_id
         return None
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Hash of the canonical tokenizer JSON (prepared token shards record it)."""
+        canon = json.dumps(json.loads(self.hf.to_str()), sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
