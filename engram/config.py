@@ -332,7 +332,7 @@ class Parallelism:
     tp: int = 1
     """Tensor parallel degree (innermost mesh axis: keep it within a node)."""
     pp: int = 1
-    """Pipeline parallel degree (not supported yet: must be 1)."""
+    """Pipeline parallel degree (stages over ranks; see the [pipeline] section)."""
     fsdp_reshard_after_forward: str = "default"
     """always (ZeRO-3-like) | never (ZeRO-2-like) | default (always, except the root)."""
     engram_table_dedup: bool = True
@@ -359,6 +359,42 @@ class Parallelism:
                 getattr(self, name) in ("float32", "bfloat16"),
                 f"parallelism.{name} must be float32 or bfloat16",
             )
+
+
+# --- pipeline parallelism (issue 9); parallelisms/pipeline.py checks the split against the model
+PIPELINE_SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+
+
+@dataclass
+class Pipeline:
+    schedule: str = "1F1B"
+    """GPipe | 1F1B (one stage per rank) | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble
+    (virtual_stages >= 2) | ZBVZeroBubble | DualPipeV ("v" placement, virtual_stages = 2)."""
+    microbatches: int = 0
+    """Micro-batches per local batch (must divide training.local_batch_size); 0: one per stage."""
+    virtual_stages: int = 1
+    """Stages per pipeline rank (looped and V schedules need >= 2)."""
+    layers_per_stage: int = 0
+    """Decoder layers per stage (the last stage takes the rest); 0: split evenly."""
+    split_points: list[str] = field(default_factory=list)
+    """Explicit first layer of every stage but the first, e.g. ["layers.3"]; overrides the above."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.schedule in PIPELINE_SCHEDULES,
+            f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}",
+        )
+        _check(self.microbatches >= 0, "pipeline.microbatches must be >= 0 (0: one per stage)")
+        _check(self.virtual_stages >= 1, "pipeline.virtual_stages must be >= 1")
+        _check(self.layers_per_stage >= 0, "pipeline.layers_per_stage must be >= 0")
 
 
 @dataclass
@@ -438,6 +474,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
+    pipeline: Pipeline = field(default_factory=Pipeline)
 
     @property
     def run_folder(self) -> Path:

@@ -151,7 +151,11 @@ def align_grads_(params: list[nn.Parameter]) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(
+    params: Iterable[nn.Parameter],
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """Global L2 grad norm over every parameter, each element counted exactly once; clip if
     max_norm > 0. Collective over every group a gradient is sharded on.
 
@@ -159,11 +163,13 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> torch.Te
     Engram tables on the engram axis): gradients are first brought to their parameter's
     placements (align_grads_); the squared local norms are summed per set of shard groups,
     all-reduced over those groups only (Replicate dims are counted once), then added up.
+    `pp_group`: under pipeline parallelism each stage holds other parameters; their squared
+    norms are summed over the stages too (every stage must call this, even one without grads).
     """
     params = [p for p in params if p.grad is not None]
     align_grads_(params)
     grads = [p.grad for p in params]
-    if not grads:
+    if not grads and pp_group is None:
         return torch.zeros(())
     buckets: dict[tuple, torch.Tensor] = {}
     for g in grads:
@@ -171,11 +177,14 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> torch.Te
         local = g.to_local() if isinstance(g, DTensor) else g
         sq = local.detach().float().pow(2).sum()
         buckets[key] = buckets[key] + sq if key in buckets else sq
-    total_sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    device = grads[0].device if grads else torch.device("cpu")
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
     for groups, sq in buckets.items():
         for group in groups:
             dist.all_reduce(sq, group=group)
         total_sq = total_sq + sq.to(total_sq.device)
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -46,7 +46,12 @@ def apply_fsdp(
         # Pinned host memory needs an accelerator; on a CPU-only run the same code path runs unpinned.
         offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
     # DDP keeps full parameters anyway; resharding only matters when parameters are sharded.
-    layer_reshard = dims.fsdp_enabled and cfg.fsdp_reshard_after_forward != "never"
+    # Under PP, "default" keeps parameters unsharded between forward and backward: a stage runs
+    # many micro-batches, and resharding would all-gather them again for each one.
+    layer_reshard = dims.fsdp_enabled and (
+        cfg.fsdp_reshard_after_forward == "always"
+        or (cfg.fsdp_reshard_after_forward == "default" and not dims.pp_enabled)
+    )
     root_reshard = dims.fsdp_enabled and cfg.fsdp_reshard_after_forward == "always"
     common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
     for layer in model.layers.values():

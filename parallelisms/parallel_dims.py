@@ -3,7 +3,7 @@
 Mesh dimensions (always present, size 1 where unused, so world size 1 runs the same code path),
 outermost first:
 
-    pp            pipeline stages (must be 1 until pipeline parallelism lands)
+    pp            pipeline stages (parallelisms/pipeline.py; each stage has its own dp x tp)
     dp_replicate  replicas of the model (DDP across them; HSDP when dp_shard > 1 too)
     dp_shard      FSDP2 shard group
     tp            tensor parallel group (innermost: neighbouring ranks, i.e. within a node)
@@ -46,10 +46,6 @@ class ParallelDims:
         for name in ("dp_replicate", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallelism.{name} must be >= 1, got {getattr(self, name)}")
-        if self.pp != 1:
-            raise ConfigError(
-                f"parallelism.pp={self.pp}: pipeline parallelism is not supported yet; set parallelism.pp=1"
-            )
         others = self.dp_replicate * self.tp * self.pp
         if self.dp_shard == -1:
             if self.world_size % others:

@@ -35,6 +35,8 @@ def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> l
             sequence_parallel=cfg.parallelism.tp_sequence_parallel,
             loss_parallel=cfg.parallelism.tp_loss_parallel,
         )
+        if cfg.parallelism.tp_sequence_parallel and model.tok_embeddings is None:
+            model.input_seq_shards = dims.tp  # a later pipeline stage gets T / tp positions
     # Tables over every rank of the stage (dp x tp). Each TP rank looks up only its own tokens,
     # so the owners receive the sum over the dp replicas: 1 / dp gives the data-parallel mean.
     table_params = apply_engram_table_sharding(

@@ -65,6 +65,8 @@ def apply_tp(
     }
     if sequence_parallel:
         root_plan["norm"] = SequenceParallel()
+    # A pipeline stage holds the embedding / final norm / head only on the first / last stage.
+    root_plan = {k: v for k, v in root_plan.items() if getattr(model, k) is not None}
     parallelize_module(model, tp_mesh, root_plan)
 
     for layer in model.layers.values():

@@ -37,6 +37,7 @@ from engram.profiling import maybe_profile
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.parallel_dims import parallel_dims_from_config
 from parallelisms.parallelize import parallelize_model
+from parallelisms.pipeline import build_schedule, split_stages
 
 
 @dataclass
@@ -47,6 +48,7 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)
     eval_losses: dict[int, float] = field(default_factory=dict)
     model: torch.nn.Module | None = None
+    model_parts: list[torch.nn.Module] = field(default_factory=list)  # this rank's stages under PP
     start_step: int = 0
 
 
@@ -83,6 +85,43 @@ def forward_backward(
     return local_value(loss)
 
 
+class PipelineLoss:
+    """The last stage's loss per micro-batch, times `scale`. torch does not rescale pipeline
+    grads (scale_grads=False): scale = 1 / (micro-batches x accumulation steps) makes the
+    gradients those of the mean loss over the local batch, as without PP."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, labels) * self.scale
+
+
+def pipeline_forward_backward(
+    schedule,
+    pp_loss: PipelineLoss,
+    has_first: bool,
+    batch: dict[str, torch.Tensor],
+    loss_scale: float,
+    sharded_logits: bool = False,
+    train: bool = True,
+) -> torch.Tensor:
+    """One local batch through the pipeline schedule (split into micro-batches by torch).
+    Returns the mean loss over the batch on the rank holding the last stage, 0 elsewhere.
+    Hash ids go by keyword: torch splits them along dim 0 and gives every stage its slice."""
+    n_micro = schedule._n_microbatches
+    pp_loss.scale = loss_scale / n_micro
+    args = (batch["input_ids"],) if has_first else ()
+    kwargs = {"hash_ids": batch["hash_ids"]} if "hash_ids" in batch else {}
+    losses: list[torch.Tensor] = []
+    with loss_context(sharded_logits):
+        run = schedule.step if train else schedule.eval
+        run(*args, target=batch["labels"], losses=losses, **kwargs)
+    if not losses:
+        return torch.zeros((), device=batch["labels"].device)
+    return sum(local_value(x) for x in losses) / loss_scale
+
+
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -95,17 +134,30 @@ def dp_mean(value: torch.Tensor, group: dist.ProcessGroup) -> float:
 
 
 @torch.no_grad()
-def evaluate(model_parts, loader, num_batches: int, device, dp_group, sharded_logits) -> float:
-    (model,) = model_parts
-    model.eval()
+def evaluate(
+    model_parts, loader, num_batches: int, device, dp_group, sharded_logits, pipeline=None
+) -> float:
+    """Held-out loss; `pipeline` = (schedule, loss, has_first, pp_broadcast) under PP."""
+    for part in model_parts:
+        part.eval()
     total = torch.zeros((), device=device)
     it = iter(loader)
     for _ in range(num_batches):
         batch = to_device(next(it), device)
+        if pipeline is not None:
+            schedule, pp_loss, has_first, _ = pipeline
+            total += pipeline_forward_backward(
+                schedule, pp_loss, has_first, batch, 1.0, sharded_logits, train=False
+            )
+            continue
+        (model,) = model_parts
         with loss_context(sharded_logits):
             logits = model(batch["input_ids"], hash_ids=batch.get("hash_ids"))
             total += local_value(cross_entropy(logits, batch["labels"]))
-    model.train()
+    for part in model_parts:
+        part.train()
+    if pipeline is not None:
+        pipeline[3](total)
     return dp_mean(total / num_batches, dp_group)
 
 
@@ -131,19 +183,44 @@ def train(cfg: JobConfig) -> TrainResult:
     if hasher is not None:
         logger.info(f"Engram hashing: {hasher}")
 
-    # --- parallelisms, in the documented order ---------------------------------------------
-    parallelize_model(model, cfg, dims)
-    model.to_empty(device=device)
-    model.init_weights(seed=cfg.job.seed)
-    apply_training_mode(model, cfg.training.mode)
-    model_parts = [model]  # pipeline parallelism will hold one part per local stage
+    # --- pipeline stages (PP), then the parallelisms of each, in the documented order -------
+    model_parts = [model]
+    if dims.pp_enabled:
+        plan, stage_ids, model_parts = split_stages(model, cfg, dims)
+        logger.info(f"pipeline: stages {stage_ids} of {plan.layers} on this rank")
+    for part in model_parts:
+        parallelize_model(part, cfg, dims)
+        part.to_empty(device=device)
+        part.init_weights(seed=cfg.job.seed)
+        apply_training_mode(part, cfg.training.mode)
+    model = model_parts[0]
     sharded_logits = dims.tp_enabled and cfg.parallelism.tp_loss_parallel  # see tensor_parallel.py
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for part in model_parts for p in part.parameters())
     logger.info(
         f"model {cfg.model.name}/{cfg.model.flavor}: {n_params:,} local parameters on this rank"
     )
 
-    optimizers = build_optimizers(model, cfg)
+    pipeline = None
+    if dims.pp_enabled:
+        if not all(any(p.requires_grad for p in part.parameters()) for part in model_parts):
+            raise ValueError(
+                f"training.mode={cfg.training.mode!r} leaves a pipeline stage without trainable "
+                "parameters (no Engram layer on it): put an Engram layer on every stage "
+                "(engram.layer_ids / pipeline.split_points) or train with mode = 'full'"
+            )
+        pp_loss = PipelineLoss()
+        schedule = build_schedule(model_parts, stage_ids, plan, cfg, dims, device, pp_loss)
+        pp_group = dims.mesh("pp").get_group()
+        last_rank = dist.get_global_rank(pp_group, plan.last_stage_rank)
+
+        def pp_broadcast(value: torch.Tensor) -> None:  # the loss lives on the last stage
+            dist.broadcast(value, src=last_rank, group=pp_group)
+
+        pipeline = (schedule, pp_loss, 0 in stage_ids, pp_broadcast)
+
+    # One optimizer set per stage (their parameters are disjoint); DCP sees them as one model.
+    optimizers = [opt for part in model_parts for opt in build_optimizers(part, cfg)]
+    optim_model = model if len(model_parts) == 1 else torch.nn.ModuleList(model_parts)
     schedulers = build_lr_schedulers(optimizers, cfg)
     train_loader = build_dataloader(cfg, tokenizer, hasher, dp_rank, dims.dp_size, split="train")
 
@@ -157,8 +234,8 @@ def train(cfg: JobConfig) -> TrainResult:
         cfg.checkpoint,
         cfg.run_folder,
         states={
-            "model": ModelState(model),
-            "optimizer": OptimizerState(model, optimizers),
+            "model": ModelState(model_parts),
+            "optimizer": OptimizerState(optim_model, optimizers),
             "lr_scheduler": _SchedulersState(schedulers),
             "dataloader": train_loader,
             "train_state": state,
@@ -174,8 +251,9 @@ def train(cfg: JobConfig) -> TrainResult:
             logger.warning(
                 "engram.init is not 'identity': the pretrained function changes at step 0"
             )
-        load_hf_backbone(model, cfg.model.hf_checkpoint, model.args)
-    result = TrainResult(start_step=start_step, model=model)
+        for part in model_parts:  # under PP each stage loads only its own layers
+            load_hf_backbone(part, cfg.model.hf_checkpoint, model.args)
+    result = TrainResult(start_step=start_step, model=model, model_parts=model_parts)
 
     # --- the loop ---------------------------------------------------------------------------
     tokens_per_step = (
@@ -193,6 +271,11 @@ def train(cfg: JobConfig) -> TrainResult:
             for micro in range(cfg.training.grad_accum_steps):
                 batch = to_device(next(data_iter), device)
                 last_micro = micro == cfg.training.grad_accum_steps - 1
+                if pipeline is not None:  # the schedule toggles FSDP's reduction itself
+                    loss_sum += pipeline_forward_backward(
+                        *pipeline[:3], batch, 1.0 / cfg.training.grad_accum_steps, sharded_logits
+                    )
+                    continue
                 # DDP reduces once per optimizer step; FSDP/HSDP every micro-batch (see fsdp.py).
                 if defer_grad_sync(dims):
                     for part in model_parts:
@@ -200,7 +283,13 @@ def train(cfg: JobConfig) -> TrainResult:
                 loss_sum += forward_backward(
                     model_parts, batch, 1.0 / cfg.training.grad_accum_steps, sharded_logits
                 )
-            grad_norm = clip_grad_norm_(trainable, cfg.training.max_norm)
+            if pipeline is not None:
+                pipeline[3](loss_sum)
+            grad_norm = clip_grad_norm_(
+                trainable,
+                cfg.training.max_norm,
+                pp_group=dims.mesh("pp").get_group() if dims.pp_enabled else None,
+            )
             loss_value = dp_mean(loss_sum / cfg.training.grad_accum_steps, dp_group)
             skip = guard.skip(step, loss_value, grad_norm.item())  # before any update
             for opt in optimizers:
@@ -247,6 +336,7 @@ def train(cfg: JobConfig) -> TrainResult:
                     device,
                     dp_group,
                     sharded_logits,
+                    pipeline,
                 )
                 result.eval_losses[step] = eval_loss
                 metrics.log(step, {"eval_loss": eval_loss})

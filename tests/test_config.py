@@ -102,7 +102,8 @@ def test_engram_layer_out_of_range():
         ((3, -1, 1, 1), 4, "not divisible"),
         ((1, -1, 3, 1), 4, "not divisible"),
         ((1, 1, 0, 1), 1, "tp must be >= 1"),
-        ((1, -1, 1, 2), 2, "pipeline parallelism is not supported yet"),
+        ((1, -1, 1, 0), 2, "pp must be >= 1"),
+        ((1, -1, 1, 3), 4, "not divisible"),
         ((0, -1, 1, 1), 2, "dp_replicate must be >= 1"),
     ],
 )

@@ -177,6 +177,9 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: recomputed in init_weights() (meta-built models have no values).
         self.register_buffer("rope_cache", rope_cos_sin(args), persistent=False)
+        # A later pipeline stage under TP sequence parallel receives its input sharded along the
+        # sequence (T / tp per rank); parallelize_model sets this to tp there.
+        self.input_seq_shards = 1
 
     # ------------------------------------------------------------------ forward
 
@@ -187,7 +190,7 @@ class Transformer(nn.Module):
         hash_ids (keyword-only: a pipeline schedule forwards keyword arguments to every stage)
         [B, T, L, H] with L = len(engram_layer_order) -> logits [B, T, V] (or hidden
         states when this stage has no output head)."""
-        b, t = input_ids.shape[:2]
+        b, t = input_ids.shape[0], input_ids.shape[1] * self.input_seq_shards
         if t > self.args.max_seq_len:
             raise ValueError(
                 f"sequence length {t} exceeds max_seq_len {self.args.max_seq_len} of the RoPE "
