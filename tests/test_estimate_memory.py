@@ -1,4 +1,4 @@
-"""recipes/estimate_memory.py: exact per-rank numbers vs independent splits, and the 32B budget.
+"""scripts/estimate_memory.py: exact per-rank numbers vs independent splits, and the 32B budget.
 
 The references here never go through FSDP or DTensor: dense shards are the ceil split of dim 0
 (FSDP2's torch.chunk split), table rows come from torch.chunk / NgramHasher, and parameter
@@ -18,7 +18,7 @@ from engram.config import ConfigError, load_config
 from engram.data.tokenizer import load_tokenizer
 from engram.hashing import NgramHasher, engram_table_rows
 from engram.models.builder import build_model
-from recipes.estimate_memory import (
+from scripts.estimate_memory import (
     GIB,
     activation_estimate,
     estimate,

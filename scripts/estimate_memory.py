@@ -1,6 +1,6 @@
 """Per-rank device memory of a real config at its real world size, without the hardware.
 
-    python recipes/estimate_memory.py --job.config_file train_configs/32b_npu.toml --world_size 64 \
+    python scripts/estimate_memory.py --job.config_file train_configs/32b_npu.toml --world_size 64 \
         [--ranks 0,1,32,63 | --ranks all] [--device_memory_gib 64] [--json] [--section.key=value ...]
 
 One process plays each requested rank in turn: torch's fake process group (collectives are no-ops)
