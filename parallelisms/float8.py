@@ -68,12 +68,13 @@ def check_float8_device(cfg: Float8Config, device_type: str) -> None:
 def _torchao_float8():
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
     except ImportError as e:
         raise ImportError(
             f"float8.enable=true needs torchao, which is not installed: {TORCHAO_INSTALL}; "
             "or set float8.enable=false"
         ) from e
-    return Float8LinearConfig, convert_to_float8_training
+    return Float8LinearConfig, Float8Linear, convert_to_float8_training
 
 
 def _table_prefixes(model: nn.Module) -> list[str]:
@@ -111,14 +112,13 @@ def apply_float8(
     if not cfg.enable:
         return []
     check_float8_device(cfg, device_type)
-    Float8LinearConfig, convert_to_float8_training = _torchao_float8()
+    Float8LinearConfig, Float8Linear, convert_to_float8_training = _torchao_float8()
     ao_cfg = dataclasses.replace(
         Float8LinearConfig.from_recipe_name(cfg.recipe), emulate=cfg.emulate
     )
     eligible, skipped = float8_filter(model, cfg)
-    before = {id(m) for m in model.modules()}
     convert_to_float8_training(model, module_filter_fn=eligible, config=ao_cfg)
-    converted = [n for n, m in model.named_modules() if id(m) not in before]
+    converted = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
     if skipped:
         logger.info(
             f"float8: kept in high precision (a dimension is not a multiple of "
