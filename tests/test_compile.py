@@ -77,14 +77,17 @@ def eager(tmp_path_factory):
 
 @pytest.mark.slow
 def test_inductor_matches_eager(eager, tmp_path):
-    """Step 1 (same weights): inductor's fused kernels change only fp32 rounding (measured
-    identical to 6 digits), so 1e-5 on the loss and the gradient norm; the two Adam steps after
-    that move weights by lr-sized steps whose direction (m / sqrt(v)) amplifies the rounding
-    of near-zero gradient entries: 1e-4 (measured 3.5e-5)."""
-    got = run_distributed(_train, 1, _raw(str(tmp_path), "inductor", 1, {"compile": {"enable": True}}))[0]
+    """Step 1 (same weights): inductor's fused kernels change only fp32 rounding: the loss to
+    1e-5 (measured identical to 6 digits); the gradient norm, which sums every fused backward
+    reduction, to 1e-4 (measured 1.1e-5). The two Adam steps after that move weights by
+    lr-sized steps whose direction (m / sqrt(v)) amplifies the rounding of near-zero gradient
+    entries: losses to 1e-4 (measured 3.5e-5)."""
+    got = run_distributed(
+        _train, 1, _raw(str(tmp_path), "inductor", 1, {"compile": {"enable": True}})
+    )[0]
     assert got["graphs"] > 0, "nothing was compiled"
     np.testing.assert_allclose(got["losses"][0], eager["losses"][0], rtol=1e-5)
-    np.testing.assert_allclose(got["grad_norms"][0], eager["grad_norms"][0], rtol=1e-5)
+    np.testing.assert_allclose(got["grad_norms"][0], eager["grad_norms"][0], rtol=1e-4)
     np.testing.assert_allclose(got["losses"], eager["losses"], rtol=1e-4)
     assert got["lookups"] and not any(got["lookups"]), "the table lookup was traced"
 
