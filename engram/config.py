@@ -460,6 +460,42 @@ class Profiling:
         _check(self.profile_freq >= 1, "profiling.profile_freq must be >= 1")
 
 
+FLOAT8_RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")
+
+
+@dataclass
+class Float8:
+    enable: bool = False
+    """float8 matmuls in the decoder's linears through torchao (`pip install -e ".[float8]"`);
+    needs CUDA compute capability >= 8.9 (H100 / L40S class) or emulate. Not on npu (910B / 910C
+    have no float8 matmul: use bf16)."""
+    recipe: str = "rowwise"
+    """torchao recipe: rowwise (per-row scales, torchao's recommendation) | tensorwise |
+    rowwise_with_gw_hp (rowwise, weight gradient in high precision)."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output", "engram."])
+    """Linears whose name contains any of these stay in high precision (default: the output
+    head and the Engram projections). Engram tables are embeddings and are never float8."""
+    emulate: bool = False
+    """Emulate float8 matmuls in high precision (CPU tests; numerics only, no speed-up)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.recipe in FLOAT8_RECIPES,
+            f"float8.recipe must be one of {', '.join(FLOAT8_RECIPES)}, got {self.recipe!r}",
+        )
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each decoder block (the Engram table lookup stays eager)."""
+    backend: str = "inductor"
+    """torch.compile backend: inductor | aot_eager | eager (the last two for debugging)."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.backend), "compile.backend must not be empty (e.g. inductor)")
+
+
 @dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
@@ -475,6 +511,8 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     pipeline: Pipeline = field(default_factory=Pipeline)
+    float8: Float8 = field(default_factory=Float8)
+    compile: Compile = field(default_factory=Compile)
 
     @property
     def run_folder(self) -> Path:

@@ -22,7 +22,22 @@ from torch.distributed.fsdp import (
 from engram.config import Parallelism
 from parallelisms.parallel_dims import ParallelDims
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# parallelism.mixed_precision_* names -> dtypes (the memory estimator reads the byte sizes here).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def reshard_after_forward(dims: ParallelDims, cfg: Parallelism) -> tuple[bool, bool]:
+    """(decoder layers, root) reshard after forward? DDP keeps full parameters anyway; resharding
+    only matters when parameters are sharded. The root is needed again at the start of backward,
+    so only "always" reshards it."""
+    # Under PP, "default" keeps parameters unsharded between forward and backward: a stage runs
+    # many micro-batches, and resharding would all-gather them again for each one.
+    layer = dims.fsdp_enabled and (
+        cfg.fsdp_reshard_after_forward == "always"
+        or (cfg.fsdp_reshard_after_forward == "default" and not dims.pp_enabled)
+    )
+    root = dims.fsdp_enabled and cfg.fsdp_reshard_after_forward == "always"
+    return layer, root
 
 
 def apply_fsdp(
@@ -38,21 +53,14 @@ def apply_fsdp(
     else:
         mesh = dims.mesh("dp_shard")
     mp_policy = MixedPrecisionPolicy(
-        param_dtype=_DTYPES[cfg.mixed_precision_param],
-        reduce_dtype=_DTYPES[cfg.mixed_precision_reduce],
+        param_dtype=DTYPES[cfg.mixed_precision_param],
+        reduce_dtype=DTYPES[cfg.mixed_precision_reduce],
     )
     offload = OffloadPolicy()
     if cfg.cpu_offload:
         # Pinned host memory needs an accelerator; on a CPU-only run the same code path runs unpinned.
         offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
-    # DDP keeps full parameters anyway; resharding only matters when parameters are sharded.
-    # Under PP, "default" keeps parameters unsharded between forward and backward: a stage runs
-    # many micro-batches, and resharding would all-gather them again for each one.
-    layer_reshard = dims.fsdp_enabled and (
-        cfg.fsdp_reshard_after_forward == "always"
-        or (cfg.fsdp_reshard_after_forward == "default" and not dims.pp_enabled)
-    )
-    root_reshard = dims.fsdp_enabled and cfg.fsdp_reshard_after_forward == "always"
+    layer_reshard, root_reshard = reshard_after_forward(dims, cfg)
     common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
     for layer in model.layers.values():
         ignored = {p for p in layer.parameters() if any(p is q for q in ignored_params)}

@@ -1,8 +1,14 @@
 """The documented order of application, in one place (the recipe and the memory estimator use it).
 
-build on meta -> tensor parallel -> Engram table row-sharding -> activation checkpointing ->
-FSDP2 / HSDP / DDP (then the caller materialises and initialises: init does not depend on the
-layout)
+build on meta -> float8 -> tensor parallel -> Engram table row-sharding -> activation
+checkpointing -> compile -> FSDP2 / HSDP / DDP (then the caller materialises and initialises: init
+does not depend on the layout). Under pipeline parallelism this runs once per stage.
+
+float8 comes first, right after the build on meta (as torchtitan's model converters do): it swaps
+`nn.Linear` modules for torchao's `Float8Linear`, so it must run before anything wraps or shards
+those modules; in particular before tensor parallelism, whose float8-aware styles expect the
+`Float8Linear` modules already in place. Compile comes after activation checkpointing and before
+FSDP (torchtitan's order), so FSDP's hooks and collectives stay outside the compiled blocks.
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ from torch import nn
 
 from engram.config import JobConfig
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.compile import apply_compile
 from parallelisms.engram_tables import apply_engram_table_sharding
+from parallelisms.float8 import apply_float8
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import apply_tp
@@ -28,6 +36,7 @@ def engram_halo(cfg: JobConfig) -> int:
 def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> list[nn.Parameter]:
     """Apply every parallelism in place; returns the row-sharded Engram table parameters."""
     dims.check_model(model.args, cfg.training.seq_len, engram_halo(cfg))
+    apply_float8(model, cfg.float8, dims.mesh().device_type, compiled=cfg.compile.enable)
     if dims.tp_enabled:
         apply_tp(
             model,
@@ -46,5 +55,6 @@ def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> l
         grad_scale=1.0 / dims.dp_size,
     )
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
+    apply_compile(model, cfg.compile)
     apply_fsdp(model, dims, cfg.parallelism, ignored_params=table_params)
     return table_params

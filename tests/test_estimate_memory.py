@@ -1,4 +1,4 @@
-"""recipes/estimate_memory.py: exact per-rank numbers vs independent splits, and the 32B budget.
+"""scripts/estimate_memory.py: exact per-rank numbers vs independent splits, and the 32B budget.
 
 The references here never go through FSDP or DTensor: dense shards are the ceil split of dim 0
 (FSDP2's torch.chunk split), table rows come from torch.chunk / NgramHasher, and parameter
@@ -17,9 +17,11 @@ from launcher import run_isolated
 from engram.config import ConfigError, load_config
 from engram.data.tokenizer import load_tokenizer
 from engram.hashing import NgramHasher, engram_table_rows
+from engram.models.args import get_model_args
 from engram.models.builder import build_model
-from recipes.estimate_memory import (
+from scripts.estimate_memory import (
     GIB,
+    _layer_bytes_per_token,
     activation_estimate,
     estimate,
     main,
@@ -172,11 +174,13 @@ def test_32b_npu_fits_in_64gb_as_the_recipe_runs(est_32b_recipe):
     assert est_32b_recipe.fits
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen3"])  # qwen3: q/k norms
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "llama3-float8"])  # qwen3: q/k norms
 def test_activation_formula_matches_saved_tensors(name):
     """The saved-activation formula vs the bytes autograd actually saves (CPU, no checkpointing,
-    tables in fp32 as under FSDP, which leaves them out of mixed precision)."""
+    tables in fp32 as under FSDP, which leaves them out of mixed precision). float8: torchao
+    saves the high-precision inputs, so the same formula holds (float8 adds only transients)."""
     torch.manual_seed(0)
+    name, _, float8 = name.partition("-")
     cfg = _cfg(
         DEBUG, f"--model.name={name}", "--training.local_batch_size=2", "--training.seq_len=32"
     )
@@ -186,6 +190,11 @@ def test_activation_formula_matches_saved_tensors(name):
     hash_ids = torch.from_numpy(hasher(ids.numpy()))
     for dtype, dtype_name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
         model = build_model(cfg.model, cfg.engram, tok.vocab_size, hasher.table_rows, "cpu")
+        if float8:
+            from parallelisms.float8 import apply_float8
+
+            cfg.float8.enable = cfg.float8.emulate = True
+            assert apply_float8(model, cfg.float8, "cpu", compiled=True)
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, 0.02)  # values do not matter, but no denormals (slow matmuls)
@@ -221,3 +230,52 @@ def test_bad_input_names_the_fix():
         _estimate(_cfg(DEBUG), 2, ranks=[2])
     with pytest.raises(ConfigError, match="dp_replicate"):
         _estimate(_cfg(DEBUG, "--parallelism.dp_replicate=3"), 4)
+
+
+def test_pipeline_parallel_is_refused():
+    with pytest.raises(ConfigError, match="does not model pipeline parallelism"):
+        _estimate(_cfg(DEBUG, "--parallelism.pp=2"), 2)
+
+
+def test_float8_on_npu_is_refused():
+    with pytest.raises(ConfigError, match="no float8 matmul.*bf16"):
+        _estimate(_cfg(NPU_32B, "--float8.enable=true"), 64, ranks=[0])
+
+
+def test_float8_changes_only_transients():
+    """torchao keeps master weights, gradients and optimizer state in high precision: every
+    persistent byte is unchanged; the float8 working set of the largest converted linear (the
+    FFN's w1, 256 -> 768; the output head and Engram projections stay high precision) is added
+    to the decoder-layer backward phase."""
+    cfg = _cfg(DEBUG)
+    base = _estimate(cfg, 2, ranks=[0])
+    f8 = _estimate(_cfg(DEBUG, "--float8.enable=true"), 2, ranks=[0])
+    assert f8.float8 == "rowwise" and base.float8 == "off" and base.float8_cast_bytes == 0
+    assert f8.ranks[0].persistent_bytes == base.ranks[0].persistent_bytes
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    assert f8.float8_largest_linear.endswith("feed_forward.w1")  # w3 has the same shape
+    assert f8.float8_cast_bytes == 2 * 256 * 768 + tokens * (256 + 2 * 768)
+    phase = "decoder-layer backward"
+    assert f8.ranks[0].phases[phase] - base.ranks[0].phases[phase] == f8.float8_cast_bytes
+
+
+def test_tp_activation_formula():
+    """Per-token layer activations under TP, written out from the shapes (llama3 debug: D 256,
+    4 heads of 64, 2 kv heads, F 768; bf16). With sequence parallel the norms are split and the
+    column-parallel linears keep their all-gathered input; without it the norms are replicated."""
+    cfg = _cfg(DEBUG)
+    args = get_model_args("llama3", "debug")
+    a, d, dq, f, heads = 2, 256, 256, 768, 4
+    norms = 2 * (4 + 2 * a) * d
+    attention_ffn = 4 * a * dq + 4 * heads + 4 * a * f
+    assert _layer_bytes_per_token(args, a) == norms + attention_ffn
+    for tp in (2, 4):
+        split = attention_ffn // tp
+        assert _layer_bytes_per_token(args, a, tp, sp=True) == norms // tp + 2 * a * d + split
+        assert _layer_bytes_per_token(args, a, tp, sp=False) == norms + split
+    args.vocab_size = 1000
+    one = activation_estimate(cfg, args, "bfloat16")
+    two = activation_estimate(cfg, args, "bfloat16", tp=2, sp=True)
+    assert two.loss_bytes * 2 == one.loss_bytes  # vocabulary-parallel loss
+    assert two.tokens == one.tokens  # every TP rank of a replica sees the same micro-batch
+    assert 0.5 * one.saved_bytes < two.saved_bytes < one.saved_bytes

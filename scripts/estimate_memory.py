@@ -1,16 +1,23 @@
 """Per-rank device memory of a real config at its real world size, without the hardware.
 
-    python recipes/estimate_memory.py --job.config_file train_configs/32b_npu.toml --world_size 64 \
+    python scripts/estimate_memory.py --job.config_file train_configs/32b_npu.toml --world_size 64 \
         [--ranks 0,1,32,63 | --ranks all] [--device_memory_gib 64] [--json] [--section.key=value ...]
 
 One process plays each requested rank in turn: torch's fake process group (collectives are no-ops)
 at the real world size, the model built on the meta device (nothing is allocated) and wrapped by
-the same functions as recipes/train.py, in the same order: Engram table row-sharding ->
-activation checkpointing -> FSDP2. Parameter, gradient and optimizer-state bytes are then EXACT:
+recipes/train.py's own `parallelisms.parallelize.parallelize_model` (the one statement of the
+order of float8, table sharding, activation checkpointing, compile and FSDP2). Parameter,
+gradient and optimizer-state bytes are then EXACT:
 they are read from the local shapes of the sharded DTensors. FSDP buffers (all-gather,
 reduce-scatter, gradient accumulation) are computed from the exact unit shapes with FSDP2's
 padding; activations, allocator fragmentation and runtime/collective buffers are ESTIMATES
 (formulas and assumptions stated next to each number; see docs/memory_estimate.md).
+
+Modelled: FSDP2 / HSDP / DDP, activation checkpointing, CPU offload, float8 (torchao keeps the
+weights in high precision and casts them per layer: only transient float8 copies are added),
+tensor parallelism (parameter bytes from the sharded DTensors; activations divided by tp under
+sequence parallel, see activation_estimate). Refused: pipeline parallelism (pp > 1). Compile is
+estimated as eager (inductor usually saves activation memory, never adds much).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import math
 import sys
 from dataclasses import dataclass, field
@@ -35,18 +43,28 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from engram.config import ConfigError, JobConfig, load_config
-from engram.data.tokenizer import load_tokenizer
-from engram.hashing import engram_table_rows
-from engram.models.args import ModelArgs, get_model_args
-from engram.models.builder import build_model
-from engram.optim import apply_training_mode
-from parallelisms.fsdp import defer_grad_sync
-from parallelisms.parallel_dims import ParallelDims, parallel_dims_from_config
-from parallelisms.parallelize import parallelize_model
+# The script runs from its checkout (python scripts/estimate_memory.py), not an installed copy.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engram.config import ConfigError, JobConfig, load_config  # noqa: E402
+from engram.data.tokenizer import load_tokenizer  # noqa: E402
+from engram.hashing import engram_table_rows  # noqa: E402
+from engram.models.args import ModelArgs, get_model_args  # noqa: E402
+from engram.models.builder import build_model  # noqa: E402
+from engram.optim import apply_training_mode  # noqa: E402
+from parallelisms.float8 import check_float8_device  # noqa: E402
+from parallelisms.fsdp import DTYPES, defer_grad_sync, reshard_after_forward  # noqa: E402
+from parallelisms.parallel_dims import ParallelDims, parallel_dims_from_config  # noqa: E402
+from parallelisms.parallelize import parallelize_model  # noqa: E402
 
 GIB = 1024**3
-_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def _bytes(dtype_name: str) -> int:
+    """Bytes per element of a parallelism.mixed_precision_* dtype (parallelisms/fsdp.py's table)."""
+    return DTYPES[dtype_name].itemsize
+
+
 # exp_avg + exp_avg_sq, fp32, same local shape as the parameter (AdamW and LazyRowAdam alike).
 ADAM_STATES = 2
 DEVICE_MEMORY_GIB = {"npu": 64.0, "cuda": 80.0}  # Atlas 800T A2 (910B) / A100-H100 80 GB
@@ -185,6 +203,14 @@ class MemoryEstimate:
     reserve_bytes: int
     fsdp: FsdpBuffers
     activations: ActivationEstimate
+    tp: int
+    sequence_parallel: bool
+    float8: str
+    """float8 recipe when float8.enable, else "off"."""
+    float8_cast_bytes: int
+    """Largest float8 working set of one converted linear (float8_cast_bytes); in the
+    decoder-layer backward phase."""
+    float8_largest_linear: str
     ranks: list[RankMemory]
     all_ranks: AllRanks
     replicated_tables: ReplicatedTableBaseline
@@ -222,14 +248,20 @@ def tokenizer_vocab_size(cfg: JobConfig) -> int:
 def build_parallel_model(
     cfg: JobConfig, dims: ParallelDims, vocab_size: int, table_rows: dict[int, int]
 ) -> tuple[nn.Module, list[nn.Parameter]]:
-    """recipes/train.py's model section, on meta: build -> table sharding -> AC -> FSDP ->
-    training mode. Returns the model and its (row-sharded) table parameters."""
+    """recipes/train.py's model section, on meta: build, parallelize_model, training mode.
+    Returns the model and its (row-sharded) table parameters."""
     model = build_model(
         cfg.model, cfg.engram, vocab_size, table_rows, "meta", max_seq_len=cfg.training.seq_len
     )
     table_params = parallelize_model(model, cfg, dims)
     apply_training_mode(model, cfg.training.mode)
     return model, table_params
+
+
+def sequence_parallel(cfg: JobConfig) -> bool:
+    """parallelism.tp_sequence_parallel (default true), which the tensor-parallel work of issue 7
+    adds to the config; until that lands tp is 1 and the flag changes nothing."""
+    return getattr(cfg.parallelism, "tp_sequence_parallel", True)
 
 
 def recipe_defers_grad_sync(cfg: JobConfig, dims: ParallelDims) -> bool:
@@ -275,7 +307,7 @@ def measure_rank(
     dense_bytes = sum(_nbytes(_local(p)) for p in dense)
     dense_grad = sum(_nbytes(_local(p)) for p in dense_trainable)
     table_grad = sum(_nbytes(_local(p)) for p in tables_trainable)
-    fp32 = _BYTES["float32"]
+    fp32 = _bytes("float32")
     dense_opt = ADAM_STATES * fp32 * sum(_local(p).numel() for p in dense_trainable)
     table_opt = ADAM_STATES * fp32 * sum(_local(p).numel() for p in tables_trainable)
     host = dense_bytes + dense_grad + dense_opt if cpu_offload else 0
@@ -327,7 +359,7 @@ def fsdp_buffers(
     fsdp_on = dims.dp_size > 1
     compute = cfg.parallelism.mixed_precision_param if fsdp_on else "float32"
     reduce = cfg.parallelism.mixed_precision_reduce if fsdp_on else "float32"
-    a, r = _BYTES[compute], _BYTES[reduce]
+    a, r = _bytes(compute), _bytes(reduce)
     units = _fsdp_units(model, table_params) if fsdp_on else []
     s = dims.dp_shard
 
@@ -337,9 +369,9 @@ def fsdp_buffers(
     layers = [(n, ps) for n, ps in units if n != "<root>"]
     root = next((ps for n, ps in units if n == "<root>"), [])
     big_name, big = max(layers, key=lambda u: unsharded(u[1]), default=("no FSDP", []))
-    # As parallelisms/fsdp.py decides: layers that do not reshard after forward stay gathered
-    # from their forward to their backward, so all of them coexist at the start of backward.
-    layer_reshard = dims.fsdp_enabled and cfg.parallelism.fsdp_reshard_after_forward != "never"
+    # Layers that do not reshard after forward stay gathered from their forward to their
+    # backward, so all of them coexist at the start of backward.
+    layer_reshard, _ = reshard_after_forward(dims, cfg.parallelism)
     if layer_reshard:
         gathered = 2 * unsharded(big)  # current layer + the prefetched next one
     else:
@@ -373,20 +405,27 @@ def _norm_bytes(a: int) -> int:
     return 4 + 2 * a
 
 
-def _layer_bytes_per_token(args: ModelArgs, a: int) -> int:
-    """Activations one decoder layer saves for backward, bytes per token (compute dtype `a`).
+def _layer_bytes_per_token(args: ModelArgs, a: int, tp: int = 1, sp: bool = True) -> int:
+    """Activations one decoder layer saves for backward, bytes per token (compute dtype `a`) on
+    one of `tp` tensor-parallel ranks (`sp`: sequence parallel).
 
     Two RMSNorms over D (and q/k norms for Qwen3). Attention with a fused (flash) SDPA: q, and
-    k, v repeated to n_heads,
-    the output (4 a Dq), plus the fp32 log-sum-exp per head; no T x T scores. SwiGLU: w1 out,
-    w3 out, silu out, product (4 a F).
+    k, v repeated to n_heads, the output (4 a Dq), plus the fp32 log-sum-exp per head; no T x T
+    scores. SwiGLU: w1 out, w3 out, silu out, product (4 a F).
+
+    Under TP, heads and the FFN width are split (attention and FFN terms / tp). The norms run
+    on the full sequence on every TP rank without sequence parallel (not divided) and on 1/tp
+    of it with sequence parallel; then the column-parallel linears save their all-gathered
+    input (a D for the attention and for the FFN input), which is not divided.
     """
     assert args.head_dim is not None
     dq, dkv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     # q/k norms: their output goes to RoPE, which saves only cos/sin, so no output term.
     qk_norm = (4 + a) * (dq + dkv) if args.qk_norm else 0
     attention = 4 * a * dq + 4 * args.n_heads + qk_norm
-    return 2 * _norm_bytes(a) * args.dim + attention + 4 * a * args.ffn_dim
+    norms = 2 * _norm_bytes(a) * args.dim
+    gathered = 2 * a * args.dim if tp > 1 and sp else 0
+    return (norms // tp if sp else norms) + gathered + (attention + 4 * a * args.ffn_dim) // tp
 
 
 def _engram_bytes_per_token(cfg: JobConfig, dim: int, a: int) -> tuple[int, int]:
@@ -402,32 +441,43 @@ def _engram_bytes_per_token(cfg: JobConfig, dim: int, a: int) -> tuple[int, int]
     return saved, 3 * 8 * e.num_heads + 3 * 4 * engram_dim
 
 
-def activation_estimate(cfg: JobConfig, args: ModelArgs, compute_dtype: str) -> ActivationEstimate:
-    a = _BYTES[compute_dtype]
+def activation_estimate(
+    cfg: JobConfig, args: ModelArgs, compute_dtype: str, tp: int = 1, sp: bool = True
+) -> ActivationEstimate:
+    """Activation bytes of one micro-batch on one rank, `tp` tensor-parallel ranks with (`sp`)
+    or without sequence parallel. Per token, a sequence-sharded tensor costs 1/tp of its bytes:
+    with sequence parallel that is the residual stream (checkpoint inputs, norms, the Engram
+    block, which looks up only its own tokens); without it, only the head- and FFN-split parts.
+    The loss is vocabulary-parallel under TP (loss_parallel): logits / tp."""
+    a = _bytes(compute_dtype)
+    stream_div = tp if sp else 1
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
-    layer = _layer_bytes_per_token(args, a)
+    layer = _layer_bytes_per_token(args, a, tp, sp)
     engram_layers = set(cfg.engram.layer_ids) if cfg.engram.enabled else set()
     engram_saved, engram_transient = (
         _engram_bytes_per_token(cfg, args.dim, a) if engram_layers else (0, 0)
     )
+    engram_saved //= stream_div
+    engram_transient //= stream_div
     ac = cfg.activation_checkpoint
     every = {"none": 0, "full": 1, "selective": ac.selective_every}[ac.mode]
-    saved = 8 + _norm_bytes(a) * args.dim  # embedding ids; final norm (its output feeds the head)
+    # Embedding ids; final norm (its output feeds the head).
+    saved = 8 + _norm_bytes(a) * args.dim // stream_div
     recompute = 0
     for i in range(args.n_layers):
         full = layer + (engram_saved if i in engram_layers else 0)
         if every and i % every == 0:
-            saved += a * args.dim  # the checkpoint keeps only the layer input
+            saved += a * args.dim // stream_div  # the checkpoint keeps only the layer input
             recompute = max(recompute, full)
         else:
             saved += full
     # Backward temporaries of one layer: gradients of the FFN hidden and of the stream, plus the
     # Engram lookup's all-to-all buffers.
-    backward = 2 * a * args.ffn_dim + 2 * a * args.dim + engram_transient
+    backward = 2 * a * args.ffn_dim // tp + 2 * a * args.dim // stream_div + engram_transient
     # Cross-entropy in fp32: log-softmax output saved, its gradient, the gradient of the fp32
     # logits (12 bytes/logit) dominate; the compute-dtype logits (a) and the fp32 upcast (4)
     # exist together with the saved log-softmax in forward (a + 8).
-    loss = max(12, a + 8) * args.vocab_size
+    loss = max(12, a + 8) * args.vocab_size // tp
     return ActivationEstimate(
         tokens=tokens,
         saved_bytes=saved * tokens,
@@ -438,7 +488,29 @@ def activation_estimate(cfg: JobConfig, args: ModelArgs, compute_dtype: str) -> 
     )
 
 
-def _phases(f: FsdpBuffers, act: ActivationEstimate, opt_temp: int) -> dict[str, int]:
+def float8_cast_bytes(model: nn.Module, tokens: int, tp: int = 1) -> tuple[int, str]:
+    """(bytes, linear) of the largest float8 working set of one converted linear, which exists
+    only while that linear runs: torchao keeps the weight in high precision (FSDP shards and
+    gathers it as usual, so no persistent byte changes) and, per matmul, casts the gathered
+    weight to float8 (1 B/element, once in forward and once in backward with the other scaling
+    axis) and the input / output gradient (1 B/element each, the gradient twice in backward).
+    Rowwise and tensorwise alike; scales are negligible."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    best, name = 0, ""
+    for fqn, m in model.named_modules():
+        if isinstance(m, Float8Linear):
+            weight = 2 * m.in_features * m.out_features // tp  # the weight is TP-sharded
+            # Under TP one of in / out is split, depending on the plan: not divided (upper bound).
+            acts = tokens * (m.in_features + 2 * m.out_features)
+            if weight + acts > best:
+                best, name = weight + acts, fqn
+    return best, name
+
+
+def _phases(
+    f: FsdpBuffers, act: ActivationEstimate, opt_temp: int, float8_bytes: int = 0
+) -> dict[str, int]:
     """Transient bytes at the moments that can set the peak (each a sum of coexisting items)."""
     acc = f.no_sync_accum_bytes
     return {
@@ -450,6 +522,7 @@ def _phases(f: FsdpBuffers, act: ActivationEstimate, opt_temp: int) -> dict[str,
             + act.saved_bytes
             + act.recompute_bytes
             + f.layer_reduce_bytes
+            + float8_bytes
             + acc
         ),  # fmt: skip
         "backward end (root reduce)": (
@@ -541,6 +614,20 @@ def estimate(
         raise ConfigError(f"ranks {bad} are outside 0..{world_size - 1} (--ranks)")
     if device_memory_gib is None:
         device_memory_gib = DEVICE_MEMORY_GIB.get(cfg.job.device, 64.0)
+    if cfg.parallelism.pp > 1:
+        raise ConfigError(
+            f"parallelism.pp={cfg.parallelism.pp}: the memory estimator does not model pipeline "
+            "parallelism (per-stage layers, in-flight micro-batches of the schedule); estimate "
+            "with parallelism.pp=1, which is an upper bound for the parameter state only"
+        )
+    if cfg.float8.enable:
+        # The recipe's "float8 without compile is slow" warning would repeat once per rank here.
+        logging.getLogger("parallelisms.float8").setLevel(logging.ERROR)
+        # npu is refused exactly as in training; on the fake CPU mesh torchao must emulate
+        # (the per-rank bytes are the same: Float8Linear keeps high-precision weights).
+        if cfg.job.device == "npu":
+            check_float8_device(cfg.float8, "npu")
+        cfg = dataclasses.replace(cfg, float8=dataclasses.replace(cfg.float8, emulate=True))
     dims = parallel_dims_from_config(cfg, world_size)  # validates the degrees up front
     no_sync = recipe_defers_grad_sync(cfg, dims) and not sync_every_micro_batch
     table_rows = engram_table_rows(cfg.engram)
@@ -557,9 +644,13 @@ def estimate(
             mem = measure_rank(model, table_params, rank, cfg.parallelism.cpu_offload)
             if model_info is None:  # rank-independent: global shapes and placements
                 buffers = fsdp_buffers(cfg, dims, model, table_params, no_sync)
+                act = activation_estimate(
+                    cfg, model.args, buffers.compute_dtype, dims.tp, sequence_parallel(cfg)
+                )
                 model_info = (
                     buffers,
-                    activation_estimate(cfg, model.args, buffers.compute_dtype),
+                    act,
+                    float8_cast_bytes(model, act.tokens, dims.tp) if cfg.float8.enable else (0, ""),
                     all_ranks_summary(model, table_params, world_size, dims.dp_replicate),
                     sum(p.numel() for p in model.parameters()),
                     sum(p.numel() for p in table_params),
@@ -569,12 +660,12 @@ def estimate(
             dist.destroy_process_group()
         results.append(mem)
     assert model_info is not None
-    buffers, act, all_ranks, n_global, n_tables, dims_repr = model_info
+    buffers, act, (f8_bytes, f8_linear), all_ranks, n_global, n_tables, dims_repr = model_info
 
     device_bytes = int(device_memory_gib * GIB)
     reserve = int(reserve_gib * GIB)
     for mem in results:
-        mem.phases = _phases(buffers, act, mem.optimizer_step_temp_bytes)
+        mem.phases = _phases(buffers, act, mem.optimizer_step_temp_bytes, f8_bytes)
         mem.peak_phase = max(mem.phases, key=mem.phases.__getitem__)
         mem.transient_bytes = mem.phases[mem.peak_phase]
         mem.fragmentation_bytes = int(fragmentation * (mem.persistent_bytes + mem.transient_bytes))
@@ -620,6 +711,11 @@ def estimate(
         reserve_bytes=reserve,
         fsdp=buffers,
         activations=act,
+        tp=dims.tp,
+        sequence_parallel=sequence_parallel(cfg),
+        float8=cfg.float8.recipe if cfg.float8.enable else "off",
+        float8_cast_bytes=f8_bytes,
+        float8_largest_linear=f8_linear,
         ranks=results,
         all_ranks=all_ranks,
         replicated_tables=baseline,
@@ -655,8 +751,10 @@ def to_markdown(est: MemoryEstimate) -> str:
         "",
         f"{est.parallel_dims}; seq_len {est.seq_len}, local batch {est.local_batch_size}, "
         f"grad accum {est.grad_accum_steps}, activation checkpointing {est.activation_checkpoint}, "
-        f"training mode {est.training_mode}; compute {f.compute_dtype}, reduce {f.reduce_dtype}. "
-        "GiB = 2^30 bytes.",
+        f"training mode {est.training_mode}; compute {f.compute_dtype}, reduce {f.reduce_dtype}; "
+        f"float8 {est.float8}"
+        + (f"; tp {est.tp}, sequence parallel {est.sequence_parallel}" if est.tp > 1 else "")
+        + ". GiB = 2^30 bytes.",
         "",
         f"| per rank | {cols} | kind |",
         "| --- | " + " | ".join("---:" for _ in rs) + " | --- |",
@@ -717,6 +815,12 @@ def to_markdown(est: MemoryEstimate) -> str:
         "estimate",
     )
     row("loss head (logits, fp32 cross-entropy), GiB", same(_gib(act.loss_bytes)), "estimate")
+    if est.float8 != "off":
+        row(
+            f"float8 casts of one linear ({est.float8_largest_linear}), GiB",
+            same(_gib(est.float8_cast_bytes)),
+            "estimate",
+        )
     row(
         "optimizer step temporaries (foreach), GiB",
         [_gib(m.optimizer_step_temp_bytes) for m in rs],
