@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import sys
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,9 @@ class Data:
         _check(self.synthetic_num_entities > 0, "data.synthetic_num_entities must be > 0")
 
 
+TABLE_OPTIMIZERS = ("adam", "lazy_adam", "rowwise_adagrad")
+
+
 @dataclass
 class Optimizer:
     name: str = "AdamW"
@@ -229,10 +233,33 @@ class Optimizer:
     table_weight_decay: float = 0.0
     """Weight decay of the Engram tables (paper: 0)."""
     table_lazy: bool = False
-    """Row-wise lazy Adam for the tables: only rows touched this step are updated."""
+    """Deprecated alias of table_optimizer = "lazy_adam" (read, then normalised to false)."""
+    table_optimizer: str = "adam"
+    """Optimizer of the Engram tables: adam (dense Adam, every row's moments decay every step,
+    dense table gradient) | lazy_adam (torch SparseAdam's update on the rows touched this step;
+    row-sparse gradients, O(touched rows) per step) | rowwise_adagrad (row-wise Adagrad: one fp32
+    state value per row instead of two per parameter; row-sparse, O(touched rows)). See
+    docs/architecture.md, "Engram table optimizers"."""
 
     def __post_init__(self) -> None:
         _check(self.name == "AdamW", f"optimizer.name must be AdamW, got {self.name!r}")
+        _check(
+            self.table_optimizer in TABLE_OPTIMIZERS,
+            f"optimizer.table_optimizer must be one of {', '.join(TABLE_OPTIMIZERS)}, "
+            f"got {self.table_optimizer!r}",
+        )
+        if self.table_lazy:
+            _check(
+                self.table_optimizer in ("adam", "lazy_adam"),
+                f"optimizer.table_lazy = true contradicts table_optimizer = "
+                f"{self.table_optimizer!r}: drop table_lazy (deprecated)",
+            )
+            warnings.warn(
+                'optimizer.table_lazy is deprecated: use optimizer.table_optimizer = "lazy_adam"',
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            self.table_optimizer, self.table_lazy = "lazy_adam", False
         _check(self.lr > 0, "optimizer.lr must be > 0")
         _check(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),

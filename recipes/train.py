@@ -125,7 +125,7 @@ def train(cfg: JobConfig) -> TrainResult:
         fingerprint={
             **model_fingerprint(cfg, model),
             "training_mode": cfg.training.mode,
-            "table_lazy": cfg.optimizer.table_lazy,
+            "table_optimizer": cfg.optimizer.table_optimizer,
         },
     )
     start_step = checkpointer.load()
