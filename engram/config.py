@@ -12,6 +12,7 @@ import logging
 import math
 import sys
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -268,6 +269,9 @@ class Data:
         return list(self.sources) if self.sources else [DataSource(self.path, 1.0)]
 
 
+TABLE_OPTIMIZERS = ("adam", "lazy_adam", "rowwise_adagrad")
+
+
 @dataclass
 class Optimizer:
     name: str = "AdamW"
@@ -283,7 +287,13 @@ class Optimizer:
     table_weight_decay: float = 0.0
     """Weight decay of the Engram tables (paper: 0)."""
     table_lazy: bool = False
-    """Row-wise lazy Adam for the tables: only rows touched this step are updated."""
+    """Deprecated alias of table_optimizer = "lazy_adam" (read, then normalised to false)."""
+    table_optimizer: str = "adam"
+    """Optimizer of the Engram tables: adam (dense Adam, every row's moments decay every step,
+    dense table gradient) | lazy_adam (torch SparseAdam's update on the rows touched this step;
+    row-sparse gradients, O(touched rows) per step) | rowwise_adagrad (row-wise Adagrad: one fp32
+    state value per row instead of two per parameter; row-sparse, O(touched rows)). See
+    docs/architecture.md, "Engram table optimizers"."""
 
     def __post_init__(self) -> None:
         _check(self.name == "AdamW", f"optimizer.name must be AdamW, got {self.name!r}")
@@ -292,6 +302,23 @@ class Optimizer:
         _check_finite(self.table_weight_decay, "optimizer.table_weight_decay")
         for i, b in enumerate(self.betas):
             _check_finite(b, f"optimizer.betas[{i}]")
+        _check(
+            self.table_optimizer in TABLE_OPTIMIZERS,
+            f"optimizer.table_optimizer must be one of {', '.join(TABLE_OPTIMIZERS)}, "
+            f"got {self.table_optimizer!r}",
+        )
+        if self.table_lazy:
+            _check(
+                self.table_optimizer in ("adam", "lazy_adam"),
+                f"optimizer.table_lazy = true contradicts table_optimizer = "
+                f"{self.table_optimizer!r}: drop table_lazy (deprecated)",
+            )
+            warnings.warn(
+                'optimizer.table_lazy is deprecated: use optimizer.table_optimizer = "lazy_adam"',
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            self.table_optimizer, self.table_lazy = "lazy_adam", False
         _check(self.lr > 0, "optimizer.lr must be > 0")
         _check(self.eps >= 0, "optimizer.eps must be >= 0")
         for name in ("weight_decay", "table_weight_decay"):

@@ -38,7 +38,7 @@ def config_fingerprint(cfg: JobConfig, tokenizer: Any, hasher: Any | None) -> di
         "model_shape": shape,
         "tokenizer": {"sha256": tokenizer_fingerprint(tokenizer), "size": tokenizer.vocab_size},
         "training_mode": cfg.training.mode,
-        "table_lazy": cfg.optimizer.table_lazy,
+        "table_optimizer": cfg.optimizer.table_optimizer,
     }
     if hasher is not None:
         e = cfg.engram

@@ -3,8 +3,8 @@
 Parameter groups (the paper's and Megatron's defaults):
   backbone       AdamW(lr, weight_decay) - matrices decay, 1-D params (norms, biases) do not
   engram dense   AdamW(lr * engram_lr_mult) - projections, norms, ShortConv
-  engram tables  Adam(lr * table_lr_mult, weight_decay = table_weight_decay = 0) or the lazy
-                 row-wise variant. Tables live in their own optimizer because they are DTensors on
+  engram tables  optimizer.table_optimizer (adam | lazy_adam | rowwise_adagrad) at
+                 lr * table_lr_mult, weight_decay = table_weight_decay = 0. Tables live in their own optimizer because they are DTensors on
                  the "engram" mesh while FSDP parameters live on the data-parallel shard mesh, and
                  foreach kernels must not mix meshes.
 """
@@ -23,7 +23,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.lr_scheduler import LambdaLR
 
 from engram.config import JobConfig
-from engram.lazy_adam import LazyRowAdam
+from engram.lazy_adam import LazyAdam, RowwiseAdagrad
+from engram.table_grad import row_grad_norm_sq, scale_row_grads_
 
 
 def is_engram_param(name: str) -> bool:
@@ -83,14 +84,28 @@ def build_optimizers(model: nn.Module, cfg: JobConfig) -> list[torch.optim.Optim
                 "name": "engram_tables",
             }
         ]
-        if o.table_lazy:
-            optimizers.append(LazyRowAdam(table_group, lr=table_lr, betas=betas, eps=o.eps))
-        else:
-            # AdamW with weight_decay 0 is exactly Adam; decoupled decay if table_weight_decay > 0.
-            optimizers.append(torch.optim.AdamW(table_group, lr=table_lr, betas=betas, eps=o.eps))
+        optimizers.append(build_table_optimizer(o.table_optimizer, table_group, betas, o.eps))
     if not optimizers:
         raise ValueError("no trainable parameters: check training.mode and engram.enabled")
     return optimizers
+
+
+def build_table_optimizer(
+    name: str, groups: list[dict], betas: tuple[float, float], eps: float
+) -> torch.optim.Optimizer:
+    """The tables' optimizer (optimizer.table_optimizer); lr / weight_decay come from `groups`.
+
+    lazy_adam and rowwise_adagrad mark their tables row-sparse: from then on the lookups' backward
+    leaves (rows, row grads) on the parameters and `.grad` stays None (engram/table_grad.py).
+    """
+    if name == "adam":
+        # AdamW with weight_decay 0 is exactly Adam; decoupled decay if table_weight_decay > 0.
+        return torch.optim.AdamW(groups, betas=betas, eps=eps)
+    if name == "lazy_adam":
+        return LazyAdam(groups, betas=betas, eps=eps)
+    if name == "rowwise_adagrad":
+        return RowwiseAdagrad(groups, eps=eps)
+    raise ValueError(f"unknown table optimizer {name!r}: use adam, lazy_adam or rowwise_adagrad")
 
 
 def lr_lambda(
@@ -166,18 +181,22 @@ def clip_grad_norm_(
     `pp_group`: under pipeline parallelism each stage holds other parameters; their squared
     norms are summed over the stages too (every stage must call this, even one without grads).
     """
-    params = [p for p in params if p.grad is not None]
-    align_grads_(params)
-    grads = [p.grad for p in params]
-    if not grads and pp_group is None:
+    params = list(params)
+    dense = [p for p in params if p.grad is not None]
+    align_grads_(dense)
+    grads = [p.grad for p in dense]
+    buckets = row_grad_norm_sq(params)  # row-sparse table grads (engram/table_grad.py)
+    if not grads and not buckets and pp_group is None:
         return torch.zeros(())
-    buckets: dict[tuple, torch.Tensor] = {}
     for g in grads:
         key = _shard_groups(g) if isinstance(g, DTensor) else ()
         local = g.to_local() if isinstance(g, DTensor) else g
         sq = local.detach().float().pow(2).sum()
         buckets[key] = buckets[key] + sq if key in buckets else sq
-    device = grads[0].device if grads else torch.device("cpu")
+    if buckets:
+        device = next(iter(buckets.values())).device
+    else:  # a pipeline stage without gradients still joins the pp reduction
+        device = params[0].device if params else torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
     for groups, sq in buckets.items():
         for group in groups:
@@ -190,4 +209,5 @@ def clip_grad_norm_(
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
+        scale_row_grads_(params, coef)
     return total

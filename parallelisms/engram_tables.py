@@ -4,7 +4,9 @@ Each table is a DTensor with placement Shard(0) on a 1-D "engram" mesh: rank r o
 [r * c, min((r + 1) * c, R)) with c = ceil(R / W) (the torch.chunk split, so DCP saves and
 reshards it, and the last ranks may hold fewer rows or none). A lookup sends each id to the rank
 that owns its row and brings the row back; the backward sends the row gradients to the owners,
-which add them into a dense gradient of their shard. No table is ever gathered or replicated, and
+which add them into a dense gradient of their shard, or, for a table marked row-sparse (its
+optimizer is lazy_adam / rowwise_adagrad), keep (unique local rows, fp32 summed row gradients) on
+the parameter (engram/table_grad.py) so nothing of the table's size is allocated. No table is ever gathered or replicated, and
 no sparse tensor is used (HCCL rejects them). Only the plain c10d `all_to_all_single` is used, with
 explicit split sizes (the list form fails on gloo with uneven sizes).
 
@@ -23,6 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+
+from engram.table_grad import (
+    accumulate_row_grad,
+    coalesce_rows,
+    embedding_lookup,
+    is_row_sparse,
+    row_grad,
+)
 
 __all__ = [
     "ShardedEngramTable",
@@ -133,21 +143,49 @@ class _ShardedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
-        local_idx, restore = ctx.saved_tensors
-        dedup, grad_scale, group, send_splits, recv_splits, n_send, n_recv = ctx.meta
+        local_idx, grad_recv = _route_grads_to_owners(ctx, grad_out)
         acc = _accumulate_dtype(ctx.dtype)
-        grad_out = grad_out.contiguous()
-        if dedup:  # rows repeated in this rank's batch: sum them before sending
-            grad_send = grad_out.new_zeros((n_send, grad_out.shape[1]), dtype=acc)
-            grad_send.index_add_(0, restore, grad_out.to(acc))
-        else:
-            grad_send = grad_out.index_select(0, restore).to(acc)
-        if grad_scale != 1.0:
-            grad_send.mul_(grad_scale)
-        grad_recv = _exchange(grad_send.to(ctx.dtype), n_recv, recv_splits, send_splits, group)
         grad_local = grad_recv.new_zeros(ctx.local_shape, dtype=acc)
         grad_local.index_add_(0, local_idx, grad_recv.to(acc))
         return grad_local.to(ctx.dtype), None, None, None, None, None
+
+
+def _route_grads_to_owners(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward all-to-all: (local row ids, row gradients) this rank owns, as received (a row
+    may appear once per sending rank); grad_scale applied."""
+    local_idx, restore = ctx.saved_tensors
+    dedup, grad_scale, group, send_splits, recv_splits, n_send, n_recv = ctx.meta
+    acc = _accumulate_dtype(ctx.dtype)
+    grad_out = grad_out.contiguous()
+    if dedup:  # rows repeated in this rank's batch: sum them before sending
+        grad_send = grad_out.new_zeros((n_send, grad_out.shape[1]), dtype=acc)
+        grad_send.index_add_(0, restore, grad_out.to(acc))
+    else:
+        grad_send = grad_out.index_select(0, restore).to(acc)
+    if grad_scale != 1.0:
+        grad_send.mul_(grad_scale)
+    grad_recv = _exchange(grad_send.to(ctx.dtype), n_recv, recv_splits, send_splits, group)
+    return local_idx, grad_recv
+
+
+class _RowSparseShardedLookup(_ShardedLookup):
+    """_ShardedLookup whose backward leaves the owner's (unique local rows, fp32 summed row grads)
+    on `param` (engram/table_grad.py) and returns no dense gradient: O(touched rows)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, local_weight, flat_ids, num_rows, group, dedup, grad_scale, param
+    ) -> torch.Tensor:
+        ctx.param = param
+        return _ShardedLookup.forward(
+            ctx, local_weight, flat_ids, num_rows, group, dedup, grad_scale
+        )
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        local_idx, grad_recv = _route_grads_to_owners(ctx, grad_out)
+        accumulate_row_grad(ctx.param, *coalesce_rows(local_idx, grad_recv))
+        return None, None, None, None, None, None, None
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -168,6 +206,7 @@ def sharded_embedding_lookup(
     group: dist.ProcessGroup,
     dedup: bool = True,
     grad_scale: float = 1.0,
+    param: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Look up rows of a table row-sharded over `group`; returns [*ids.shape, d].
 
@@ -175,11 +214,23 @@ def sharded_embedding_lookup(
     rank of `group` must call it, in the same order, even with an empty `ids`. With `dedup`, each
     distinct id is sent once per rank. The table gradient is scaled by `grad_scale` (use 1 / W for
     data-parallel mean semantics when each rank's loss is its local mean). A group of one rank is a
-    plain gather with no communication.
+    plain gather with no communication. If `param` (the table parameter whose local piece is
+    `local_weight`) is marked row-sparse (engram/table_grad.py), the backward leaves row-sparse
+    gradients on it instead of a dense gradient.
     """
     if local_weight.dim() != 2:
         raise ValueError(f"local_weight must be [rows, dim], got shape {tuple(local_weight.shape)}")
     _check_ids(ids, num_rows)
+    row_sparse = param is not None and is_row_sparse(param) and local_weight.requires_grad
+    if row_sparse and dist.get_world_size(group) == 1:
+        if local_weight.shape[0] != num_rows:
+            raise ValueError(f"one rank must hold all {num_rows} rows, has {local_weight.shape[0]}")
+        return embedding_lookup(ids, local_weight, param, grad_scale)
+    if row_sparse:
+        out = _RowSparseShardedLookup.apply(
+            local_weight, ids.reshape(-1), num_rows, group, dedup, grad_scale, param
+        )
+        return out.view(*ids.shape, local_weight.shape[1])
     if dist.get_world_size(group) == 1:
         if local_weight.shape[0] != num_rows:
             raise ValueError(f"one rank must hold all {num_rows} rows, has {local_weight.shape[0]}")
@@ -209,6 +260,7 @@ class ShardedEngramTable(nn.Module):
             self._engram_group,
             self._engram_dedup,
             self._engram_grad_scale,
+            param=self.weight,
         )
 
     def extra_repr(self) -> str:
@@ -299,6 +351,9 @@ def table_grad_norm_sq(params: list[nn.Parameter]) -> torch.Tensor:
         if p.grad is not None:
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             total += g.float().pow(2).sum()
+        rg = row_grad(p)  # row-sparse gradient: unique rows, each counted once
+        if rg is not None:
+            total += rg[1].pow(2).sum()
     if mesh.size() > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mesh.get_group())
     return total

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engram.config import Engram as EngramConfig
+from engram.table_grad import embedding_lookup
 
 # Epsilon of the demo's key/query norms (nn.RMSNorm(eps=None) = finfo(float32).eps in fp32).
 GATE_NORM_EPS = torch.finfo(torch.float32).eps
@@ -54,7 +55,7 @@ class EngramTable(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: LongTensor [..., H] -> [..., H, head_dim]."""
-        return F.embedding(ids, self.weight)
+        return embedding_lookup(ids, self.weight)  # row-sparse grads if marked (table_grad.py)
 
     def reset_parameters(self, std: float, seed: int, key: str = "engram.table.weight") -> None:
         from engram.models.init import init_normal_

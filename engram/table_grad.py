@@ -1,0 +1,161 @@
+"""Row-sparse gradients for the Engram tables: (unique row ids, summed row gradients), no dense grad.
+
+A table whose optimizer is row-sparse (lazy_adam, rowwise_adagrad) is marked with
+`mark_row_sparse`. Its lookup's backward then returns no gradient for the weight (so `.grad` stays
+None and no table-sized tensor is allocated) and instead appends (local row ids, fp32 row
+gradients) to the parameter; `row_grad` merges everything appended since the last `clear_row_grad`
+(micro-batches of gradient accumulation) into unique rows with summed gradients, in fp32. Plain
+dense tensors, no torch sparse tensors (HCCL rejects them).
+
+For a DTensor (row-sharded) table the row ids are LOCAL to the rank's Shard(0) piece; the owners'
+row sets are disjoint, so the global squared norm is the sum over ranks of each rank's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+_FLAG = "_engram_row_sparse"
+_PENDING = "_engram_row_grads"  # list of (rows, values) appended by backward
+_MERGED = "_engram_row_grad"  # (rows, values) after merging, cached until cleared
+
+
+def mark_row_sparse(param: nn.Parameter, enabled: bool = True) -> None:
+    """Make the lookups of this table parameter produce row-sparse gradients (or dense again)."""
+    if param.dim() != 2:
+        raise ValueError(f"row-sparse gradients need a 2-D table, got shape {tuple(param.shape)}")
+    setattr(param, _FLAG, enabled)
+
+
+def is_row_sparse(param: torch.Tensor) -> bool:
+    return bool(getattr(param, _FLAG, False))
+
+
+def accumulate_row_grad(param: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """Add (rows, values) to the parameter's pending row gradient (called from backward)."""
+    pending = getattr(param, _PENDING, None)
+    if pending is None:
+        pending = []
+        setattr(param, _PENDING, pending)
+    pending.append((rows, values))
+
+
+def coalesce_rows(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique sorted row ids and the fp32 sum of each row's values."""
+    uniq, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+    out = values.new_zeros((uniq.numel(), values.shape[1]), dtype=torch.float32)
+    out.index_add_(0, inverse, values.float())
+    return uniq, out
+
+
+def row_grad(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(unique local row ids, summed fp32 row gradients) since the last clear, or None."""
+    merged = getattr(param, _MERGED, None)
+    pending = getattr(param, _PENDING, None)
+    if pending:
+        if merged is not None:
+            pending = [merged, *pending]
+        if len(pending) == 1:
+            merged = pending[0]  # backward already coalesced one micro-batch
+        else:
+            merged = coalesce_rows(
+                torch.cat([r for r, _ in pending]), torch.cat([v for _, v in pending])
+            )
+        setattr(param, _MERGED, merged)
+        setattr(param, _PENDING, None)
+    return merged
+
+
+def clear_row_grad(param: torch.Tensor) -> None:
+    setattr(param, _PENDING, None)
+    setattr(param, _MERGED, None)
+
+
+def _shard_groups(t: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
+    if not isinstance(t, DTensor):
+        return ()
+    mesh = t.device_mesh
+    return tuple(mesh.get_group(i) for i, pl in enumerate(t.placements) if isinstance(pl, Shard))
+
+
+def row_grad_norm_sq(params: Iterable[torch.Tensor]) -> dict[tuple, torch.Tensor]:
+    """Local squared norms of the row-sparse gradients, bucketed by the groups to sum them over.
+
+    Each row is counted once (rows are unique per owner and owners are disjoint), so adding these
+    buckets to the dense ones gives the same global norm as the dense table gradient.
+    clip_grad_norm_ all-reduces each bucket over its groups.
+    """
+    buckets: dict[tuple, torch.Tensor] = {}
+    for p in params:
+        rg = row_grad(p)
+        if rg is None:
+            continue
+        key = _shard_groups(p)
+        sq = rg[1].pow(2).sum()
+        buckets[key] = buckets[key] + sq if key in buckets else sq
+    return buckets
+
+
+def scale_row_grads_(params: Iterable[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply every row-sparse gradient by `coef` in place (gradient clipping)."""
+    for p in params:
+        rg = row_grad(p)
+        if rg is not None:
+            rg[1].mul_(coef.to(rg[1].device))
+
+
+class _RowSparseEmbedding(torch.autograd.Function):
+    """F.embedding whose backward stores row-sparse gradients on `param` and returns None."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, param, grad_scale):  # type: ignore[override]
+        ctx.save_for_backward(ids)
+        ctx.param, ctx.grad_scale = param, grad_scale
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        (ids,) = ctx.saved_tensors
+        rows, values = coalesce_rows(ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]))
+        if ctx.grad_scale != 1.0:
+            values.mul_(ctx.grad_scale)
+        accumulate_row_grad(ctx.param, rows, values)
+        return None, None, None, None
+
+
+def embedding_lookup(
+    ids: torch.Tensor,
+    weight: torch.Tensor,
+    param: torch.Tensor | None = None,
+    grad_scale: float = 1.0,
+) -> torch.Tensor:
+    """weight[ids]; row-sparse gradients on `param` (default: `weight`) if it is marked.
+
+    `weight` may be the local piece of a DTensor `param` (whose ids are then local row ids).
+    """
+    param = weight if param is None else param
+    if is_row_sparse(param) and torch.is_grad_enabled() and weight.requires_grad:
+        return _RowSparseEmbedding.apply(weight, ids, param, grad_scale)
+    return _dense_embedding(ids, weight, grad_scale)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+def _dense_embedding(ids: torch.Tensor, weight: torch.Tensor, grad_scale: float) -> torch.Tensor:
+    w = weight if grad_scale == 1.0 else _ScaleGrad.apply(weight, grad_scale)
+    return F.embedding(ids, w)
