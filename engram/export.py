@@ -1,0 +1,171 @@
+"""Safetensors export: the safe way to share weights (DCP checkpoints are pickle-based).
+
+(a) a Hugging Face folder: config.json, model.safetensors (the backbone in HF Llama/Qwen names),
+    tokenizer.json, and engram.safetensors (the Engram weights, `engram.<our name>`, with the
+    Engram config and checkpoint fingerprint as JSON in the safetensors header). It loads back
+    into any layout with `engram.hf_load.load_hf_backbone` (it reads the `engram.` tensors too).
+(b) engram.safetensors alone (Engram-only weights), read back with `load_engram_safetensors`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from engram.checkpoint import fingerprint_mismatches
+from engram.models.args import ModelArgs
+from engram.models.hf_adapter import ENGRAM_PREFIX, to_hf_state_dict
+from engram.models.init import local_view
+
+ENGRAM_FILE = "engram.safetensors"
+ENGRAM_FORMAT = "engram-safetensors/1"
+_ARCH = {
+    "llama3": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+
+class EngramExportError(ValueError):
+    """An Engram safetensors file does not fit the model; the message says what differs."""
+
+
+def hf_config(args: ModelArgs, family: str) -> dict[str, Any]:
+    """config.json for the backbone (the keys hf_load checks, plus what HF needs to build it)."""
+    arch, model_type = _ARCH[family]
+    config: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "intermediate_size": args.ffn_dim,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    if args.rope_scaling is not None:
+        config["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(args.rope_scaling)}
+    if family == "qwen2":
+        config["attention_bias"] = args.qkv_bias
+    return config
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return full.detach().to("cpu").contiguous()
+
+
+def export(
+    model: nn.Module,
+    family: str,
+    engram_config: dict[str, Any],
+    fingerprint: dict[str, Any],
+    out: str | Path,
+    engram_only: bool = False,
+    tokenizer_file: str | Path | None = None,
+) -> list[Path]:
+    """Write (a) the HF folder or (b) only engram.safetensors into `out`; returns the files.
+
+    `model` must hold full (unsharded) tensors or DTensors (gathered here: collective then)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {name: _full(p) for name, p in model.state_dict().items()}
+    hf = to_hf_state_dict(sd, model.args)
+    engram = {k: v for k, v in hf.items() if k.startswith(ENGRAM_PREFIX)}
+    backbone = {k: v for k, v in hf.items() if not k.startswith(ENGRAM_PREFIX)}
+    written = []
+    if engram:
+        header = {
+            "format": ENGRAM_FORMAT,
+            "engram_config": json.dumps(engram_config, sort_keys=True),
+            "fingerprint": json.dumps(fingerprint, sort_keys=True),
+        }
+        save_file(engram, str(out / ENGRAM_FILE), metadata=header)
+        written.append(out / ENGRAM_FILE)
+    if not engram_only:
+        save_file(backbone, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(
+            json.dumps(hf_config(model.args, family), indent=2, sort_keys=True) + "\n"
+        )
+        written += [out / "model.safetensors", out / "config.json"]
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+            written.append(out / "tokenizer.json")
+    return written
+
+
+def read_engram_header(file: str | Path) -> dict[str, Any]:
+    """The Engram config and fingerprint stored in an engram.safetensors header."""
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != ENGRAM_FORMAT:
+        raise EngramExportError(
+            f"{file} is not an Engram safetensors file (header format {meta.get('format')!r}, "
+            f"expected {ENGRAM_FORMAT!r}): export it with scripts/export_hf.py"
+        )
+    return {k: json.loads(meta[k]) for k in ("engram_config", "fingerprint")}
+
+
+def load_engram_safetensors(
+    model: nn.Module, file: str | Path, fingerprint: dict[str, Any] | None = None
+) -> int:
+    """Copy the Engram weights of `file` into `model`'s (local shards of) Engram parameters, in
+    any layout; returns how many tensors were copied. With `fingerprint` (this run's
+    engram.fingerprint.config_fingerprint) the Engram-related keys of the file's fingerprint
+    must match it (same hashing, tables, widths), else EngramExportError naming them."""
+    header = read_engram_header(file)
+    if fingerprint is not None:
+        keys = [k for k in fingerprint if k.startswith("engram") or k == "tokenizer"]
+        diffs = fingerprint_mismatches(
+            {k: header["fingerprint"].get(k) for k in keys}, {k: fingerprint[k] for k in keys}
+        )
+        if diffs:
+            raise EngramExportError(
+                f"{file} holds Engram weights for another configuration:\n  "
+                + "\n  ".join(diffs)
+                + "\nFix: use the Engram config in the file's header (read_engram_header)"
+            )
+    params = {}
+    for raw, p in model.named_parameters():
+        name = raw.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        if ".engram." in f".{name}":
+            params[name] = p
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        stored = {k[len(ENGRAM_PREFIX) :]: k for k in f.keys()}
+        missing, extra = sorted(set(params) - set(stored)), sorted(set(stored) - set(params))
+        if missing or extra:
+            raise EngramExportError(
+                f"{file} does not match this model's Engram parameters: missing {missing[:10]}, "
+                f"unexpected {extra[:10]}. Fix: set engram.layer_ids and the engram.* widths to "
+                "the file's header"
+            )
+        with torch.no_grad():
+            for name, p in params.items():
+                shape = tuple(f.get_slice(stored[name]).get_shape())
+                if shape != tuple(p.shape):
+                    raise EngramExportError(
+                        f"{file}: {name} has shape {list(shape)}, the model {list(p.shape)}"
+                    )
+                local, local_shape, offset = local_view(p)
+                if local.numel() == 0:
+                    continue
+                index = tuple(slice(o, o + s) for o, s in zip(offset, local_shape, strict=True))
+                local.copy_(
+                    f.get_slice(stored[name])[index] if index else f.get_tensor(stored[name])
+                )
+    return len(params)

@@ -1,0 +1,149 @@
+"""Safetensors export round trip: a checkpoint saved at world 2 (FSDP), exported by
+scripts/export_hf.py, imported at world 3 (FSDP, row-sharded tables) through the HF loader gives
+the same logits as the checkpoint itself; the Engram-only file reads back and refuses another
+hashing config."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from launcher import run_distributed, run_isolated
+from safetensors import safe_open
+
+from engram.config import config_from_dict, to_toml
+from engram.export import EngramExportError, load_engram_safetensors, read_engram_header
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _raw(folder: str) -> dict:
+    return {
+        "job": {"dump_folder": folder, "run_name": "export", "device": "cpu", "seed": 4},
+        "model": {"flavor": "debug"},
+        "engram": {
+            "layer_ids": [1, 2],
+            "n_head_per_ngram": 2,
+            "vocab_size_per_ngram": [1009, 997],
+            "n_embed_per_ngram": 32,
+            "init": "paper",
+        },
+        "training": {"seq_len": 16, "local_batch_size": 2, "steps": 2},
+        "data": {"synthetic_num_entities": 32},
+        "optimizer": {"lr": 1e-2},
+        "parallelism": {"dp_shard": 2},
+        "checkpoint": {"enable": True, "interval": 2},
+        "metrics": {"enable_tensorboard": False},
+    }
+
+
+def _train(rank: int, world: int, raw: dict) -> None:
+    from recipes.train import train
+
+    train(config_from_dict(raw))
+
+
+def _export(argv: list[str]) -> list[str]:
+    spec = importlib.util.spec_from_file_location("export_hf", ROOT / "scripts" / "export_hf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [str(p) for p in module.main(argv)]
+
+
+def _batch(hasher) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 2000, (2, 16), generator=torch.Generator().manual_seed(0))
+    return ids, torch.from_numpy(hasher(ids.numpy()))
+
+
+def _reference(raw: dict) -> dict:
+    from recipes.generate import build_for_generation, load_checkpoint
+
+    cfg = config_from_dict(raw)
+    model, _, hasher = build_for_generation(cfg, 16)
+    load_checkpoint(model, cfg, 2)
+    ids, hash_ids = _batch(hasher)
+    with torch.no_grad():
+        logits = model(ids, hash_ids)
+    engram = {n: p.detach().numpy().copy() for n, p in model.named_parameters() if ".engram." in n}
+    return {"logits": logits.numpy(), "engram": engram}
+
+
+def _import(rank: int, world: int, raw: dict, folder: str) -> np.ndarray:
+    from engram.data.tokenizer import load_tokenizer
+    from engram.hf_load import load_hf_backbone
+    from engram.models.builder import build_from_config
+    from parallelisms.parallel_dims import parallel_dims_from_config
+    from parallelisms.parallelize import parallelize_model
+
+    cfg = config_from_dict(raw)
+    dims = parallel_dims_from_config(cfg, world)
+    dims.build_mesh("cpu")
+    tok = load_tokenizer("")
+    model, hasher = build_from_config(cfg, tok)
+    parallelize_model(model, cfg, dims)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=99)  # another init: the import must overwrite every tensor
+    load_hf_backbone(model, folder, model.args)
+    ids, hash_ids = _batch(hasher)
+    with torch.no_grad():
+        return model(ids, hash_ids).numpy()
+
+
+def _engram_only(raw: dict, file: str, other_seed: bool) -> int:
+    from engram.data.tokenizer import load_tokenizer
+    from engram.fingerprint import config_fingerprint
+    from recipes.generate import build_for_generation
+
+    if other_seed:
+        raw = {**raw, "engram": {**raw["engram"], "seed": 5}}
+    cfg = config_from_dict(raw)
+    model, tok, hasher = build_for_generation(cfg, 16, tokenizer=load_tokenizer(""))
+    n = load_engram_safetensors(model, file, config_fingerprint(cfg, tok, hasher))
+    return {
+        "n": n,
+        **{k: p.detach().numpy().copy() for k, p in model.named_parameters() if ".engram." in k},
+    }
+
+
+@pytest.mark.slow
+def test_export_at_one_layout_import_at_another(tmp_path):
+    raw = _raw(str(tmp_path))
+    run_distributed(_train, 2, raw)
+    toml = tmp_path / "export.toml"
+    toml.write_text(to_toml(config_from_dict(raw)))
+    out = tmp_path / "hf"
+    files = run_isolated(_export, ["--out", str(out), f"--job.config_file={toml}"])
+    assert {Path(f).name for f in files} == {
+        "engram.safetensors",
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+    }
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 4
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys and not any("engram" in k for k in keys)
+    header = read_engram_header(out / "engram.safetensors")
+    assert header["engram_config"]["layer_ids"] == [1, 2]
+    assert header["fingerprint"]["engram"]["table_primes"]["1"] == [1009, 1013, 997, 1019]
+
+    ref = run_isolated(_reference, raw)
+    imported = run_distributed(_import, 3, {**raw, "parallelism": {"dp_shard": 3}}, str(out))
+    for logits in imported:
+        np.testing.assert_allclose(logits, ref["logits"], rtol=1e-5, atol=1e-5)
+
+    # (b) Engram-only weights.
+    only = tmp_path / "only"
+    run_isolated(_export, ["--out", str(only), "--engram-only", f"--job.config_file={toml}"])
+    assert [p.name for p in only.iterdir()] == ["engram.safetensors"]
+    got = run_isolated(_engram_only, raw, str(only / "engram.safetensors"), False)
+    assert got.pop("n") == len(ref["engram"])
+    for name, value in ref["engram"].items():
+        assert np.array_equal(got[name], value), name
+    with pytest.raises(EngramExportError, match="engram.hash_seed"):
+        run_isolated(_engram_only, raw, str(only / "engram.safetensors"), True)
