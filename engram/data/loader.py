@@ -124,8 +124,8 @@ class TokenSource:
 class PackedDataset(IterableDataset):
     """Local batches of one DP rank: yields (b sample dicts, position after that global batch).
 
-    Starts at `self.position` (a global position), which the DataLoader below sets before
-    every iter(); worker w of W yields global batches w, w + W, ... from there.
+    Starts at `self.position` (a global position; the DataLoader below keeps it at the
+    consumed position); worker w of W yields global batches w, w + W, ... from there.
     """
 
     def __init__(self, source, seq_len: int, local_batch: int, dp_rank: int = 0, dp_world: int = 1):
