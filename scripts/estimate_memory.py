@@ -51,6 +51,7 @@ from engram.data.tokenizer import load_tokenizer  # noqa: E402
 from engram.hashing import engram_table_rows  # noqa: E402
 from engram.models.args import ModelArgs, get_model_args  # noqa: E402
 from engram.models.builder import build_model  # noqa: E402
+from engram.models.transformer import clean_fqn  # noqa: E402
 from engram.optim import apply_training_mode  # noqa: E402
 from parallelisms.float8 import check_float8_device  # noqa: E402
 from parallelisms.fsdp import DTYPES, defer_grad_sync, reshard_after_forward  # noqa: E402
@@ -504,7 +505,7 @@ def float8_cast_bytes(model: nn.Module, tokens: int, tp: int = 1) -> tuple[int, 
             # Under TP one of in / out is split, depending on the plan: not divided (upper bound).
             acts = tokens * (m.in_features + 2 * m.out_features)
             if weight + acts > best:
-                best, name = weight + acts, fqn
+                best, name = weight + acts, clean_fqn(fqn)
     return best, name
 
 
