@@ -127,7 +127,9 @@ class RNGState(Stateful):
             "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
         }
-        acc = torch.accelerator.current_accelerator()
+        # check_available: a CUDA build of torch on a machine without a GPU (the registry's Linux
+        # wheels) reports cuda as its accelerator, and reading its RNG state would fail.
+        acc = torch.accelerator.current_accelerator(check_available=True)
         if acc is not None:
             state["accelerator"] = (acc.type, torch.get_device_module(acc.type).get_rng_state())
         return state
@@ -137,7 +139,7 @@ class RNGState(Stateful):
         np.random.set_state(state_dict["numpy"])
         torch.set_rng_state(state_dict["torch"])
         saved = state_dict.get("accelerator")
-        acc = torch.accelerator.current_accelerator()
+        acc = torch.accelerator.current_accelerator(check_available=True)
         if saved is not None and acc is not None and saved[0] == acc.type:
             torch.get_device_module(acc.type).set_rng_state(saved[1])
         elif saved is not None or acc is not None:
