@@ -188,7 +188,13 @@ class Checker:
         )
         if len(hosts) > 300:
             hosts = hosts[:300] + " ..."
-        return f"{dist.get_backend()} on {len(per_host)} host(s), local rank->device: {hosts}"
+        env = ""
+        if (
+            self.device_type == "npu"
+        ):  # what HCCL was started with (engram.device defaults or yours)
+            names = (*dev.NPU_ENV_DEFAULTS, *dev.NPU_DETERMINISTIC_ENV)
+            env = "; " + ", ".join(f"{k}={os.environ.get(k, '<unset>')}" for k in names)
+        return f"{dist.get_backend()} on {len(per_host)} host(s), local rank->device: {hosts}{env}"
 
     def check_all_reduce(self) -> str:
         t = torch.full((1024,), float(self.rank + 1), device=self.device)
