@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 import resource
 import sys
@@ -190,8 +191,8 @@ def synchronize(device: torch.device | str) -> None:
 # --- Ascend settings (applied only when the device is npu) ---------------------------------------
 
 # Defaults for a 64-rank (8 x 8) job, each overridable by exporting the variable before launch.
-# CANN's own defaults (120 s connect, ~30 min exec) are tuned for one node: eight nodes that start a
-# few minutes apart (image pull, checkpoint load) miss the 120 s link set-up window. Exec matches
+# CANN's 120 s connect default is short for eight nodes that start a few minutes apart (image
+# pull, environment set-up): the late ones miss the link set-up window. Exec matches
 # init_distributed's 1800 s process-group timeout, so HCCL does not abort a collective before
 # torch's watchdog would report it. The Ascend launch scripts use 7200 for both.
 NPU_ENV_DEFAULTS = {
@@ -258,7 +259,9 @@ def patch_fork_rng(device_type: str) -> bool:
 
 
 def warn_npu_gaps(device_type: str, tp: int, pp: int = 1) -> str | None:
-    """Log (once) the parallelisms torch_npu lists as unvalidated on Atlas A2 / A3; returns it."""
+    """Log one warning for the parallelisms torch_npu lists as unvalidated on Atlas A2 / A3 and
+    return it (None when there is nothing to say). Call once per run. Pipelining (`pp`) needs no
+    warning: its documented gap (fork_rng) is fixed by apply_device_env."""
     _check_type(device_type)
     if device_type != "npu" or tp <= 1:
         return None
@@ -267,7 +270,5 @@ def warn_npu_gaps(device_type: str, tp: int, pp: int = 1) -> str | None:
         "yet validated on Atlas A2 / A3 (910B / 910C); run `scripts/check_cluster.py --tp` on these "
         "nodes first (see docs/npu.md)"
     )
-    import logging
-
     logging.getLogger("engram").warning(msg)
     return msg
