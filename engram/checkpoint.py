@@ -160,7 +160,9 @@ class RNGState:
             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
             "torch": torch.get_rng_state().tolist(),
         }
-        acc = torch.accelerator.current_accelerator()
+        # check_available: a CUDA build of torch on a machine without a GPU (the registry's Linux
+        # wheels) reports cuda as its accelerator, and reading its RNG state would fail.
+        acc = torch.accelerator.current_accelerator(check_available=True)
         if acc is not None:
             rng = torch.get_device_module(acc.type).get_rng_state()
             state["accelerator"] = [acc.type, rng.tolist()]
@@ -173,7 +175,7 @@ class RNGState:
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
         torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
         saved = state.get("accelerator")
-        acc = torch.accelerator.current_accelerator()
+        acc = torch.accelerator.current_accelerator(check_available=True)
         if saved is not None and acc is not None and saved[0] == acc.type:
             rng = torch.tensor(saved[1], dtype=torch.uint8)
             torch.get_device_module(acc.type).set_rng_state(rng)

@@ -482,6 +482,8 @@ class Profiling:
     """torch.profiler traces (TensorBoard-viewable) every profile_freq steps."""
     profile_freq: int = 10
     traces_folder: str = "profile_traces"
+    memory_snapshot: bool = False
+    """cuda / npu: record allocator history; on out-of-memory write <run folder>/memory_snapshot/rank<k>_oom.pickle (drop it on https://pytorch.org/memory_viz). Ignored (with a warning) on cpu."""
 
     def __post_init__(self) -> None:
         _check(self.profile_freq >= 1, "profiling.profile_freq must be >= 1")

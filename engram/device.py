@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 import resource
 import sys
@@ -185,3 +186,89 @@ def synchronize(device: torch.device | str) -> None:
     mod = device_module(device.type)
     if mod is not None:
         mod.synchronize(device)
+
+
+# --- Ascend settings (applied only when the device is npu) ---------------------------------------
+
+# Defaults for a 64-rank (8 x 8) job, each overridable by exporting the variable before launch.
+# CANN's 120 s connect default is short for eight nodes that start a few minutes apart (image
+# pull, environment set-up): the late ones miss the link set-up window. Exec matches
+# init_distributed's 1800 s process-group timeout, so HCCL does not abort a collective before
+# torch's watchdog would report it. The Ascend launch scripts use 7200 for both.
+NPU_ENV_DEFAULTS = {
+    "HCCL_CONNECT_TIMEOUT": "1200",
+    "HCCL_EXEC_TIMEOUT": "1800",
+    # Documented default of the Ascend training stacks: fewer fragmentation OOMs.
+    "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+}
+# job.deterministic on Ascend: deterministic HCCL reductions, and no K-split accumulation-order
+# change in matmuls (both read once, when the communicator / kernels are created).
+NPU_DETERMINISTIC_ENV = {"HCCL_DETERMINISTIC": "true", "CLOSE_MATMUL_K_SHIFT": "1"}
+
+
+def apply_device_env(device_type: str, deterministic: bool = False) -> dict[str, str]:
+    """Set the Ascend environment for this process; no-op (returns {}) unless device_type is npu.
+
+    Must run before the process group is created: HCCL reads these variables when it builds its
+    communicators. Defaults never override a variable the user exported; job.deterministic forces
+    the determinism variables (a run asked to be deterministic must not silently be otherwise).
+    Returns the variables it set.
+    """
+    _check_type(device_type)
+    if device_type != "npu":
+        return {}
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            "apply_device_env('npu') must run before init_distributed: HCCL has already read its "
+            "environment (HCCL_DETERMINISTIC, timeouts)"
+        )
+    applied = {k: v for k, v in NPU_ENV_DEFAULTS.items() if k not in os.environ}
+    if deterministic:
+        applied.update(NPU_DETERMINISTIC_ENV)
+    os.environ.update(applied)
+    patch_fork_rng("npu")
+    return applied
+
+
+_ORIGINAL_FORK_RNG = torch.random.fork_rng
+
+
+def patch_fork_rng(device_type: str) -> bool:
+    """On npu, make torch.random.fork_rng default to device_type="npu"; no-op elsewhere.
+
+    Why: fork_rng without a device type forks the *CUDA* generator (torch <= 2.12 has no
+    accelerator default), and torch.distributed.pipelining calls it without one while inferring
+    stage shapes, which fails (or forks the wrong RNG) on Ascend. The Ascend torchtitan port
+    patches the same call. Callers that pass device_type are unchanged. Returns True if patched.
+    """
+    _check_type(device_type)
+    if device_type != "npu":
+        return False
+    if getattr(torch.random.fork_rng, "_engram_npu_default", False):
+        return True
+
+    def fork_rng(*args, device_type=None, **kwargs):
+        return _ORIGINAL_FORK_RNG(*args, device_type=device_type or "npu", **kwargs)
+
+    fork_rng._engram_npu_default = True  # type: ignore[attr-defined]
+    fork_rng.__doc__ = _ORIGINAL_FORK_RNG.__doc__
+    torch.random.fork_rng = fork_rng
+    return True
+
+
+def warn_npu_gaps(device_type: str, tp: int, pp: int = 1) -> str | None:
+    """Log one warning for the parallelisms torch_npu lists as unvalidated on Atlas A2 / A3 and
+    return it (None when there is nothing to say). Call once per run. Pipelining (`pp`) needs no
+    warning: its documented gap (fork_rng) is fixed by apply_device_env."""
+    _check_type(device_type)
+    if device_type != "npu" or tp <= 1:
+        return None
+    msg = (
+        f"parallelism.tp={tp} on npu: torch_npu lists parallelize_module and RowwiseParallel as not "
+        "yet validated on Atlas A2 / A3 (910B / 910C); run `scripts/check_cluster.py --tp` on these "
+        "nodes first (see docs/npu.md)"
+    )
+    logging.getLogger("engram").warning(msg)
+    return msg

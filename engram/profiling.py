@@ -61,11 +61,62 @@ def maybe_profile(
 
     Disabled: a no-op. Enabled: torch.profiler with CPU activity, plus CUDA on cuda devices.
     `start_step` (the resumed step) keeps the cycle aligned with the global step number.
+    With `profiling.memory_snapshot`, an out-of-memory error in the body also leaves an allocator
+    snapshot in the run folder (cuda / npu).
     """
-    if not cfg.enable_profiling:
-        yield _NoProfiler()
-        return
     device_type = device_type or _default_device_type()
+    with _memory_snapshot_on_oom(cfg, run_folder, rank, device_type):
+        if not cfg.enable_profiling:
+            yield _NoProfiler()
+            return
+        with _trace(cfg, run_folder, rank, device_type, start_step) as prof:
+            yield prof
+
+
+_SNAPSHOT_ENTRIES = 100_000  # allocator events kept (a ring buffer: the ones before the OOM)
+
+
+@contextlib.contextmanager
+def _memory_snapshot_on_oom(
+    cfg: Profiling, run_folder: Path, rank: int, device_type: str
+) -> Iterator[None]:
+    """With `profiling.memory_snapshot` on cuda / npu: record allocator history; on an
+    out-of-memory error write <run_folder>/memory_snapshot/rank<k>_oom.pickle and re-raise.
+    torch_npu mirrors torch.cuda.memory's _record_memory_history / _dump_snapshot as
+    torch.npu.memory (documented; not run on NPU hardware from this repository)."""
+    if not cfg.memory_snapshot:
+        yield
+        return
+    if device_type not in ("cuda", "npu"):
+        logger.warning(
+            "profiling.memory_snapshot needs a cuda or npu device; ignored on %s", device_type
+        )
+        yield
+        return
+    from engram.device import device_module
+
+    memory = device_module(device_type).memory  # type: ignore[union-attr]
+    memory._record_memory_history(max_entries=_SNAPSHOT_ENTRIES)
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        path = Path(run_folder) / "memory_snapshot" / f"rank{rank}_oom.pickle"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        memory._dump_snapshot(str(path))
+        logger.error(
+            "out of memory: allocator snapshot written to %s (open it on "
+            "https://pytorch.org/memory_viz)",
+            path,
+        )
+        raise
+    finally:
+        memory._record_memory_history(enabled=None)
+
+
+@contextlib.contextmanager
+def _trace(
+    cfg: Profiling, run_folder: Path, rank: int, device_type: str, start_step: int
+) -> Iterator[Stepper]:
     trace_dir = Path(run_folder) / cfg.traces_folder / f"rank{rank}"
     trace_dir.mkdir(parents=True, exist_ok=True)
     wait, warmup, active = profile_schedule(cfg.profile_freq)

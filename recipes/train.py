@@ -165,10 +165,12 @@ def train(cfg: JobConfig) -> TrainResult:
     # --- devices and process groups -------------------------------------------------------
     device_type = dev.resolve_device_type(cfg.job.device)
     dev.import_device_backend(device_type)
+    dev.apply_device_env(device_type, cfg.job.deterministic)  # npu only; before HCCL starts
     rank, local_rank, world_size = init_distributed(device_type)
     device = dev.local_device(device_type, local_rank)
     init_logger(rank)
     dims = parallel_dims_from_config(cfg, world_size)
+    dev.warn_npu_gaps(device_type, dims.tp, dims.pp)
     dims.build_mesh(device_type)
     dp_mesh = dims.mesh("dp")
     dp_rank, dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()

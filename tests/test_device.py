@@ -63,6 +63,13 @@ npu.max_memory_reserved = lambda d=None: npu.reserved
 npu.get_device_properties = lambda d=None: types.SimpleNamespace(total_memory=npu.total)
 npu.reset_peak_memory_stats = lambda d=None: npu.calls.append(("reset", torch.device(d)))
 npu.synchronize = lambda d=None: npu.calls.append(("synchronize", torch.device(d)))
+npu.get_rng_state = lambda d=None: npu.calls.append(("get_rng_state", d)) or torch.zeros(8, dtype=torch.uint8)
+npu.set_rng_state = lambda state, d=None: npu.calls.append(("set_rng_state", d))
+# torch_npu mirrors torch.cuda.memory's allocator-history API.
+npu.memory = types.SimpleNamespace(
+    _record_memory_history=lambda enabled="all", **kw: npu.calls.append(("history", enabled)),
+    _dump_snapshot=lambda path: open(path, "wb").write(b"snapshot"),
+)
 torch.npu = npu
 '''
 
@@ -247,3 +254,152 @@ def _ranks(rank: int, world_size: int) -> tuple[int, int, int]:
 @pytest.mark.slow
 def test_init_distributed_inside_existing_group() -> None:
     assert run_distributed(_ranks, 2) == [(0, 0, 2), (1, 1, 2)]
+
+
+# --- Ascend settings (stand-in NPU, forked: they change os.environ and torch.random) ------------
+
+ASCEND_VARS = (
+    "HCCL_DETERMINISTIC",
+    "CLOSE_MATMUL_K_SHIFT",
+    "HCCL_CONNECT_TIMEOUT",
+    "HCCL_EXEC_TIMEOUT",
+    "PYTORCH_NPU_ALLOC_CONF",
+)
+
+
+class _PGStarted(Exception):
+    pass
+
+
+def _check_env_before_process_group(fake_dir: str) -> None:
+    """recipes/train.py with job.device=npu: the variables are in place when the process group
+    is created (init_process_group is stopped there: no HCCL here)."""
+    sys.path.insert(0, fake_dir)
+    for var in ASCEND_VARS:
+        os.environ.pop(var, None)
+    os.environ["HCCL_EXEC_TIMEOUT"] = "999"  # the user's value wins over the default
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(var, None)
+    seen: dict[str, str | None] = {}
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        seen.update({var: os.environ.get(var) for var in ASCEND_VARS})
+        raise _PGStarted
+
+    dist.init_process_group = init_process_group
+    from engram.config import config_from_dict
+    from recipes.train import train
+
+    cfg = config_from_dict({"job": {"device": "npu", "deterministic": True}})
+    try:
+        train(cfg)
+    except _PGStarted:
+        pass
+    else:
+        raise AssertionError("train() did not reach init_process_group")
+    assert seen == {
+        "HCCL_DETERMINISTIC": "true",
+        "CLOSE_MATMUL_K_SHIFT": "1",
+        "HCCL_CONNECT_TIMEOUT": device.NPU_ENV_DEFAULTS["HCCL_CONNECT_TIMEOUT"],
+        "HCCL_EXEC_TIMEOUT": "999",
+        "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+    }, seen
+
+
+def test_ascend_env_is_set_before_process_group_init(fake_npu_dir: str) -> None:
+    run_forked(_check_env_before_process_group, fake_npu_dir)
+
+
+def _check_npu_settings_only_on_npu(fake_dir: str) -> None:
+    sys.path.insert(0, fake_dir)
+    for var in ASCEND_VARS:
+        os.environ.pop(var, None)
+    original = torch.random.fork_rng
+    for device_type in ("cpu", "cuda"):
+        assert device.apply_device_env(device_type, deterministic=True) == {}
+        assert device.patch_fork_rng(device_type) is False
+        assert device.warn_npu_gaps(device_type, tp=2) is None
+    assert not any(var in os.environ for var in ASCEND_VARS)
+    assert torch.random.fork_rng is original
+
+    device.import_device_backend("npu")
+    applied = device.apply_device_env("npu", deterministic=False)
+    assert "HCCL_DETERMINISTIC" not in applied and "HCCL_DETERMINISTIC" not in os.environ
+    assert applied["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
+    # fork_rng without a device type now forks the NPU generator (pipelining's call)...
+    assert torch.random.fork_rng is not original
+    torch.npu.calls.clear()
+    with torch.random.fork_rng(devices=[0]):
+        pass
+    assert torch.npu.calls == [("get_rng_state", 0), ("set_rng_state", 0)], torch.npu.calls
+    # ... an explicit device type is kept, and patching twice wraps once.
+    patched = torch.random.fork_rng
+    assert device.patch_fork_rng("npu") and torch.random.fork_rng is patched
+    torch.npu.calls.clear()
+    with torch.random.fork_rng(devices=[], device_type="cpu"):
+        pass
+    assert torch.npu.calls == []
+    assert "scripts/check_cluster.py --tp" in device.warn_npu_gaps("npu", tp=2)
+    assert device.warn_npu_gaps("npu", tp=1) is None
+
+
+def test_npu_settings_and_fork_rng_fix_only_on_npu(fake_npu_dir: str) -> None:
+    run_forked(_check_npu_settings_only_on_npu, fake_npu_dir)
+
+
+def test_ascend_env_after_process_group_is_an_error(fake_npu_dir: str) -> None:
+    def check(fake_dir: str) -> None:
+        sys.path.insert(0, fake_dir)
+        init_distributed("cpu", timeout_s=60)
+        try:
+            device.apply_device_env("npu")
+        except RuntimeError as e:
+            assert "before init_distributed" in str(e), e
+        else:
+            raise AssertionError("apply_device_env after the process group did not raise")
+        finally:
+            destroy_distributed()
+
+    run_forked(check, fake_npu_dir)
+
+
+def _check_memory_snapshot(fake_dir: str, run_folder: str) -> None:
+    sys.path.insert(0, fake_dir)
+    from engram.config import Profiling
+    from engram.profiling import maybe_profile
+
+    device.import_device_backend("npu")
+    cfg = Profiling(memory_snapshot=True)
+    try:
+        with maybe_profile(cfg, Path(run_folder), rank=3, device_type="npu") as prof:
+            prof.step()
+            raise torch.OutOfMemoryError("NPU out of memory (stand-in)")
+    except torch.OutOfMemoryError:
+        pass
+    else:
+        raise AssertionError("the out-of-memory error was swallowed")
+    snapshot = Path(run_folder) / "memory_snapshot" / "rank3_oom.pickle"
+    assert snapshot.read_bytes() == b"snapshot"
+    assert torch.npu.calls == [("history", "all"), ("history", None)], torch.npu.calls
+    # No OOM: recording stops, nothing is written.
+    torch.npu.calls.clear()
+    snapshot.unlink()
+    with maybe_profile(cfg, Path(run_folder), rank=3, device_type="npu") as prof:
+        prof.step()
+    assert not snapshot.exists()
+    assert torch.npu.calls == [("history", "all"), ("history", None)]
+
+
+def test_memory_snapshot_on_oom_npu(fake_npu_dir: str, tmp_path: Path) -> None:
+    run_forked(_check_memory_snapshot, fake_npu_dir, str(tmp_path))
+
+
+def test_memory_snapshot_ignored_on_cpu(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from engram.config import Profiling
+    from engram.profiling import maybe_profile
+
+    with pytest.raises(torch.OutOfMemoryError):
+        with maybe_profile(Profiling(memory_snapshot=True), tmp_path, 0, device_type="cpu"):
+            raise torch.OutOfMemoryError("cpu")
+    assert "memory_snapshot needs a cuda or npu device" in caplog.text
+    assert not (tmp_path / "memory_snapshot").exists()
