@@ -38,8 +38,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from engram.config import ConfigError, JobConfig, load_config
 from engram.data.tokenizer import load_tokenizer
 from engram.hashing import engram_table_rows
-from engram.models.args import ModelArgs, get_model_args
-from engram.models.builder import build_model
+from engram.models.args import ModelArgs
+from engram.models.builder import build_model, flavor_args
 from engram.optim import apply_training_mode
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.parallel_dims import ParallelDims, parallel_dims_from_config
@@ -208,9 +208,7 @@ def tokenizer_vocab_size(cfg: JobConfig) -> int:
     path = cfg.model.tokenizer_path
     if not path or Path(path).exists():
         return load_tokenizer(path).vocab_size
-    flavor_vocab = (
-        cfg.model.vocab_size or get_model_args(cfg.model.name, cfg.model.flavor).vocab_size
-    )
+    flavor_vocab = cfg.model.vocab_size or flavor_args(cfg.model).vocab_size  # flavor "hf" too
     if not flavor_vocab:
         raise ConfigError(
             f"tokenizer {path} does not exist and {cfg.model.name}/{cfg.model.flavor} has no fixed "

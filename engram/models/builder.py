@@ -17,6 +17,14 @@ from engram.models.transformer import Transformer
 logger = logging.getLogger("engram")
 
 
+def flavor_args(model_cfg: ModelConfig) -> ModelArgs:
+    """The configured shape before the vocabulary is resolved: the named flavor, or with
+    flavor "hf" the shape of model.hf_checkpoint's config.json (only that file is read)."""
+    if model_cfg.flavor == HF_FLAVOR:
+        return hf_flavor_args(model_cfg.name, model_cfg.hf_checkpoint)
+    return get_model_args(model_cfg.name, model_cfg.flavor)
+
+
 def model_args_for(
     model_cfg: ModelConfig, vocab_size: int, max_seq_len: int | None = None
 ) -> ModelArgs:
@@ -27,10 +35,7 @@ def model_args_for(
     flavors). A tokenizer larger than the embedding is an error. A named flavor must match
     hf_checkpoint's config.json (model.hf_config_mismatch).
     """
-    if model_cfg.flavor == HF_FLAVOR:
-        args = hf_flavor_args(model_cfg.name, model_cfg.hf_checkpoint)
-    else:
-        args = get_model_args(model_cfg.name, model_cfg.flavor)
+    args = flavor_args(model_cfg)
     rows = model_cfg.vocab_size or args.vocab_size or vocab_size
     if rows <= 0:
         raise ValueError(
