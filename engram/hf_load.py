@@ -8,7 +8,8 @@ Each rank reads only the block of every tensor that it holds (safetensors slices
 file), so a 32B checkpoint is never materialised in full on any rank. Names are mapped by
 engram/models/hf_adapter.py (Llama / Qwen2 / Qwen3). Engram parameters are not part of an HF
 checkpoint and keep their init; a folder that does carry them (under the adapter's `engram.`
-prefix) loads them too. Values are cast to the parameter dtype.
+prefix) loads them too. Values are cast to the parameter dtype. A tied model (one Parameter for
+the embedding and the head) takes model.embed_tokens.weight and needs no lm_head.weight.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ and recomputes the Engram hash ids of the whole sequence on the model's device w
 `NgramHasher.hash_torch`. That is O(T^2) per sequence, fine at debug scale; for long generations
 from big models add a KV cache (Engram then needs only the hash ids of the newest position, which
 depend on the last max_ngram tokens). Greedy at temperature 0, else sampling (optionally top-k).
+Output rows past the tokenizer's vocabulary (padded embeddings, e.g. Qwen2.5) are never sampled.
 """
 
 from __future__ import annotations
