@@ -111,8 +111,8 @@ def test_to_empty_reties() -> None:
 @pytest.mark.slow
 def test_tied_training_one_matrix_fsdp_matches_single_process(tmp_path):
     """A tied flavor trained from scratch by recipes/train.py updates ONE matrix (output ==
-    embedding after training, both moved from init), and FSDP2 over 2 ranks reproduces the
-    single-process run (losses and weights)."""
+    embedding after training, both moved from init), and FSDP2 and DDP over 2 ranks reproduce
+    the single-process run (losses and weights)."""
     single = run_distributed(_train, 1, _raw(str(tmp_path), 1))[0]
     init = _initial(_raw(str(tmp_path), 1)).numpy()
     assert single["tied"]
@@ -120,8 +120,15 @@ def test_tied_training_one_matrix_fsdp_matches_single_process(tmp_path):
     assert single["optimized"] == single["n_params"]
     assert np.array_equal(single["emb"], single["out"])
     assert np.abs(single["emb"] - init).max() > 0.5 * LR  # trained, as one matrix
-    for rank, got in enumerate(run_distributed(_train, 2, _raw(str(tmp_path), 2))):
-        where = f"fsdp rank {rank}"
+    runs = [
+        (label, rank, got)
+        for label, layout in [("fsdp", {}), ("ddp", {"dp_replicate": 2, "dp_shard": 1})]
+        for rank, got in enumerate(
+            run_distributed(_train, 2, _raw(str(tmp_path / label), 2, parallelism=layout))
+        )
+    ]
+    for label, rank, got in runs:
+        where = f"{label} rank {rank}"
         assert got["tied"] and "output.weight" not in got["names"], where
         assert got["optimized"] == got["n_params"], where
         assert np.array_equal(got["emb"], got["out"]), where
