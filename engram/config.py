@@ -78,6 +78,9 @@ class Model:
     hf_checkpoint: str = ""
     """HF checkpoint folder (*.safetensors, Llama/Qwen names) to initialise the backbone from on
     a fresh run; Engram parameters keep their own init. Empty: random init."""
+    hf_config_mismatch: str = "error"
+    """error | warn: what a named flavor that differs from hf_checkpoint's config.json does
+    (flavor = "hf" takes the shape from config.json instead)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -87,6 +90,15 @@ class Model:
         _check(
             self.vocab_size >= 0,
             "model.vocab_size must be >= 0 (0 = take it from the flavor/tokenizer)",
+        )
+        _check(
+            self.flavor != "hf" or bool(self.hf_checkpoint),
+            'model.flavor = "hf" reads the shape from config.json in model.hf_checkpoint: set '
+            "model.hf_checkpoint to the Hugging Face folder",
+        )
+        _check(
+            self.hf_config_mismatch in ("error", "warn"),
+            f"model.hf_config_mismatch must be error or warn, got {self.hf_config_mismatch!r}",
         )
 
 

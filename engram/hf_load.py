@@ -8,12 +8,12 @@ Each rank reads only the block of every tensor that it holds (safetensors slices
 file), so a 32B checkpoint is never materialised in full on any rank. Names are mapped by
 engram/models/hf_adapter.py (Llama / Qwen2 / Qwen3). Engram parameters are not part of an HF
 checkpoint and keep their init; a folder that does carry them (under the adapter's `engram.`
-prefix) loads them too. Values are cast to the parameter dtype.
+prefix) loads them too. Values are cast to the parameter dtype. A tied model (one Parameter for
+the embedding and the head) takes model.embed_tokens.weight and needs no lm_head.weight.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -27,6 +27,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from engram.models.args import ModelArgs
 from engram.models.hf_adapter import from_hf_state_dict
+from engram.models.hf_config import CONFIG_FILE, HFConfigError, args_from_hf_config, read_hf_config
 from engram.models.init import local_view
 from engram.models.transformer import clean_fqn
 
@@ -45,7 +46,11 @@ _CONFIG_SHAPE = {
 }
 # Numerics that do not change any shape: a mismatch is legal (e.g. an Instruct variant) but
 # worth a warning, since nothing else would catch it.
-_CONFIG_NUMERIC = {"rope_theta": "rope_theta", "rms_norm_eps": "norm_eps"}
+_CONFIG_NUMERIC = {
+    "rope_theta": "rope_theta",
+    "rms_norm_eps": "norm_eps",
+    "rope_scaling": "rope_scaling",
+}
 _MAX_LISTED = 20
 
 
@@ -147,11 +152,13 @@ def _tensor_files(folder: Path) -> dict[str, str]:
 
 
 def _check_hf_config(folder: Path, args: ModelArgs) -> None:
-    """Compare config.json (when present) with the model shape: a clear error before any read."""
-    config_file = folder / "config.json"
+    """Compare config.json (when present) with the model: another shape is an error before any
+    read; another function (RoPE, norm eps, an unsupported feature) a warning, because the
+    recipes' model builder already refused it unless model.hf_config_mismatch = "warn"."""
+    config_file = folder / CONFIG_FILE
     if not config_file.is_file():
         return
-    config = json.loads(config_file.read_text())
+    config = read_hf_config(folder)
     # Some configs omit head_dim (then it is hidden_size / num_attention_heads, as ours).
     diffs = [
         f"{hf_key} = {config[hf_key]} but the model has {ours} = {getattr(args, ours)}"
@@ -162,36 +169,21 @@ def _check_hf_config(folder: Path, args: ModelArgs) -> None:
         raise HFLoadError(
             f"{config_file} describes another model shape:\n  "
             + "\n  ".join(diffs)
-            + "\nFix: set model.name / model.flavor to the checkpoint's architecture (add a "
-            "flavor in engram/models/args.py for a new shape)"
+            + "\nFix: set model.flavor = 'hf' to take the shape from config.json, or the "
+            "named model.name / model.flavor of the checkpoint's architecture"
         )
-    numeric = [
-        (hf_key, config[hf_key], ours, getattr(args, ours))
-        for hf_key, ours in _CONFIG_NUMERIC.items()
-        if hf_key in config and float(config[hf_key]) != float(getattr(args, ours))
-    ]
-    if "rope_scaling" in config and _rope_scaling_differs(config["rope_scaling"], args):
-        numeric.append(("rope_scaling", config["rope_scaling"], "rope_scaling", args.rope_scaling))
-    for hf_key, theirs, ours, mine in numeric:
-        logger.warning(
-            "%s: %s = %s but the model uses %s = %s; the pretrained function will differ "
-            "(add a flavor with the checkpoint's value in engram/models/args.py for exact logits)",
-            config_file,
-            hf_key,
-            theirs,
-            ours,
-            mine,
-        )
-
-
-def _rope_scaling_differs(hf_scaling: dict | None, args: ModelArgs) -> bool:
-    """HF's rope_scaling (None / rope_type "default": none) vs ours (llama3-style or None)."""
-    if hf_scaling and hf_scaling.get("rope_type", hf_scaling.get("type")) in (None, "default"):
-        hf_scaling = None
-    if not hf_scaling or args.rope_scaling is None:
-        return bool(hf_scaling) != (args.rope_scaling is not None)
-    ours = dataclasses.asdict(args.rope_scaling)
-    return any(float(hf_scaling.get(k, -1)) != float(v) for k, v in ours.items())
+    try:
+        _, theirs = args_from_hf_config(config, args.max_seq_len)
+    except HFConfigError as e:
+        logger.warning("%s: %s; the pretrained function will differ", config_file, e)
+        return
+    for hf_key, ours in _CONFIG_NUMERIC.items():
+        if getattr(theirs, ours) != getattr(args, ours):
+            logger.warning(
+                "%s: %s = %s but the model uses %s = %s; the pretrained function will differ "
+                "(model.flavor = 'hf' takes every value from config.json)",
+                config_file, hf_key, getattr(theirs, ours), ours, getattr(args, ours),
+            )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- plan and checks
@@ -259,12 +251,13 @@ def _plan(
             lines.append(f"    ... and {len(unexpected) - _MAX_LISTED} more")
     if "output.weight" in missing and "tok_embeddings.weight" not in missing:
         lines.append(
-            "  (no lm_head.weight: the checkpoint ties its embeddings; use a flavor with "
-            "tie_embeddings=True)"
+            "  (no lm_head.weight: the checkpoint ties its embeddings; model.flavor = 'hf' "
+            "reads tie_word_embeddings from its config.json)"
         )
     lines.append(
-        "Fix: set model.name / model.flavor to the checkpoint's architecture (llama3, qwen2 = "
-        "Qwen2/2.5, qwen3), or point model.hf_checkpoint at the complete folder"
+        "Fix: set model.name to the checkpoint's architecture (llama3, qwen2 = Qwen2/2.5, qwen3) "
+        "and model.flavor = 'hf' (its shape from config.json), or point model.hf_checkpoint at "
+        "the complete folder"
     )
     raise HFLoadError("\n".join(lines))
 

@@ -19,6 +19,7 @@ and recomputes the Engram hash ids of the whole sequence on the model's device w
 `NgramHasher.hash_torch`. That is O(T^2) per sequence, fine at debug scale; for long generations
 from big models add a KV cache (Engram then needs only the hash ids of the newest position, which
 depend on the last max_ngram tokens). Greedy at temperature 0, else sampling (optionally top-k).
+Output rows past the tokenizer's vocabulary (padded embeddings, e.g. Qwen2.5) are never sampled.
 """
 
 from __future__ import annotations
@@ -205,12 +206,14 @@ def generate(
     top_k: int = 0,
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """input_ids [B, T] (or [T]) -> [B, T + n] with n <= max_new_tokens new tokens.
 
     Each step runs the full sequence (no KV cache) with its Engram hash ids recomputed on the
     model's device. Stops early once every row has produced `eos_id`; finished rows are padded
-    with it."""
+    with it. `vocab_size` (the tokenizer's): output rows past it (padding, e.g. Qwen2.5's 152,064
+    rows for 151,665 tokens) are never chosen, so every id can be decoded and hashed."""
     ids = input_ids if input_ids.dim() == 2 else input_ids[None]
     device = model.rope_cache.device
     ids = ids.to(device=device, dtype=torch.long)
@@ -221,10 +224,16 @@ def generate(
         )
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token (or use --prefix eos)")
+    if vocab_size is not None and not 0 < vocab_size <= model.args.vocab_size:
+        raise ValueError(
+            f"vocab_size {vocab_size} must be in 1..{model.args.vocab_size} (the output rows)"
+        )
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
         hash_ids = None if hasher is None else hasher.hash_torch(ids).to(device)
         logits = model(ids, hash_ids=hash_ids)[:, -1]
+        if vocab_size is not None:
+            logits[:, vocab_size:] = float("-inf")
         nxt = sample_next(logits, temperature, top_k, generator)
         if eos_id is not None:
             nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
@@ -273,6 +282,7 @@ def main(argv: list[str] | None = None) -> str:
         args.top_k,
         eos_id=tokenizer.eos_id,
         generator=generator,
+        vocab_size=tokenizer.vocab_size,
     )
     completion = tokenizer.decode(out[0, len(prompt_ids) :].tolist())
     print(f"{args.prompt}{completion}")

@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engram.config import ConfigError, JobConfig, load_config  # noqa: E402
 from engram.data.tokenizer import load_tokenizer  # noqa: E402
 from engram.hashing import engram_table_rows  # noqa: E402
-from engram.models.args import ModelArgs, get_model_args  # noqa: E402
-from engram.models.builder import build_model  # noqa: E402
+from engram.models.args import ModelArgs  # noqa: E402
+from engram.models.builder import build_model, flavor_args  # noqa: E402
 from engram.models.transformer import clean_fqn  # noqa: E402
 from engram.optim import apply_training_mode  # noqa: E402
 from parallelisms.float8 import check_float8_device  # noqa: E402
@@ -235,9 +235,7 @@ def tokenizer_vocab_size(cfg: JobConfig) -> int:
     path = cfg.model.tokenizer_path
     if not path or Path(path).exists():
         return load_tokenizer(path).vocab_size
-    flavor_vocab = (
-        cfg.model.vocab_size or get_model_args(cfg.model.name, cfg.model.flavor).vocab_size
-    )
+    flavor_vocab = cfg.model.vocab_size or flavor_args(cfg.model).vocab_size  # flavor "hf" too
     if not flavor_vocab:
         raise ConfigError(
             f"tokenizer {path} does not exist and {cfg.model.name}/{cfg.model.flavor} has no fixed "

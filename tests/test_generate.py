@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 import torch
 from launcher import run_distributed
+from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from engram.checkpoint import CheckpointError
 from engram.config import config_from_dict, to_toml
+from engram.data.tokenizer import load_tokenizer
+from engram.models.hf_adapter import to_hf_state_dict
 from recipes.generate import (
     build_for_generation,
     encode_prompt,
@@ -170,3 +173,53 @@ def test_loads_checkpoint_written_at_world_2(tmp_path, capsys):
     )
     assert len(completion) > 0
     assert f"The capital of{completion}" in capsys.readouterr().out
+
+
+def _padded_model(tmp_path):
+    """The recipe's model with 64 output rows past the tokenizer (as Qwen2.5: 152,064 rows for
+    151,665 tokens) whose logits win: the real rows' weights are zero."""
+    raw = _raw(str(tmp_path))
+    raw["parallelism"] = {}
+    vocab = load_tokenizer("").vocab_size
+    raw["model"]["vocab_size"] = vocab + 64
+    cfg = config_from_dict(raw)
+    model, tokenizer, hasher = build_for_generation(cfg, 32)
+    with torch.no_grad():
+        model.output.weight[:vocab] = 0.0
+    return raw, model, tokenizer, hasher
+
+
+def test_padded_vocab_rows_are_never_generated(tmp_path):
+    raw, model, tokenizer, hasher = _padded_model(tmp_path)
+    prompts = torch.tensor([encode_prompt(tokenizer, "The capital of", "eos")[:4]] * 2)
+    with torch.no_grad():  # not vacuous: unmasked, a padded row is the argmax
+        assert (
+            int(model(prompts, hasher.hash_torch(prompts))[0, -1].argmax()) >= tokenizer.vocab_size
+        )
+    with pytest.raises(ValueError, match="the hasher was built for"):  # the defect, unmasked
+        generate(model, prompts, hasher, NEW)
+    out = generate(model, prompts, hasher, NEW, vocab_size=tokenizer.vocab_size)
+    assert out.shape[1] == prompts.shape[1] + NEW
+    assert int(out.max()) < tokenizer.vocab_size
+    with pytest.raises(ValueError, match="vocab_size"):
+        generate(model, prompts, hasher, NEW, vocab_size=model.args.vocab_size + 1)
+
+
+def test_main_masks_padded_rows_of_an_hf_folder(tmp_path, capsys):
+    """recipes/generate.py main() on an HF folder whose padded output rows dominate: it decodes
+    only tokenizer ids (sampling and greedy) and never crashes the Engram hasher."""
+    raw, model, tokenizer, _ = _padded_model(tmp_path)
+    sd = {n: t for n, t in model.state_dict().items() if ".engram." not in f".{n}"}
+    hf = to_hf_state_dict(sd, model.args)
+    (tmp_path / "hf").mkdir()
+    save_file(
+        {k: v.contiguous() for k, v in hf.items()}, str(tmp_path / "hf" / "model.safetensors")
+    )
+    raw["model"]["hf_checkpoint"] = str(tmp_path / "hf")
+    (tmp_path / "cfg.toml").write_text(to_toml(config_from_dict(raw)))
+    for flags in (["--temperature", "0"], ["--temperature", "1.0", "--top_k", "5"]):
+        completion = main(
+            ["--job.config_file", str(tmp_path / "cfg.toml"), "--source", "hf",
+             "--prompt", "The capital of", "--max_new_tokens", "4", *flags]
+        )  # fmt: skip
+        assert isinstance(completion, str)

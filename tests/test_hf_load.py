@@ -293,17 +293,26 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+LLAMA31_ROPE = {
+    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}  # fmt: skip
+
+
 def test_config_json_numerics_warn(tmp_path):
-    """Same shapes, other RoPE base / scaling: loads, with a warning (nothing else would tell)."""
+    """Same shapes, other RoPE base / scaling (transformers 4 and 5 layouts): load_hf_backbone
+    loads, with a warning (the recipes' builder refuses it earlier, see test_hf_config.py)."""
     source, _ = _init(_raw(), SEED_A)
     export_hf(source, tmp_path)
     args = source.args
     config = {
+        "model_type": "llama", "vocab_size": args.vocab_size,
         "hidden_size": args.dim, "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
         "intermediate_size": args.ffn_dim, "tie_word_embeddings": False,
         "rope_theta": args.rope_theta, "rms_norm_eps": args.norm_eps, "rope_scaling": None,
     }  # fmt: skip
+    v5 = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
     records = _Records()
     log = logging.getLogger("engram")
     log.addHandler(records)
@@ -311,10 +320,20 @@ def test_config_json_numerics_warn(tmp_path):
         for changes, warned in [
             ({}, []),
             ({"rope_theta": 10000.0}, ["rope_theta"]),
-            ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["rope_scaling"]),
+            ({"rope_scaling": {"rope_type": "llama3", **LLAMA31_ROPE}}, ["rope_scaling"]),
+            # transformers 5: both under rope_parameters (not read before: no warning at all).
+            (
+                {"rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}},
+                [],
+            ),
+            (
+                {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, **LLAMA31_ROPE}},
+                ["rope_theta", "rope_scaling"],
+            ),
         ]:
             records.messages.clear()
-            (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+            base = v5 if "rope_parameters" in changes else config
+            (tmp_path / "config.json").write_text(json.dumps({**base, **changes}))
             target, _ = _init(_raw(), SEED_B)
             load_hf_backbone(target, tmp_path, target.args)
             assert [m.split(" = ")[0].rsplit(" ", 1)[-1] for m in records.messages] == warned

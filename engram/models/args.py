@@ -2,7 +2,8 @@
 
 Big flavors copy the published Hugging Face configs of the base models, so their checkpoints
 load through engram/models/hf_adapter.py. Debug flavors take the vocabulary size from the
-tokenizer (vocab_size None here).
+tokenizer (vocab_size None here). Any other checkpoint: model.flavor = "hf" reads the shape from
+its config.json (engram/models/hf_config.py), no flavor needed.
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ MODEL_FLAVORS: dict[str, dict[str, ModelArgs]] = {
             dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=768, head_dim=64,
             norm_eps=1e-6, rope_theta=1e6, qk_norm=True, max_seq_len=2048,
         ),
+        # Tied embeddings, as Qwen3-0.6B to 4B: one matrix is the embedding and the output head.
+        "debug_tied": ModelArgs(
+            dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=768, head_dim=64,
+            norm_eps=1e-6, rope_theta=1e6, qk_norm=True, tie_embeddings=True, max_seq_len=2048,
+        ),
         # Qwen3-8B.
         "8B": ModelArgs(
             dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288, head_dim=128,
@@ -126,6 +132,6 @@ def get_model_args(name: str, flavor: str) -> ModelArgs:
     if flavor not in flavors:
         raise ValueError(
             f"unknown model.flavor {flavor!r} for {name}; valid: {', '.join(flavors)} "
-            "(add a flavor in engram/models/args.py for a new shape)"
+            "(or flavor 'hf': the shape of model.hf_checkpoint's config.json)"
         )
     return dataclasses.replace(flavors[flavor])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engram.config import Engram as EngramConfig
@@ -9,7 +11,18 @@ from engram.config import JobConfig
 from engram.config import Model as ModelConfig
 from engram.hashing import NgramHasher
 from engram.models.args import ModelArgs, get_model_args
+from engram.models.hf_config import HF_FLAVOR, check_flavor_against_hf, hf_flavor_args
 from engram.models.transformer import Transformer
+
+logger = logging.getLogger("engram")
+
+
+def flavor_args(model_cfg: ModelConfig) -> ModelArgs:
+    """The configured shape before the vocabulary is resolved: the named flavor, or with
+    flavor "hf" the shape of model.hf_checkpoint's config.json (only that file is read)."""
+    if model_cfg.flavor == HF_FLAVOR:
+        return hf_flavor_args(model_cfg.name, model_cfg.hf_checkpoint)
+    return get_model_args(model_cfg.name, model_cfg.flavor)
 
 
 def model_args_for(
@@ -17,10 +30,12 @@ def model_args_for(
 ) -> ModelArgs:
     """The flavor's shape with the vocabulary resolved.
 
-    Embedding rows: model.vocab_size if set, else the flavor's (big flavors), else `vocab_size`
-    (the tokenizer's size; debug flavors). A tokenizer larger than the embedding is an error.
+    flavor "hf": the shape of model.hf_checkpoint's config.json. Embedding rows: model.vocab_size
+    if set, else the flavor's (big flavors), else `vocab_size` (the tokenizer's size; debug
+    flavors). A tokenizer larger than the embedding is an error. A named flavor must match
+    hf_checkpoint's config.json (model.hf_config_mismatch).
     """
-    args = get_model_args(model_cfg.name, model_cfg.flavor)
+    args = flavor_args(model_cfg)
     rows = model_cfg.vocab_size or args.vocab_size or vocab_size
     if rows <= 0:
         raise ValueError(
@@ -35,7 +50,14 @@ def model_args_for(
     changes: dict[str, object] = {"vocab_size": rows}
     if max_seq_len is not None:
         changes["max_seq_len"] = max(max_seq_len, 1)
-    return args.replace(**changes)
+    args = args.replace(**changes)
+    if model_cfg.hf_checkpoint and model_cfg.flavor != HF_FLAVOR:
+        for diff in check_flavor_against_hf(
+            args, model_cfg.name, model_cfg.flavor, model_cfg.hf_checkpoint,
+            model_cfg.hf_config_mismatch,
+        ):  # fmt: skip
+            logger.warning("%s (model.hf_config_mismatch = 'warn')", diff)
+    return args
 
 
 def validate_engram(engram_cfg: EngramConfig, args: ModelArgs, table_rows: dict[int, int]) -> None:

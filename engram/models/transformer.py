@@ -13,6 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from engram.config import Engram as EngramConfig
 from engram.models.args import ModelArgs, RopeScaling
@@ -173,13 +175,56 @@ class Transformer(nn.Module):
             )
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        self.tie_weights()
+        if args.tie_embeddings:  # one matrix, one state-dict entry (checkpoints store it once)
+            self._register_state_dict_hook(_drop_tied_output)
+            self.register_load_state_dict_post_hook(_tied_output_not_missing)
         # Non-persistent: recomputed in init_weights() (meta-built models have no values).
         self.register_buffer("rope_cache", rope_cos_sin(args), persistent=False)
         # A later pipeline stage under TP sequence parallel receives its input sharded along the
         # sequence (T / tp per rank); parallelize_model sets this to tp there.
         self.input_seq_shards = 1
+
+    # ------------------------------------------------------------------ tied embeddings
+
+    def tie_weights(self) -> None:
+        """With args.tie_embeddings, make output.weight the very Parameter tok_embeddings.weight.
+
+        Called at construction and again after every conversion (`_apply`: to_empty, to, float),
+        because nn.Module._apply builds a new Parameter per module and so unties them. Under
+        FSDP2 both modules must be in one fully_shard unit (the root); FSDP2 then gathers the
+        shared parameter once and sets it on both modules."""
+        if not self.args.tie_embeddings:
+            return
+        if self.tok_embeddings is None or self.output is None:
+            raise ValueError(
+                "tie_embeddings needs the embedding and the output head in the same module (one "
+                "pipeline stage): untie the model (a flavor with tie_embeddings=False)"
+            )
+        emb = self.tok_embeddings.weight
+        for part in (self.tok_embeddings, self.output):
+            if isinstance(part, FSDPModule):
+                raise ValueError(
+                    f"tie_embeddings: {type(part).__name__} is wrapped by its own fully_shard, so "
+                    "FSDP would shard the tied matrix twice: shard tok_embeddings and output "
+                    "with the root module (parallelisms/fsdp.py does)"
+                )
+        out = self.output.weight
+        if isinstance(emb, DTensor) != isinstance(out, DTensor) or (
+            isinstance(emb, DTensor)
+            and (emb.placements != out.placements or emb.device_mesh != out.device_mesh)
+        ):
+            raise ValueError(
+                "tie_embeddings: tok_embeddings.weight and output.weight are sharded differently "
+                f"({_placements(emb)} vs {_placements(out)}), so one tensor cannot serve both "
+                "(tensor parallelism shards them on different dims): untie the model or drop tp"
+            )
+        self.output.weight = emb
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.tie_weights()
+        return self
 
     # ------------------------------------------------------------------ forward
 
@@ -272,6 +317,20 @@ class Transformer(nn.Module):
             if inner.engram is not None:
                 blocks[inner.layer_id] = inner.engram
         return blocks
+
+
+def _drop_tied_output(module: nn.Module, state_dict: dict, prefix: str, _meta) -> None:
+    state_dict.pop(prefix + "output.weight", None)
+
+
+def _tied_output_not_missing(module: nn.Module, incompatible) -> None:
+    # output.weight is tok_embeddings.weight, which the state dict fills.
+    for key in [k for k in incompatible.missing_keys if k.split(".")[-2:] == ["output", "weight"]]:
+        incompatible.missing_keys.remove(key)
+
+
+def _placements(t: torch.Tensor) -> str:
+    return str(tuple(t.placements)) if isinstance(t, DTensor) else "a plain tensor"
 
 
 def _unwrap(layer: nn.Module) -> TransformerBlock:
