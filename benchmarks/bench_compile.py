@@ -49,7 +49,7 @@ def make_variant(flavor: str, compiled: bool, backend: str, seq: int, tokenizer)
 
 def step(model, optimizers, ids, labels, hash_ids) -> tuple[float, float]:
     t0 = time.perf_counter()
-    logits = model(ids, hash_ids)
+    logits = model(ids, hash_ids=hash_ids)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
     loss.backward()
     for opt in optimizers:

@@ -41,9 +41,9 @@ class Toy(nn.Module):
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
         self.table = nn.Parameter(distribute_tensor(torch.randn(TABLE_ROWS, 4), mesh, [Shard(0)]))
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
         local = self.table.to_local()
-        return self.net(x) + local[ids % local.shape[0]]
+        return self.net(x) + local[hash_ids % local.shape[0]]
 
 
 class CounterLoader:

@@ -67,7 +67,7 @@ def _reference(raw: dict) -> dict:
     load_checkpoint(model, cfg, 2)
     ids, hash_ids = _batch(hasher)
     with torch.no_grad():
-        logits = model(ids, hash_ids)
+        logits = model(ids, hash_ids=hash_ids)
     engram = {n: p.detach().numpy().copy() for n, p in model.named_parameters() if ".engram." in n}
     return {"logits": logits.numpy(), "engram": engram}
 
@@ -90,7 +90,7 @@ def _import(rank: int, world: int, raw: dict, folder: str) -> np.ndarray:
     load_hf_backbone(model, folder, model.args)
     ids, hash_ids = _batch(hasher)
     with torch.no_grad():
-        return model(ids, hash_ids).numpy()
+        return model(ids, hash_ids=hash_ids).numpy()
 
 
 def _engram_only(raw: dict, file: str, other_seed: bool) -> int:

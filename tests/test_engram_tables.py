@@ -196,9 +196,9 @@ class TinyModel(nn.Module):
         self.layers = nn.ModuleList(Layer(dim, r, heads, head_dim) for r in rows)
         self.head = nn.Linear(dim, vocab)
 
-    def forward(self, tokens: torch.Tensor, ids: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, hash_ids: list[torch.Tensor]) -> torch.Tensor:
         h = self.emb(tokens)
-        for layer, layer_ids in zip(self.layers, ids, strict=True):
+        for layer, layer_ids in zip(self.layers, hash_ids, strict=True):
             h = layer(h, layer_ids)
         return self.head(h)
 

@@ -91,7 +91,7 @@ def test_stepwise_agrees_with_one_full_forward(fresh):
     # Engram matters here: decoding with wrong hash ids gives other logits.
     wrong = torch.zeros_like(hasher.hash_torch(out[:, :-1]))
     with torch.no_grad():
-        assert not torch.allclose(model(out[:, :-1], wrong), logits)
+        assert not torch.allclose(model(out[:, :-1], hash_ids=wrong), logits)
 
 
 def test_sampling(fresh):
@@ -194,7 +194,7 @@ def test_padded_vocab_rows_are_never_generated(tmp_path):
     prompts = torch.tensor([encode_prompt(tokenizer, "The capital of", "eos")[:4]] * 2)
     with torch.no_grad():  # not vacuous: unmasked, a padded row is the argmax
         assert (
-            int(model(prompts, hasher.hash_torch(prompts))[0, -1].argmax()) >= tokenizer.vocab_size
+            int(model(prompts, hash_ids=hasher.hash_torch(prompts))[0, -1].argmax()) >= tokenizer.vocab_size
         )
     with pytest.raises(ValueError, match="the hasher was built for"):  # the defect, unmasked
         generate(model, prompts, hasher, NEW)

@@ -114,13 +114,13 @@ def test_logits_match_transformers(hf_model, engram):
     ids = _ids(tokenizer.vocab_size, SEQ)
     with torch.no_grad():
         want = theirs(ids).logits
-        got = ours(ids, hasher.hash_torch(ids) if engram else None)
+        got = ours(ids, hash_ids=hasher.hash_torch(ids) if engram else None)
     assert got.shape == want.shape == (2, SEQ, VOCAB)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # bit-exact on x86 CPU
     if ours.args.rope_scaling is not None:  # not vacuous: without the scaling it differs
         ours.rope_cache = rope_cos_sin(ours.args.replace(rope_scaling=None))
         with torch.no_grad():
-            assert not torch.allclose(ours(ids, hasher.hash_torch(ids) if engram else None), want)
+            assert not torch.allclose(ours(ids, hash_ids=hasher.hash_torch(ids) if engram else None), want)
 
 
 def test_greedy_generation_matches_transformers(hf_model):
