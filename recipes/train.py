@@ -35,7 +35,7 @@ from engram.profiling import maybe_profile
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.parallel_dims import parallel_dims_from_config
 from parallelisms.parallelize import parallelize_model
-from parallelisms.pipeline import build_schedule, split_stages
+from parallelisms.pipeline import build_eval_schedule, build_schedule, split_stages
 
 
 @dataclass
@@ -199,7 +199,7 @@ def train(cfg: JobConfig) -> TrainResult:
         f"model {cfg.model.name}/{cfg.model.flavor}: {n_params:,} local parameters on this rank"
     )
 
-    pipeline = None
+    pipeline = eval_pipeline = None
     if dims.pp_enabled:
         if not all(any(p.requires_grad for p in part.parameters()) for part in model_parts):
             raise ValueError(
@@ -216,6 +216,10 @@ def train(cfg: JobConfig) -> TrainResult:
             dist.broadcast(value, src=last_rank, group=pp_group)
 
         pipeline = (schedule, pp_loss, 0 in stage_ids, pp_broadcast)
+        eval_schedule = build_eval_schedule(
+            model_parts, stage_ids, plan, dims, device, pp_loss, schedule
+        )
+        eval_pipeline = (eval_schedule, *pipeline[1:])
 
     # One optimizer set per stage (their parameters are disjoint); DCP sees them as one model.
     optimizers = [opt for part in model_parts for opt in build_optimizers(part, cfg)]
@@ -329,7 +333,7 @@ def train(cfg: JobConfig) -> TrainResult:
                     device,
                     dp_group,
                     sharded_logits,
-                    pipeline,
+                    eval_pipeline,
                 )
                 result.eval_losses[step] = eval_loss
                 metrics.log(step, {"eval_loss": eval_loss})
