@@ -270,3 +270,13 @@ def test_hf_backbone_loads_into_each_stage(tmp_path):
     first.to_empty(device="cpu")
     first.init_weights(seed=SEED_B)
     load_hf_backbone(first, tmp_path / "hf_missing", first.args)
+
+
+def test_tied_embeddings_are_refused_under_pp():
+    from parallelisms.pipeline import split_stages
+
+    cfg = config_from_dict({"model": {"flavor": "debug"}, "parallelism": {"pp": 2}})
+    model, _ = build_from_config(cfg, load_tokenizer(""))
+    model.args = model.args.replace(tie_embeddings=True)
+    with pytest.raises(ConfigError, match="tied input/output embeddings"):
+        split_stages(model, cfg, dims=None)
