@@ -542,6 +542,11 @@ def estimate(
     if device_memory_gib is None:
         device_memory_gib = DEVICE_MEMORY_GIB.get(cfg.job.device, 64.0)
     dims = parallel_dims_from_config(cfg, world_size)  # validates the degrees up front
+    if dims.pp_enabled:  # refused, never estimated as if pp were 1
+        raise ConfigError(
+            f"parallelism.pp={dims.pp}: the memory estimator does not model pipeline stages "
+            "yet; estimate one stage's share by hand (docs/parallelisms.md) or set pp = 1"
+        )
     no_sync = recipe_defers_grad_sync(cfg, dims) and not sync_every_micro_batch
     table_rows = engram_table_rows(cfg.engram)
     vocab_size = tokenizer_vocab_size(cfg)

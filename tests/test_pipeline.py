@@ -280,3 +280,11 @@ def test_tied_embeddings_are_refused_under_pp():
     model.args = model.args.replace(tie_embeddings=True)
     with pytest.raises(ConfigError, match="tied input/output embeddings"):
         split_stages(model, cfg, dims=None)
+
+
+def test_memory_estimator_refuses_pp():
+    from recipes.estimate_memory import estimate
+
+    cfg = config_from_dict({"model": {"flavor": "debug"}, "parallelism": {"pp": 2}})
+    with pytest.raises(ConfigError, match="does not model pipeline stages"):
+        estimate(cfg, world_size=2)
