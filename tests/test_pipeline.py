@@ -146,6 +146,8 @@ def _check_layouts(tmp_path, layouts: dict, extra: dict, ref_training: dict | No
     """Each layout vs one single-process reference (`ref_training` overrides its [training])."""
     ref_raw = _raw(tmp_path / "ref", 1, {}, extra)
     ref_raw["training"].update(ref_training or {})
+    # The held-out loss over the same 16 sequences when the reference's batch is smaller.
+    ref_raw["data"]["eval_batches"] = 2 * GLOBAL_BATCH // ref_raw["training"]["local_batch_size"]
     ref = run_distributed(_train, 1, ref_raw)[0]
     init = _initial_weights(ref_raw)
     for label, (world, layout, pipeline) in layouts.items():
