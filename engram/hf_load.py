@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from engram.models.args import ModelArgs
 from engram.models.hf_adapter import from_hf_state_dict
@@ -317,11 +318,12 @@ def _local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """(local tensor to copy into, its offset in the global tensor)."""
     if isinstance(param, DTensor):
         for placement in param.placements:
-            # type() not isinstance(): strided shards (FSDP x TP) are not one contiguous block.
-            if type(placement) not in (Shard, Replicate):
+            # FSDP2 over TP gives _StridedShard: still one contiguous block (local_view checks).
+            if not isinstance(placement, (Shard, _StridedShard, Replicate)):
                 raise NotImplementedError(
                     f"loading into a DTensor with placements {param.placements} is not supported; "
-                    "load_hf_backbone handles Shard / Replicate layouts (FSDP2, HSDP, DDP, tables)"
+                    "load_hf_backbone handles Shard / Replicate layouts (FSDP2, HSDP, DDP, TP, "
+                    "tables)"
                 )
     local, _, offset = local_view(param)
     return local, offset

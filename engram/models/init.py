@@ -2,8 +2,8 @@
 
 The full (global) tensor of a parameter is defined as a sequence of fixed row chunks; chunk `c`
 is drawn from a CPU generator seeded by a stable hash of (seed, key, c). The chunk size depends
-only on the global shape. A shard (FSDP2 Shard(0), TP Shard(0)/Shard(1), an uneven row-sharded
-Engram table, Replicate) generates only the chunks that overlap its global row range and slices
+only on the global shape. A shard (FSDP2 Shard(0), TP Shard(0)/Shard(1), FSDP2 over TP
+(_StridedShard, Shard), an uneven row-sharded Engram table, Replicate) generates only the chunks that overlap its global row range and slices
 out its block. So the assembled weights are bit-identical for every parallel layout, and equal
 to what one process computes for the unsharded tensor.
 """
@@ -14,8 +14,12 @@ import hashlib
 import math
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import (
+    _get_shard_size_and_offsets,
+    compute_local_shape_and_global_offset,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
 
 # Elements per generated chunk (~4 MiB of fp32): big enough to be fast, small enough that a
 # shard never generates much more than it keeps.
@@ -35,7 +39,13 @@ def chunk_seed(seed: int, key: str, chunk: int) -> int:
 
 
 def local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
-    """(local tensor, local shape, global offset) for a plain tensor or a DTensor."""
+    """(local tensor, local shape, global offset) for a plain tensor or a DTensor.
+
+    The local shard must be one contiguous block of the global tensor. That holds for Shard /
+    Replicate and for FSDP2 over TP (`_StridedShard` on the dp dim of a TP-sharded dim: FSDP
+    splits this rank's contiguous TP chunk); any other strided layout is an error here rather
+    than wrong weights.
+    """
     if isinstance(param, DTensor):
         local = param.to_local()
         shape, offset = compute_local_shape_and_global_offset(
@@ -46,8 +56,33 @@ def local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tupl
                 f"local shard shape {tuple(local.shape)} != expected {tuple(shape)} for a DTensor "
                 f"of global shape {tuple(param.shape)} with placements {param.placements}"
             )
+        if any(isinstance(p, _StridedShard) for p in param.placements):
+            _check_contiguous(param, tuple(shape))
         return local, tuple(shape), tuple(offset)
     return param, tuple(param.shape), (0,) * param.dim()
+
+
+def _check_contiguous(param: DTensor, local_shape: tuple[int, ...]) -> None:
+    """Raise unless this rank's indices along every sharded dim are consecutive."""
+    mesh, coord = param.device_mesh, param.device_mesh.get_coordinate()
+    assert coord is not None
+    offsets: dict[int, torch.Tensor] = {}
+    sizes = list(param.shape)
+    for mesh_dim, placement in enumerate(param.placements):
+        if not isinstance(placement, (Shard, _StridedShard)):
+            continue
+        d = placement.dim
+        sizes[d], offsets[d] = _get_shard_size_and_offsets(
+            sizes[d], mesh.size(mesh_dim), coord[mesh_dim], placement, offsets.get(d),
+            param.shape[d], False,
+        )  # fmt: skip
+    for d, index in offsets.items():
+        n = local_shape[d]
+        if n and not torch.equal(index[:n], torch.arange(int(index[0]), int(index[0]) + n)):
+            raise NotImplementedError(
+                f"placements {param.placements} give rank {coord} a non-contiguous slice of dim "
+                f"{d}; layout-independent init and HF loading need one contiguous block"
+            )
 
 
 @torch.no_grad()
