@@ -290,3 +290,14 @@ def test_memory_estimator_refuses_pp():
     cfg = config_from_dict({"model": {"flavor": "debug"}, "parallelism": {"pp": 2}})
     with pytest.raises(ConfigError, match="does not model pipeline stages"):
         estimate(cfg, world_size=2)
+
+
+@pytest.mark.slow
+def test_engram_only_under_pp(tmp_path):
+    """engram_only trains the Engram parameters of both stages (frozen backbone bit-identical);
+    a stage left without any trainable parameter is refused with the fix."""
+    extra = {"training": {"mode": "engram_only"}}
+    _check_layouts(tmp_path, {"pp2_engram_only": (2, {"pp": 2}, {"schedule": "1F1B"})}, extra)
+    raw = _raw(tmp_path / "bad", 2, {"pp": 2}, {**extra, "engram": {"layer_ids": [0]}})
+    with pytest.raises(RuntimeError, match="leaves a pipeline stage without trainable"):
+        run_distributed(_train, 2, raw)
