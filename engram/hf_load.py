@@ -71,7 +71,7 @@ def load_hf_backbone(model: nn.Module, hf_dir: str | Path, model_args: ModelArgs
     key_files = _tensor_files(folder)
     _check_hf_config(folder, model_args)
     params = _parameters(model)
-    plan = _plan(folder, key_files, params, model_args)
+    plan = _plan(folder, key_files, params, model_args, _other_stage(model))
     _check_shapes(folder, plan, params)
 
     by_file: dict[str, list[tuple[str, str]]] = {}
@@ -206,13 +206,30 @@ def _parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     return params
 
 
+def _other_stage(model: nn.Module):
+    """Under pipeline parallelism `model` is one stage: a predicate for the parameter names that
+    another stage holds (its layers are deleted, its embedding / norm / head set to None)."""
+    layers = getattr(model, "layers", None)
+    held = set(layers.keys()) if layers is not None else None
+
+    def other(name: str) -> bool:
+        head, _, rest = name.partition(".")
+        if head == "layers" and held is not None:
+            return rest.partition(".")[0] not in held
+        return head in ("tok_embeddings", "norm", "output") and getattr(model, head, 0) is None
+
+    return other
+
+
 def _plan(
     folder: Path,
     key_files: dict[str, str],
     params: dict[str, torch.Tensor],
     args: ModelArgs,
+    other_stage=lambda name: False,
 ) -> dict[str, tuple[str, str]]:
-    """Our parameter name -> (HF name, file). Errors list every missing and unexpected tensor."""
+    """Our parameter name -> (HF name, file). Errors list every missing and unexpected tensor;
+    tensors of another pipeline stage's parameters are skipped (that stage loads them)."""
     plan: dict[str, tuple[str, str]] = {}
     unexpected: list[str] = []
     placeholder = torch.empty(0)
@@ -226,7 +243,7 @@ def _plan(
         for ours in mapped:  # empty for ignored keys (rotary inv_freq, a tied lm_head)
             if ours in params:
                 plan[ours] = (hf_name, file)
-            else:
+            elif not other_stage(ours):
                 unexpected.append(
                     f"{hf_name} (in {file}): maps to {ours}, which this model does not have"
                 )

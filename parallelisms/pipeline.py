@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
+    _ComputationType,
     _PipelineSchedule,
     get_schedule_class,
 )
@@ -106,8 +107,8 @@ def check_schedule(p: PipelineConfig, pp: int, local_batch_size: int) -> int:
         rounds = max(1, n // pp)
         if n % rounds:
             raise ConfigError(
-                f"pipeline.schedule={name} runs micro-batches in rounds of pp={pp}: "
-                f"pipeline.microbatches={n} must be <= pp or a multiple of it"
+                f"pipeline.schedule={name} runs pipeline.microbatches={n} in {rounds} rounds "
+                f"(microbatches // pp={pp}), which must divide it: use a multiple of pp"
             )
     return n
 
@@ -217,3 +218,44 @@ def build_schedule(
     if issubclass(cls, PipelineScheduleSingle):
         return cls(stages[0], n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False)
+
+
+def build_eval_schedule(
+    parts: list[nn.Module],
+    stage_ids: list[int],
+    plan: StagePlan,
+    dims: ParallelDims,
+    device: torch.device,
+    loss_fn,
+    train_schedule: _PipelineSchedule,
+) -> _PipelineSchedule:
+    """A forward-only schedule for the held-out loss (call its .eval()).
+
+    Single-stage schedules evaluate with the training schedule itself. torch's multi-stage
+    schedules execute their precomputed action list, backward actions included, even in eval(),
+    so for them this builds the same schedule class over fresh stage objects (same modules) and
+    keeps only the forward part of its order: forward compute, its sends / receives, FSDP
+    unshard / reshard. A forward never waits on a backward, so the subsequence of a valid order
+    cannot deadlock."""
+    if isinstance(train_schedule, PipelineScheduleSingle):
+        return train_schedule
+    pp_group = dims.mesh("pp").get_group()
+    stages = [
+        PipelineStage(part, s, plan.num_stages, device, group=pp_group)
+        for part, s in zip(parts, stage_ids, strict=True)
+    ]
+    schedule = type(train_schedule)(
+        stages, n_microbatches=train_schedule._n_microbatches, loss_fn=loss_fn, scale_grads=False
+    )
+    keep = {
+        _ComputationType.FORWARD,
+        _ComputationType.SEND_F,
+        _ComputationType.RECV_F,
+        _ComputationType.UNSHARD,
+        _ComputationType.RESHARD,
+    }
+    order = schedule.pipeline_order_with_comms
+    for rank, actions in order.items():
+        flat = [sub for a in actions for sub in (a.sub_actions or (a,))]
+        order[rank] = [a for a in flat if a.computation_type in keep]
+    return schedule

@@ -4,8 +4,9 @@
 
 The parallelisms are applied in the order stated in parallelisms/parallelize.py; then the model
 is materialised and initialised (init is independent of the layout). The model is held as
-`model_parts` (one part until pipeline parallelism splits it into stages) and one optimizer step is
-`forward_backward` per micro-batch, then clip, step.
+`model_parts` (one part; under pipeline parallelism this rank's stages, each split from the meta
+model first and then parallelised) and one optimizer step is `forward_backward` per micro-batch
+(under PP: `pipeline_forward_backward`, one schedule.step per accumulation step), then clip, step.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +39,7 @@ from engram.profiling import maybe_profile
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.parallel_dims import parallel_dims_from_config
 from parallelisms.parallelize import parallelize_model
-from parallelisms.pipeline import build_schedule, split_stages
+from parallelisms.pipeline import build_eval_schedule, build_schedule, split_stages
 
 
 @dataclass
@@ -97,10 +99,23 @@ class PipelineLoss:
         return cross_entropy(logits, labels) * self.scale
 
 
+@dataclass
+class PipelineRun:
+    """This rank's pipeline schedules and where the loss lives (under PP only)."""
+
+    schedule: Any  # a torch.distributed.pipelining schedule over this rank's stages
+    eval_schedule: Any  # forward-only (see parallelisms/pipeline.py build_eval_schedule)
+    loss: PipelineLoss
+    has_first_stage: bool  # feeds input_ids
+    group: dist.ProcessGroup  # the pp group
+    last_stage_rank: int  # global rank holding the last stage (it computes the loss)
+
+    def broadcast_loss(self, value: torch.Tensor) -> None:
+        dist.broadcast(value, src=self.last_stage_rank, group=self.group)
+
+
 def pipeline_forward_backward(
-    schedule,
-    pp_loss: PipelineLoss,
-    has_first: bool,
+    pp: PipelineRun,
     batch: dict[str, torch.Tensor],
     loss_scale: float,
     sharded_logits: bool = False,
@@ -109,9 +124,9 @@ def pipeline_forward_backward(
     """One local batch through the pipeline schedule (split into micro-batches by torch).
     Returns the mean loss over the batch on the rank holding the last stage, 0 elsewhere.
     Hash ids go by keyword: torch splits them along dim 0 and gives every stage its slice."""
-    n_micro = schedule._n_microbatches
-    pp_loss.scale = loss_scale / n_micro
-    args = (batch["input_ids"],) if has_first else ()
+    schedule = pp.schedule if train else pp.eval_schedule
+    pp.loss.scale = loss_scale / schedule._n_microbatches
+    args = (batch["input_ids"],) if pp.has_first_stage else ()
     kwargs = {"hash_ids": batch["hash_ids"]} if "hash_ids" in batch else {}
     losses: list[torch.Tensor] = []
     with loss_context(sharded_logits):
@@ -135,20 +150,17 @@ def dp_mean(value: torch.Tensor, group: dist.ProcessGroup) -> float:
 
 @torch.no_grad()
 def evaluate(
-    model_parts, loader, num_batches: int, device, dp_group, sharded_logits, pipeline=None
+    model_parts, loader, num_batches: int, device, dp_group, sharded_logits, pp=None
 ) -> float:
-    """Held-out loss; `pipeline` = (schedule, loss, has_first, pp_broadcast) under PP."""
+    """Held-out loss (`pp`: the PipelineRun under pipeline parallelism)."""
     for part in model_parts:
         part.eval()
     total = torch.zeros((), device=device)
     it = iter(loader)
     for _ in range(num_batches):
         batch = to_device(next(it), device)
-        if pipeline is not None:
-            schedule, pp_loss, has_first, _ = pipeline
-            total += pipeline_forward_backward(
-                schedule, pp_loss, has_first, batch, 1.0, sharded_logits, train=False
-            )
+        if pp is not None:
+            total += pipeline_forward_backward(pp, batch, 1.0, sharded_logits, train=False)
             continue
         (model,) = model_parts
         with loss_context(sharded_logits):
@@ -156,8 +168,8 @@ def evaluate(
             total += local_value(cross_entropy(logits, batch["labels"]))
     for part in model_parts:
         part.train()
-    if pipeline is not None:
-        pipeline[3](total)
+    if pp is not None:
+        pp.broadcast_loss(total)
     return dp_mean(total / num_batches, dp_group)
 
 
@@ -202,7 +214,7 @@ def train(cfg: JobConfig) -> TrainResult:
         f"model {cfg.model.name}/{cfg.model.flavor}: {n_params:,} local parameters on this rank"
     )
 
-    pipeline = None
+    pp: PipelineRun | None = None
     if dims.pp_enabled:
         if not all(any(p.requires_grad for p in part.parameters()) for part in model_parts):
             raise ValueError(
@@ -213,12 +225,16 @@ def train(cfg: JobConfig) -> TrainResult:
         pp_loss = PipelineLoss()
         schedule = build_schedule(model_parts, stage_ids, plan, cfg, dims, device, pp_loss)
         pp_group = dims.mesh("pp").get_group()
-        last_rank = dist.get_global_rank(pp_group, plan.last_stage_rank)
-
-        def pp_broadcast(value: torch.Tensor) -> None:  # the loss lives on the last stage
-            dist.broadcast(value, src=last_rank, group=pp_group)
-
-        pipeline = (schedule, pp_loss, 0 in stage_ids, pp_broadcast)
+        pp = PipelineRun(
+            schedule=schedule,
+            eval_schedule=build_eval_schedule(
+                model_parts, stage_ids, plan, dims, device, pp_loss, schedule
+            ),
+            loss=pp_loss,
+            has_first_stage=0 in stage_ids,
+            group=pp_group,
+            last_stage_rank=dist.get_global_rank(pp_group, plan.last_stage_rank),
+        )
 
     # One optimizer set per stage (their parameters are disjoint); DCP sees them as one model.
     optimizers = [opt for part in model_parts for opt in build_optimizers(part, cfg)]
@@ -273,9 +289,9 @@ def train(cfg: JobConfig) -> TrainResult:
             for micro in range(cfg.training.grad_accum_steps):
                 batch = to_device(next(data_iter), device)
                 last_micro = micro == cfg.training.grad_accum_steps - 1
-                if pipeline is not None:  # the schedule toggles FSDP's reduction itself
+                if pp is not None:  # the schedule toggles FSDP's reduction itself
                     loss_sum += pipeline_forward_backward(
-                        *pipeline[:3], batch, 1.0 / cfg.training.grad_accum_steps, sharded_logits
+                        pp, batch, 1.0 / cfg.training.grad_accum_steps, sharded_logits
                     )
                     continue
                 # DDP reduces once per optimizer step; FSDP/HSDP every micro-batch (see fsdp.py).
@@ -285,8 +301,8 @@ def train(cfg: JobConfig) -> TrainResult:
                 loss_sum += forward_backward(
                     model_parts, batch, 1.0 / cfg.training.grad_accum_steps, sharded_logits
                 )
-            if pipeline is not None:
-                pipeline[3](loss_sum)
+            if pp is not None:  # the loss lives on the last stage
+                pp.broadcast_loss(loss_sum)
             grad_norm = clip_grad_norm_(
                 trainable,
                 cfg.training.max_norm,
@@ -338,7 +354,7 @@ def train(cfg: JobConfig) -> TrainResult:
                     device,
                     dp_group,
                     sharded_logits,
-                    pipeline,
+                    pp,
                 )
                 result.eval_losses[step] = eval_loss
                 metrics.log(step, {"eval_loss": eval_loss})
