@@ -89,8 +89,23 @@ def runs(tmp_path_factory):
             _raw(tmp, "f8-fsdp", 2, 10, {"float8": F8}),
         ],
     )[0]
-    one = run_distributed(_train_all, 1, [_raw(tmp, "f8-one", 1, 10, {"float8": F8})])[0]
-    return {"bf16": two[0], "f8_bf16": two[1], "f8_fsdp": two[2], "f8_one": one[0]}
+    compiled = {
+        "float8": F8,
+        "compile": {"enable": True, "backend": "aot_eager"},
+        "activation_checkpoint": {"mode": "full"},
+    }
+    one = run_distributed(
+        _train_all,
+        1,
+        [_raw(tmp, "f8-one", 1, 10, {"float8": F8}), _raw(tmp, "f8-compiled", 1, 3, compiled)],
+    )[0]
+    return {
+        "bf16": two[0],
+        "f8_bf16": two[1],
+        "f8_fsdp": two[2],
+        "f8_one": one[0],
+        "f8_compiled": one[1],
+    }
 
 
 @pytest.mark.slow
@@ -191,3 +206,12 @@ def test_torchao_missing_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao -> ImportError
     with pytest.raises(ImportError, match=r'pip install "torchao>=0.18"'):
         apply_float8(_model(), Float8Config(True, emulate=True), "cpu", True)
+
+
+@pytest.mark.slow
+def test_float8_with_compile_and_checkpointing_matches_eager(runs):
+    """The recommended combination (float8 + compile, here with full activation checkpointing;
+    aot_eager backend, see tests/test_compile.py) computes what eager float8 computes."""
+    got, ref = runs["f8_compiled"]["losses"], runs["f8_one"]["losses"][:3]
+    assert runs["f8_compiled"]["float8_linears"] == 28
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
