@@ -215,3 +215,20 @@ def test_float8_with_compile_and_checkpointing_matches_eager(runs):
     got, ref = runs["f8_compiled"]["losses"], runs["f8_one"]["losses"][:3]
     assert runs["f8_compiled"]["float8_linears"] == 28
     np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "recipe, granularity",
+    [("rowwise", "AXISWISE"), ("tensorwise", "TENSORWISE"), ("rowwise_with_gw_hp", "AXISWISE")],
+)
+def test_recipes_reach_torchao(recipe, granularity):
+    model = _model()
+    apply_float8(model, Float8Config(True, recipe=recipe, emulate=True), "cpu", True)
+    linear = model.layers["0"].attention.wq
+    assert isinstance(linear, Float8Linear) and linear.config.emulate
+    assert linear.config.cast_config_input.scaling_granularity.name == granularity
+
+
+def test_unknown_recipe_is_a_config_error():
+    with pytest.raises(ConfigError, match="float8.recipe must be one of"):
+        config_from_dict({"float8": {"recipe": "blockwise"}})
