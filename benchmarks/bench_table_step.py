@@ -1,7 +1,7 @@
 """Training step time per Engram table optimizer, side by side with engram-peft 1.2.7.
 
     python benchmarks/bench_table_step.py --epeft-python /work/epeft-venv/bin/python \
-        [--steps 20 --warmup 5 --worlds 2,4]
+        [--steps 20 --warmup 5 --configs plain,full_engram,engram_only --worlds 1,2,4]
 
 Workload (issue 13): Llama shape dim 256, 4 layers, 4 heads, 2 KV heads, SwiGLU 768, untied, one
 byte-level BPE of 8,192 tokens trained here and shared by both; Engram at layers 1 and 2, orders
@@ -15,7 +15,7 @@ benchmarks/engram_peft_worker.py); the driver tells the workers of one configura
 step each, in turn, and reports medians of `--steps` steps after `--warmup`. Ratios come from
 these interleaved steps, so machine load affects both sides alike.
 
-Then our sharded path (FSDP + all-to-all tables) at `--worlds` ranks (1 thread each, local batch
+Then our sharded path (FSDP + all-to-all tables) at `--worlds` ranks, interleaved likewise (1 thread each, local batch
 8 x 256 per rank): step time and time per token per table optimizer.
 """
 
@@ -247,7 +247,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--worlds", default="1,2,4", help="our sharded path; empty: skip")
     ap.add_argument("--configs", default="plain,full_engram,engram_only")
     ap.add_argument("--worker", default="")
     ap.add_argument("--table-optimizer", default="adam")
@@ -264,7 +264,7 @@ def main() -> None:
             "| configuration | ours | ours median (s) | engram-peft median (s) | ours / engram-peft |"
         )
         print("| --- | --- | --- | --- | --- |", flush=True)
-        for config in args.configs.split(","):
+        for config in [c for c in args.configs.split(",") if c]:
             ref = Worker(
                 "engram-peft",
                 [peft + ["--data", str(data), "--config", config, "--threads", str(args.threads)]],
@@ -283,7 +283,7 @@ def main() -> None:
         print("\n| configuration | table optimizer | ranks | step median (s) | ms per 1k tokens |")
         print("| --- | --- | --- | --- | --- |", flush=True)
         for config in ("full_engram",):
-            for world in [1, *(int(w) for w in args.worlds.split(",") if w)]:
+            for world in [int(w) for w in args.worlds.split(",") if w]:
                 ours = [
                     _ours(
                         str(data), config, o, 1 if world > 1 else args.threads, world, free_port()

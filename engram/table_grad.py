@@ -47,8 +47,9 @@ def accumulate_row_grad(param: torch.Tensor, rows: torch.Tensor, values: torch.T
 
 
 def coalesce_rows(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unique sorted row ids and the fp32 sum of each row's values (deterministic order)."""
-    values = values.float()
+    """Unique sorted row ids and the sum of each row's values in fp32 (fp64 stays fp64), in a
+    deterministic order."""
+    values = values.to(torch.promote_types(values.dtype, torch.float32))
     if rows.device.type == "cpu":
         # CPU: a stable sort + segment sum is several times faster than index_add_ (which runs
         # as a scatter_add over an expanded index there).

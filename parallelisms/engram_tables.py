@@ -157,9 +157,9 @@ def _route_grads_to_owners(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, t
     dedup, grad_scale, group, send_splits, recv_splits, n_send, n_recv = ctx.meta
     acc = _accumulate_dtype(ctx.dtype)
     grad_out = grad_out.contiguous()
-    if dedup:  # rows repeated in this rank's batch: sum them before sending
-        grad_send = grad_out.new_zeros((n_send, grad_out.shape[1]), dtype=acc)
-        grad_send.index_add_(0, restore, grad_out.to(acc))
+    if dedup:  # rows repeated in this rank's batch: sum them before sending (every one of the
+        # n_send unique ids occurs, so the coalesced rows are exactly 0..n_send-1)
+        grad_send = coalesce_rows(restore, grad_out.to(acc))[1].to(acc)
     else:
         grad_send = grad_out.index_select(0, restore).to(acc)
     if grad_scale != 1.0:
