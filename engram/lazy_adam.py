@@ -199,3 +199,42 @@ class RowwiseAdagrad(RowSparseOptimizer):
 
 # The pre-row-sparse name (dense-gradient lazy Adam); kept so existing imports keep working.
 LazyRowAdam = LazyAdam
+
+
+def table_memory_bytes(table_optimizer: str, rows: int, dim: int, param_bytes: int = 4) -> dict:
+    """Persistent bytes of one [rows, dim] table (or local shard) per table optimizer choice:
+    weight, gradient (adam: dense, table-sized; row-sparse: none between steps, only the touched
+    rows' fp32 gradient during a step) and fp32 optimizer state. For the memory estimator."""
+    params = rows * dim
+    grad = {"adam": params * param_bytes, "lazy_adam": 0, "rowwise_adagrad": 0}
+    state = {"adam": 2 * 4 * params, "lazy_adam": 2 * 4 * params, "rowwise_adagrad": 4 * rows}
+    if table_optimizer not in grad:
+        raise ValueError(f"unknown table optimizer {table_optimizer!r}")
+    return {
+        "weight": params * param_bytes,
+        "grad": grad[table_optimizer],
+        "optimizer": state[table_optimizer],
+    }
+
+
+def table_memory_markdown(table_rows: dict[int, int], dim: int, world: int) -> list[str]:
+    """Markdown lines for the memory estimator: the Engram tables' bytes per parameter and per
+    rank (worst rank of the torch.chunk row split over `world` ranks) for each table optimizer."""
+    if not table_rows or dim <= 0:
+        return []
+    rows = sum(-(-r // world) for r in table_rows.values())
+    adam = sum(table_memory_bytes("adam", rows, dim).values())
+    lines = [
+        "",
+        f"### Engram tables per rank by optimizer.table_optimizer (fp32, {world} ranks)",
+        "",
+        "| table_optimizer | B / table param | weight + grad + state per rank (GiB) | frees vs adam (GiB) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name in ("adam", "lazy_adam", "rowwise_adagrad"):
+        total = sum(table_memory_bytes(name, rows, dim).values())
+        lines.append(
+            f"| {name} | {total / (rows * dim):.3g} | {total / 1024**3:.2f} | "
+            f"{(adam - total) / 1024**3:.2f} |"
+        )
+    return lines
