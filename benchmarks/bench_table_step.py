@@ -15,7 +15,8 @@ benchmarks/engram_peft_worker.py); the driver tells the workers of one configura
 step each, in turn, and reports medians of `--steps` steps after `--warmup`. Ratios come from
 these interleaved steps, so machine load affects both sides alike.
 
-Then our sharded path (FSDP + all-to-all tables) at `--worlds` ranks, interleaved likewise (1 thread each, local batch
+Then our sharded path (FSDP + all-to-all tables) at `--worlds` ranks, the worlds interleaved step
+by step per table optimizer (1 thread each, local batch
 8 x 256 per rank): step time and time per token per table optimizer.
 """
 
@@ -248,7 +249,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--worlds", default="1,2,4", help="our sharded path; empty: skip")
-    ap.add_argument("--configs", default="plain,full_engram,engram_only")
+    ap.add_argument("--configs", default="plain,full_engram,engram_only", help="empty: skip")
+    ap.add_argument("--sharded-optimizers", default=",".join(TABLE_OPTIMIZERS))
     ap.add_argument("--worker", default="")
     ap.add_argument("--table-optimizer", default="adam")
     ap.add_argument("--data", default="")
@@ -280,22 +282,22 @@ def main() -> None:
                     f"{w.median / ref.median:.3f} |",
                     flush=True,
                 )
+        worlds = [int(w) for w in args.worlds.split(",") if w]
+        if not worlds:
+            return
         print("\n| configuration | table optimizer | ranks | step median (s) | ms per 1k tokens |")
         print("| --- | --- | --- | --- | --- |", flush=True)
-        for config in ("full_engram",):
-            for world in [int(w) for w in args.worlds.split(",") if w]:
-                ours = [
-                    _ours(
-                        str(data), config, o, 1 if world > 1 else args.threads, world, free_port()
-                    )
-                    for o in TABLE_OPTIMIZERS
-                ]
-                _interleave(ours, args.warmup, args.steps)
-                for o, w in zip(TABLE_OPTIMIZERS, ours, strict=True):
-                    per_k = 1000 * w.median / (world * BATCH * SEQ) * 1000
-                    print(
-                        f"| {config} | {o} | {world} | {w.median:.4f} | {per_k:.2f} |", flush=True
-                    )
+        for opt in args.sharded_optimizers.split(","):  # worlds interleaved step by step
+            ours = [
+                _ours(str(data), "full_engram", opt, args.threads if w == 1 else 1, w, free_port())
+                for w in worlds
+            ]
+            _interleave(ours, args.warmup, args.steps)
+            for world, w in zip(worlds, ours, strict=True):
+                per_k = 1000 * w.median / (world * BATCH * SEQ) * 1000
+                print(
+                    f"| full_engram | {opt} | {world} | {w.median:.4f} | {per_k:.2f} |", flush=True
+                )
 
 
 if __name__ == "__main__":
