@@ -181,6 +181,7 @@ class Worker:
         ]
         self.times: list[float] = []
         self.losses: list[float] = []
+        self.log = ""
 
     def wait_ready(self) -> None:
         for p in self.procs:
@@ -198,6 +199,9 @@ class Worker:
         if record:
             self.times.append(max(float(r[0]) for r in replies))  # the step ends with the slowest
             self.losses.append(float(replies[0][1]))
+            if self.log:  # every step as it comes: a run cut short still has its data
+                with open(self.log, "a") as f:
+                    f.write(f"{self.name}\t{self.times[-1]:.6f}\t{self.losses[-1]:.4f}\n")
 
     def close(self) -> None:
         for p in self.procs:
@@ -250,7 +254,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--worlds", default="1,2,4", help="our sharded path; empty: skip")
     ap.add_argument("--configs", default="plain,full_engram,engram_only", help="empty: skip")
+    ap.add_argument("--table-optimizers", default=",".join(TABLE_OPTIMIZERS))
     ap.add_argument("--sharded-optimizers", default=",".join(TABLE_OPTIMIZERS))
+    ap.add_argument("--step-log", default="", help="append every timed step to this file")
     ap.add_argument("--worker", default="")
     ap.add_argument("--table-optimizer", default="adam")
     ap.add_argument("--data", default="")
@@ -272,8 +278,10 @@ def main() -> None:
                 [peft + ["--data", str(data), "--config", config, "--threads", str(args.threads)]],
                 [{**os.environ}],
             )
-            opts = ["adam"] if config == "plain" else list(TABLE_OPTIMIZERS)
+            opts = ["adam"] if config == "plain" else args.table_optimizers.split(",")
             ours = [_ours(str(data), config, o, args.threads) for o in opts]
+            for w in (ref, *ours):
+                w.log = args.step_log
             _interleave([ref, *ours], args.warmup, args.steps)
             for w in ours:
                 label = "AdamW (no tables)" if config == "plain" else w.name.split()[-1]
