@@ -5,9 +5,9 @@ Each table is a DTensor with placement Shard(0) on a 1-D "engram" mesh: rank r o
 reshards it, and the last ranks may hold fewer rows or none). A lookup sends each id to the rank
 that owns its row and brings the row back; the backward sends the row gradients to the owners,
 which add them into a dense gradient of their shard, or, for a table marked row-sparse (its
-optimizer is lazy_adam / rowwise_adagrad), keep (unique local rows, fp32 summed row gradients) on
-the parameter (engram/table_grad.py) so nothing of the table's size is allocated. No table is ever gathered or replicated, and
-no sparse tensor is used (HCCL rejects them). Only the plain c10d `all_to_all_single` is used, with
+optimizer is lazy_adam / rowwise_adagrad), keep (unique local rows, fp32 summed row gradients)
+on the parameter (engram/table_grad.py), so nothing of the table's size is allocated. No table
+is ever gathered or replicated, and no sparse tensor is used (HCCL rejects them). Only the plain c10d `all_to_all_single` is used, with
 explicit split sizes (the list form fails on gloo with uneven sizes).
 
 Gradient semantics: each rank's loss is the mean over its local batch, so the owners receive the
