@@ -86,6 +86,12 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     def _decay_rows(param: torch.Tensor, rows: torch.Tensor, factor: float) -> None:
         param.index_copy_(0, rows, param.index_select(0, rows).mul_(factor))
 
+    @staticmethod
+    def _add_rows(param: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:
+        """param[rows] += delta for UNIQUE rows (read, add, write back)."""
+        new = param.index_select(0, rows).float().add_(delta)
+        param.index_copy_(0, rows, new.to(param.dtype))
+
 
 class LazyAdam(RowSparseOptimizer):
     """Adam on touched rows only; equal to torch.optim.SparseAdam on the same gradients."""
@@ -130,20 +136,20 @@ class LazyAdam(RowSparseOptimizer):
                 exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
                 if weight_decay != 0:
                     self._decay_rows(param, rows, 1 - lr * weight_decay)
-                # torch.optim._functional.sparse_adam, on (rows, values) instead of a sparse grad.
+                # torch.optim._functional.sparse_adam on (rows, values), same values: rows are
+                # unique, so each state row is read once and written back (index_copy_ is
+                # several times faster than index_add_ on CPU).
                 old_exp_avg = exp_avg.index_select(0, rows).float()
-                exp_avg_update = g.sub(old_exp_avg).mul_(1 - beta1)
-                exp_avg.index_add_(0, rows, exp_avg_update.to(exp_avg.dtype))
+                numer = g.sub(old_exp_avg).mul_(1 - beta1).add_(old_exp_avg)
+                exp_avg.index_copy_(0, rows, numer.to(exp_avg.dtype))
                 old_exp_avg_sq = exp_avg_sq.index_select(0, rows).float()
-                exp_avg_sq_update = g.pow(2).sub_(old_exp_avg_sq).mul_(1 - beta2)
-                exp_avg_sq.index_add_(0, rows, exp_avg_sq_update.to(exp_avg_sq.dtype))
-                numer = exp_avg_update.add_(old_exp_avg)
-                exp_avg_sq_update.add_(old_exp_avg_sq)
-                denom = exp_avg_sq_update.sqrt_().add_(eps)
+                new_exp_avg_sq = g.pow(2).sub_(old_exp_avg_sq).mul_(1 - beta2).add_(old_exp_avg_sq)
+                exp_avg_sq.index_copy_(0, rows, new_exp_avg_sq.to(exp_avg_sq.dtype))
+                denom = new_exp_avg_sq.sqrt_().add_(eps)
                 bias_correction1 = 1 - beta1**step
                 bias_correction2 = 1 - beta2**step
                 step_size = lr * math.sqrt(bias_correction2) / bias_correction1
-                param.index_add_(0, rows, (-step_size * numer.div_(denom)).to(param.dtype))
+                self._add_rows(param, rows, numer.div_(denom).mul_(-step_size))
         return loss
 
 
@@ -184,11 +190,51 @@ class RowwiseAdagrad(RowSparseOptimizer):
                 param, acc = _local(p), _local(state["sum"])
                 if weight_decay != 0:
                     self._decay_rows(param, rows, 1 - lr * weight_decay)
-                acc.index_add_(0, rows, g.pow(2).mean(dim=1))
-                std = acc.index_select(0, rows).sqrt_().add_(eps)
-                param.index_add_(0, rows, (g / std.unsqueeze(1)).mul_(-lr).to(param.dtype))
+                new_acc = acc.index_select(0, rows).add_(g.pow(2).mean(dim=1))
+                acc.index_copy_(0, rows, new_acc)
+                std = new_acc.sqrt_().add_(eps)
+                self._add_rows(param, rows, (g / std.unsqueeze(1)).mul_(-lr))
         return loss
 
 
 # The pre-row-sparse name (dense-gradient lazy Adam); kept so existing imports keep working.
 LazyRowAdam = LazyAdam
+
+
+def table_memory_bytes(table_optimizer: str, rows: int, dim: int, param_bytes: int = 4) -> dict:
+    """Persistent bytes of one [rows, dim] table (or local shard) per table optimizer choice:
+    weight, gradient (adam: dense, table-sized; row-sparse: none between steps, only the touched
+    rows' fp32 gradient during a step) and fp32 optimizer state. For the memory estimator."""
+    params = rows * dim
+    grad = {"adam": params * param_bytes, "lazy_adam": 0, "rowwise_adagrad": 0}
+    state = {"adam": 2 * 4 * params, "lazy_adam": 2 * 4 * params, "rowwise_adagrad": 4 * rows}
+    if table_optimizer not in grad:
+        raise ValueError(f"unknown table optimizer {table_optimizer!r}")
+    return {
+        "weight": params * param_bytes,
+        "grad": grad[table_optimizer],
+        "optimizer": state[table_optimizer],
+    }
+
+
+def table_memory_markdown(table_rows: dict[int, int], dim: int, world: int) -> list[str]:
+    """Markdown lines for the memory estimator: the Engram tables' bytes per parameter and per
+    rank (worst rank of the torch.chunk row split over `world` ranks) for each table optimizer."""
+    if not table_rows or dim <= 0:
+        return []
+    rows = sum(-(-r // world) for r in table_rows.values())
+    adam = sum(table_memory_bytes("adam", rows, dim).values())
+    lines = [
+        "",
+        f"### Engram tables per rank by optimizer.table_optimizer (fp32, {world} ranks)",
+        "",
+        "| table_optimizer | B / table param | weight + grad + state per rank (GiB) | frees vs adam (GiB) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name in ("adam", "lazy_adam", "rowwise_adagrad"):
+        total = sum(table_memory_bytes(name, rows, dim).values())
+        lines.append(
+            f"| {name} | {total / (rows * dim):.3g} | {total / 1024**3:.2f} | "
+            f"{(adam - total) / 1024**3:.2f} |"
+        )
+    return lines

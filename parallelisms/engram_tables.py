@@ -5,9 +5,9 @@ Each table is a DTensor with placement Shard(0) on a 1-D "engram" mesh: rank r o
 reshards it, and the last ranks may hold fewer rows or none). A lookup sends each id to the rank
 that owns its row and brings the row back; the backward sends the row gradients to the owners,
 which add them into a dense gradient of their shard, or, for a table marked row-sparse (its
-optimizer is lazy_adam / rowwise_adagrad), keep (unique local rows, fp32 summed row gradients) on
-the parameter (engram/table_grad.py) so nothing of the table's size is allocated. No table is ever gathered or replicated, and
-no sparse tensor is used (HCCL rejects them). Only the plain c10d `all_to_all_single` is used, with
+optimizer is lazy_adam / rowwise_adagrad), keep (unique local rows, fp32 summed row gradients)
+on the parameter (engram/table_grad.py), so nothing of the table's size is allocated. No table
+is ever gathered or replicated, and no sparse tensor is used (HCCL rejects them). Only the plain c10d `all_to_all_single` is used, with
 explicit split sizes (the list form fails on gloo with uneven sizes).
 
 Gradient semantics: each rank's loss is the mean over its local batch, so the owners receive the
@@ -157,9 +157,9 @@ def _route_grads_to_owners(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, t
     dedup, grad_scale, group, send_splits, recv_splits, n_send, n_recv = ctx.meta
     acc = _accumulate_dtype(ctx.dtype)
     grad_out = grad_out.contiguous()
-    if dedup:  # rows repeated in this rank's batch: sum them before sending
-        grad_send = grad_out.new_zeros((n_send, grad_out.shape[1]), dtype=acc)
-        grad_send.index_add_(0, restore, grad_out.to(acc))
+    if dedup:  # rows repeated in this rank's batch: sum them before sending (every one of the
+        # n_send unique ids occurs, so the coalesced rows are exactly 0..n_send-1)
+        grad_send = coalesce_rows(restore, grad_out.to(acc))[1].to(acc)
     else:
         grad_send = grad_out.index_select(0, restore).to(acc)
     if grad_scale != 1.0:

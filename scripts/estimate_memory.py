@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engram.config import ConfigError, JobConfig, load_config  # noqa: E402
 from engram.data.tokenizer import load_tokenizer  # noqa: E402
 from engram.hashing import engram_table_rows  # noqa: E402
+from engram.lazy_adam import table_memory_bytes, table_memory_markdown  # noqa: E402
 from engram.models.args import ModelArgs  # noqa: E402
 from engram.models.builder import build_model, flavor_args  # noqa: E402
 from engram.models.transformer import clean_fqn  # noqa: E402
@@ -298,17 +299,25 @@ def _table_layer(
 
 
 def measure_rank(
-    model: nn.Module, table_params: list[nn.Parameter], rank: int, cpu_offload: bool
+    model: nn.Module,
+    table_params: list[nn.Parameter],
+    rank: int,
+    cpu_offload: bool,
+    table_optimizer: str = "adam",
 ) -> RankMemory:
     dense = [p for p in model.parameters() if not _is_in(p, table_params)]
     dense_trainable = [p for p in dense if p.requires_grad]
     tables_trainable = [p for p in table_params if p.requires_grad]
     dense_bytes = sum(_nbytes(_local(p)) for p in dense)
     dense_grad = sum(_nbytes(_local(p)) for p in dense_trainable)
-    table_grad = sum(_nbytes(_local(p)) for p in tables_trainable)
+    table_mem = [  # per optimizer.table_optimizer (engram/lazy_adam.py)
+        table_memory_bytes(table_optimizer, *_local(p).shape, _local(p).element_size())
+        for p in tables_trainable
+    ]
+    table_grad = sum(m["grad"] for m in table_mem)
     fp32 = _bytes("float32")
     dense_opt = ADAM_STATES * fp32 * sum(_local(p).numel() for p in dense_trainable)
-    table_opt = ADAM_STATES * fp32 * sum(_local(p).numel() for p in tables_trainable)
+    table_opt = sum(m["optimizer"] for m in table_mem)
     host = dense_bytes + dense_grad + dense_opt if cpu_offload else 0
     on_device = 0 if cpu_offload else 1
     mem = RankMemory(
@@ -645,7 +654,13 @@ def estimate(
             dims = parallel_dims_from_config(cfg, world_size)
             dims.build_mesh("cpu")
             model, table_params = build_parallel_model(cfg, dims, vocab_size, table_rows)
-            mem = measure_rank(model, table_params, rank, cfg.parallelism.cpu_offload)
+            mem = measure_rank(
+                model,
+                table_params,
+                rank,
+                cfg.parallelism.cpu_offload,
+                cfg.optimizer.table_optimizer,
+            )
             if model_info is None:  # rank-independent: global shapes and placements
                 buffers = fsdp_buffers(cfg, dims, model, table_params, no_sync)
                 act = activation_estimate(
@@ -885,6 +900,9 @@ def to_markdown(est: MemoryEstimate) -> str:
         f"| row-sharded (this repo, measured, worst reported rank) | {_gib(b.row_sharded_bytes_max)} |",
         f"| estimated peak of the worst rank with DDP-replicated tables | {_gib(b.peak_with_ddp_tables_max)} |",
     ]
+    n_rows = sum(est.table_rows_global.values())
+    dim = est.global_table_params // n_rows if n_rows else 0
+    lines += table_memory_markdown(est.table_rows_global, dim, est.world_size)
     return "\n".join(lines) + "\n"
 
 
