@@ -17,7 +17,12 @@
 #   LOCAL_ADDR     this node's own address (--local_addr), when hostnames do not resolve
 #   LOG_RANK       local ranks whose output is shown, e.g. 0 or 0,1 [0]
 #   TORCHRUN       launcher command          [torchrun, else python -m torch.distributed.run]
-#   TORCHRUN_ARGS  extra launcher flags, e.g. "--max-restarts=1"
+#   TORCHRUN_ARGS  extra launcher flags
+#   MAX_RESTARTS   restart all processes up to N times after a failure (a killed rank, a lost
+#                  node); each try resumes from the newest intact checkpoint. N > 0 (or
+#                  --max-restarts in TORCHRUN_ARGS) switches to c10d rendezvous on
+#                  MASTER_ADDR:MASTER_PORT with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, the mode
+#                  that survives a killed rank (torch issue 135712; docs/multinode.md)  [0]
 # Device-specific variables (NCCL_*, HCCL_*, GLOO_SOCKET_IFNAME, ASCEND_RT_VISIBLE_DEVICES,
 # TORCH_DEVICE_BACKEND_AUTOLOAD) pass through unchanged: see docs/multinode.md.
 set -euo pipefail
@@ -50,8 +55,22 @@ else
     launcher=(python -m torch.distributed.run)
 fi
 
+MAX_RESTARTS="${MAX_RESTARTS:-0}"
+if [[ "${TORCHRUN_ARGS:-}" =~ --max[-_]restarts[=\ ]*([0-9]+) ]]; then
+    MAX_RESTARTS="${BASH_REMATCH[1]}"
+fi
 cmd=("${launcher[@]}" --nnodes="$NNODES" --nproc_per_node="$NGPU")
-if [[ -n "${RDZV_ENDPOINT:-}" ]]; then
+if [[ "$MAX_RESTARTS" -gt 0 ]]; then
+    # Restarts with the static launch (or a shared rendezvous TCP store) fail to re-rendezvous in
+    # most tries after a rank is killed (torch issue 135712); c10d with the store not shared
+    # recovered every time.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    cmd+=(--max-restarts="$MAX_RESTARTS")
+fi
+if [[ -z "${RDZV_ENDPOINT:-}" && "$MAX_RESTARTS" -gt 0 ]]; then
+    cmd+=(--rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="${RDZV_ID:-engram}")
+    if [[ -n "${RDZV_CONF:-}" ]]; then cmd+=(--rdzv_conf="$RDZV_CONF"); fi
+elif [[ -n "${RDZV_ENDPOINT:-}" ]]; then
     # c10d rendezvous: ranks are assigned as nodes join; NODE_RANK is not used.
     cmd+=(--rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="${RDZV_ID:-engram}")
     if [[ -n "${RDZV_CONF:-}" ]]; then cmd+=(--rdzv_conf="$RDZV_CONF"); fi
@@ -62,7 +81,10 @@ if [[ -n "${LOCAL_ADDR:-}" ]]; then cmd+=(--local_addr="$LOCAL_ADDR"); fi
 cmd+=(--role=rank --tee=3 --local-ranks-filter="$LOG_RANK")
 if [[ -n "${TORCHRUN_ARGS:-}" ]]; then
     read -r -a extra <<<"$TORCHRUN_ARGS"
-    cmd+=("${extra[@]}")
+    for flag in "${extra[@]}"; do  # --max-restarts was taken above
+        [[ "$flag" =~ ^--max[-_]restarts ]] || [[ "$flag" =~ ^[0-9]+$ && "${prev:-}" =~ ^--max[-_]restarts$ ]] || cmd+=("$flag")
+        prev="$flag"
+    done
 fi
 cmd+=("$TRAIN_SCRIPT" --job.config_file "$CONFIG_FILE" "$@")
 

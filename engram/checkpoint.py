@@ -428,6 +428,8 @@ class CheckpointManager:
         self.world_size = _world_size()
         self.last_saved_step: int | None = None
         self.loaded_step: int = 0
+        self._pending: tuple[int, Path, Path, Any, float] | None = None
+        self._async_group: Any = None
         self._last_size = 0
 
     # -- paths
@@ -472,10 +474,11 @@ class CheckpointManager:
         return self.cfg.enable and step > 0 and (last_step or step % self.cfg.interval == 0)
 
     def maybe_save(self, step: int, last_step: bool = False) -> bool:
-        """Save at every `interval` steps and at the last step; True if a checkpoint was written."""
+        """Save at every `interval` steps and at the last step; True if a checkpoint was written
+        (or, with checkpoint.async_mode = "async", started; the last step's save is synchronous)."""
         if not self.should_save(step, last_step):
             return False
-        self.save(step)
+        self.save(step, blocking=last_step or self.cfg.async_mode != "async")
         return True
 
     def _check_finite(self, step: int) -> None:
@@ -488,13 +491,23 @@ class CheckpointManager:
                 "optimizer.lr or a clipping norm (training.max_norm)"
             )
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, blocking: bool = True) -> Path:
+        """Write checkpoint `step`. `blocking=False`: DCP writes in a background thread and the
+        checkpoint is committed by the next save() or wait(); a crash before that leaves only a
+        `step-<N>.tmp/` folder (not a checkpoint) and the previous checkpoints intact."""
         begin = time.perf_counter()
         self._check_finite(step)
+        self.wait()  # the previous (async) save is committed before a new one starts
         final = self.step_dir(step)
         tmp = final.with_name(final.name + ".tmp")
         try:
-            self._save_into(step, tmp, final)
+            if not self._save_into(step, tmp, final, blocking):
+                logger.info(
+                    "checkpoint step-%d staged in %.1f s; writing in the background",
+                    step,
+                    time.perf_counter() - begin,
+                )
+                return final
         except CheckpointError:
             raise
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
@@ -509,7 +522,38 @@ class CheckpointManager:
         self.last_saved_step = step
         return final
 
-    def _save_into(self, step: int, tmp: Path, final: Path) -> None:
+    def wait(self) -> None:
+        """Finish a pending async save: wait for DCP, then verify and commit it (collective)."""
+        if self._pending is None:
+            return
+        step, tmp, final, future, begin = self._pending
+        self._pending = None
+        error = None
+        try:
+            future.result()
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            error = self._describe_save_error(step, tmp, e)
+        try:
+            _raise_if_any(error)
+            self._commit_collective(step, tmp, final)
+        except CheckpointError:
+            if self.rank == 0 and tmp.is_dir():
+                try:
+                    self._remove_own_tmp(tmp)
+                except (OSError, CheckpointError) as cleanup:
+                    logger.warning("could not remove partial checkpoint %s: %s", tmp, cleanup)
+            raise
+        if self.rank == 0:
+            logger.info(
+                "committed checkpoint %s (%.1f MiB), %.1f s after it was started",
+                final,
+                self._last_size / 2**20,
+                time.perf_counter() - begin,
+            )
+        self.last_saved_step = step
+
+    def _save_into(self, step: int, tmp: Path, final: Path, blocking: bool = True) -> bool:
+        """Returns True when the checkpoint is committed, False when an async save is pending."""
         error = None
         if self.rank == 0:
             try:
@@ -520,7 +564,18 @@ class CheckpointManager:
             except (OSError, CheckpointError) as e:
                 error = self._describe_save_error(step, tmp, e)
         _raise_if_any(error)
-        dcp.save(self._dcp_state(), checkpoint_id=str(tmp))
+        future = None
+        if blocking:
+            dcp.save(self._dcp_state(), checkpoint_id=str(tmp))
+        else:
+            if self._async_group is None and dist.is_initialized():
+                # Its own gloo group: the background thread's collectives must not interleave
+                # with the training loop's on the default group.
+                self._async_group = dist.new_group(backend="gloo")
+            response = dcp.async_save(
+                self._dcp_state(), checkpoint_id=str(tmp), process_group=self._async_group
+            )
+            future = getattr(response, "upload_completion", response)
         error = None
         try:
             for name in self._json_names():
@@ -531,6 +586,13 @@ class CheckpointManager:
         except TypeError as e:
             error = f"checkpoint state {name!r} is not JSON-serialisable: {e}"
         _raise_if_any(error)  # also the barrier: every rank's files are on disk
+        if future is not None:
+            self._pending = (step, tmp, final, future, time.perf_counter())
+            return False
+        self._commit_collective(step, tmp, final)
+        return True
+
+    def _commit_collective(self, step: int, tmp: Path, final: Path) -> None:
         names = _broadcast_from_rank0(
             sorted(p.name for p in tmp.iterdir()) if self.rank == 0 else None
         )

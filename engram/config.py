@@ -465,11 +465,20 @@ class Checkpoint:
     on_damaged: str = "error"
     """When the checkpoint to resume from fails its manifest check: error (stop, change nothing)
     | previous (resume from the newest intact older checkpoint, with a loud warning)."""
+    async_mode: str = "disabled"
+    """disabled: a save blocks training until it is on disk. async: the state is copied to CPU
+    memory (staging: one extra copy of this rank's model + optimizer state in host memory), DCP
+    writes it in a background thread, and the checkpoint is verified and committed at the next
+    save (which waits for it); the last step's save is synchronous."""
 
     def __post_init__(self) -> None:
         _check(self.interval >= 1, "checkpoint.interval must be >= 1")
         _check(self.keep_latest_k >= 0, "checkpoint.keep_latest_k must be >= 0")
         _check(self.load_step >= -1, "checkpoint.load_step must be >= -1")
+        _check(
+            self.async_mode in ("disabled", "async"),
+            f"checkpoint.async_mode must be disabled or async, got {self.async_mode!r}",
+        )
         _check(
             self.on_damaged in ("error", "previous"),
             f"checkpoint.on_damaged must be error or previous, got {self.on_damaged!r}",

@@ -36,6 +36,7 @@ from engram.models.builder import build_from_config
 from engram.nonfinite import NonFiniteGuard
 from engram.optim import apply_training_mode, build_lr_schedulers, build_optimizers, clip_grad_norm_
 from engram.profiling import maybe_profile
+from engram.table_check import warn_if_tables_collide
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.parallel_dims import parallel_dims_from_config
 from parallelisms.parallelize import parallelize_model
@@ -196,6 +197,7 @@ def train(cfg: JobConfig) -> TrainResult:
     model, hasher = build_from_config(cfg, tokenizer)
     if hasher is not None:
         logger.info(f"Engram hashing: {hasher}")
+        warn_if_tables_collide(hasher)
 
     # --- pipeline stages (PP), then the parallelisms of each, in the documented order -------
     model_parts = [model]

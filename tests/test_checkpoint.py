@@ -323,3 +323,49 @@ def test_disabled_manager_does_nothing(tmp_path):
 def test_non_stateful_state_is_rejected(tmp_path):
     with pytest.raises(TypeError, match="state_dict"):
         CheckpointManager(Checkpoint(enable=True), tmp_path, {"model": nn.Linear(2, 2).weight}, {})
+
+
+def _async_run(rank: int, world_size: int, run: Path, crash: bool) -> dict[str, Any]:
+    cfg = Checkpoint(enable=True, interval=3, keep_latest_k=0, async_mode="async")
+    t = Trainer(rank, world_size, 0, cfg, run)
+    out: dict[str, Any] = {"losses": []}
+    for step in range(1, 7):
+        out["losses"].append(t.step())
+        if crash and step == 5:
+            # Crash while the step-3 async save may still be writing: never committed.
+            out["pending"] = t.ckpt._pending is not None
+            out["complete"] = t.ckpt.complete_steps()
+            return out
+        t.ckpt.maybe_save(step, last_step=step == 6)
+        if step == 3:
+            _rng_draws()  # as _first_run does: _resume draws the same after its load
+            out["pending"] = t.ckpt._pending is not None
+            out["complete_at_3"] = t.ckpt.complete_steps()
+    out["complete"] = t.ckpt.complete_steps()
+    return out
+
+
+def test_async_save_commits_at_the_next_save_and_resumes_exactly(tmp_path):
+    runs = run_distributed(_async_run, 2, tmp_path, False)
+    for rank in range(2):
+        assert runs[rank]["pending"] and runs[rank]["complete_at_3"] == []
+        assert runs[rank]["complete"] == [3, 6]
+    # Step 3 was written while steps 4-6 changed the weights: it must hold the step-3 state.
+    resumed = run_distributed(_resume, 2, tmp_path)
+    for rank in range(2):
+        assert resumed[rank]["losses"] == runs[rank]["losses"][3:]
+        assert resumed[rank]["position"] == 100 * rank + 3
+
+
+def test_crash_during_async_save_keeps_the_previous_checkpoint(tmp_path):
+    crashed = run_distributed(_async_run, 2, tmp_path, True)
+    assert crashed[0]["pending"] and crashed[0]["complete"] == []
+    assert not (tmp_path / "checkpoint" / "step-3").exists()
+    (step,) = {s["step"] for s in run_distributed(_after_crash_async, 2, tmp_path)}
+    assert step == 0  # nothing committed: a fresh start, the leftover removed
+    assert not list((tmp_path / "checkpoint").glob("*.tmp"))
+
+
+def _after_crash_async(rank: int, world_size: int, run: Path) -> dict[str, Any]:
+    t = Trainer(rank, world_size, 1, Checkpoint(enable=True), run)
+    return {"step": t.ckpt.load()}

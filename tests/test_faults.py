@@ -245,3 +245,29 @@ def test_disk_full_during_save(tmp_path, small_tmpfs):
     filler.unlink()
     cfg = Checkpoint(enable=True, folder=str(folder))
     assert run_distributed(_try_load, 2, tmp_path, cfg) == [{"step": 1, "train_step": 1}] * 2
+
+
+def _save_read_only(rank: int, world_size: int, run: Path, folder: str) -> str:
+    t = Trainer(rank, world_size, 0, Checkpoint(enable=True, interval=1, folder=folder), run)
+    t.step()
+    with pytest.raises(CheckpointError) as e:
+        t.ckpt.save(1)
+    return str(e.value)
+
+
+def test_unwritable_folder_is_a_clear_error(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only tmpfs needs root: the unwritable-folder test did not run")
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()}): test did not run")
+    try:
+        msgs = run_distributed(_save_read_only, 2, tmp_path, str(mnt / "ckpt"))
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+    for msg in msgs:
+        assert str(mnt / "ckpt" / "step-1.tmp") in msg and "Read-only file system" in msg, msg

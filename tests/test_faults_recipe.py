@@ -190,3 +190,21 @@ def test_empty_config_file_warns(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="engram"):
         load_config([f"--job.config_file={f}"])
     assert "is empty" in caplog.text and str(f) in caplog.text
+
+
+def test_tiny_tables_warn_with_the_collision_rate(caplog):
+    from engram.table_check import collision_rates, warn_if_tables_collide
+
+    tok = load_tokenizer("")
+    tiny = config_from_dict({"engram": {"vocab_size_per_ngram": [101, 103], "n_head_per_ngram": 2}})
+    hasher = NgramHasher.from_config(tiny.engram, tok, tok.vocab_size)
+    with caplog.at_level("WARNING", logger="engram"):
+        rates = warn_if_tables_collide(hasher)
+    assert (
+        rates[2] > 0.99
+        and "engram.vocab_size_per_ngram" in caplog.text
+        and "2-grams >= 100%" in caplog.text
+    )
+    default = config_from_dict({})  # the paper's sizes: no warning
+    hasher = NgramHasher.from_config(default.engram, tok, tok.vocab_size)
+    assert max(collision_rates(hasher).values()) < 0.01
