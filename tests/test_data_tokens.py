@@ -277,6 +277,18 @@ def test_resume_from_json_state_at_any_layout(corpus, kind):
             assert loader.state_dict()["batches"] == k + m
 
 
+def test_resume_with_another_global_batch_continues_at_the_sample(corpus):
+    root, _ = corpus
+    full = _take(build_dataloader(_cfg(root / "prepared", 4), TOK, None, 0, 1), 4)
+    loader = build_dataloader(_cfg(root / "prepared", 4), TOK, None, 0, 1)
+    _take(loader, 3)
+    smaller = build_dataloader(_cfg(root / "prepared", 2), TOK, None, 0, 1)
+    smaller.load_state_dict(json.loads(json.dumps(loader.state_dict())))
+    first, second = _take(smaller, 2)  # global samples 12-13, then 14-15
+    assert np.array_equal(first["input_ids"], full[3]["input_ids"][:2])
+    assert np.array_equal(second["input_ids"], full[3]["input_ids"][2:])
+
+
 # ----------------------------------------------------------------------------- mixtures
 
 
@@ -338,6 +350,11 @@ def test_mixture_config_errors(data, needle):
     with pytest.raises(ConfigError) as e:
         config_from_dict({"data": data})
     assert needle in str(e.value)
+
+
+def test_mixture_is_not_a_cli_override():
+    with pytest.raises(ConfigError, match="list of tables: set it in the TOML file"):
+        load_config(["--data.dataset=tokens", "--data.sources=a,b"])
 
 
 # ----------------------------------------------------------------------------- bad input
