@@ -134,7 +134,18 @@ def test_hf_flavor_reads_the_folder(tmp_path):
         )
 
 
-def test_named_flavor_mismatch_is_an_error_unless_warn(tmp_path, caplog):
+class _Records(logging.Handler):
+    """Collects engram warnings (init_logger stops propagation, so caplog may see nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_named_flavor_mismatch_is_an_error_unless_warn(tmp_path):
     """llama3/8B (no tie, rope factor 8) pointed at a Llama-3.2-3B folder."""
     folder = _write(tmp_path / "l32", _v5(LLAMA32_3B_V4))
     raw = {"model": {"name": "llama3", "flavor": "8B", "hf_checkpoint": folder}}
@@ -144,10 +155,14 @@ def test_named_flavor_mismatch_is_an_error_unless_warn(tmp_path, caplog):
     for fragment in ("hidden_size", "tie_word_embeddings", "rope_scaling", "model.flavor = 'hf'"):
         assert fragment in msg, msg
     raw["model"]["hf_config_mismatch"] = "warn"
-    with caplog.at_level(logging.WARNING, logger="engram"):
+    records, log = _Records(), logging.getLogger("engram")
+    log.addHandler(records)
+    try:
         args = model_args_for(config_from_dict(raw).model, 1000)
+    finally:
+        log.removeHandler(records)
     assert args == get_model_args("llama3", "8B").replace(max_seq_len=args.max_seq_len)
-    assert any("tie_word_embeddings" in r.getMessage() for r in caplog.records)
+    assert any("tie_word_embeddings" in m for m in records.messages), records.messages
     # A folder whose config.json agrees loads silently.
     same = _write(tmp_path / "l31", {**LLAMA32_3B_V4, "hidden_size": 4096,
                   "intermediate_size": 14336, "num_attention_heads": 32,

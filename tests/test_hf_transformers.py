@@ -8,25 +8,32 @@ to_empty -> init -> load_hf_backbone (recipes/generate.py's build_for_generation
 Logits are compared at a length beyond the rope-scaling boundary, with Engram (identity init) on
 and off, and greedy generation token for token. The HF vocabulary (2112 rows) is larger than the
 debug tokenizer (2048 tokens), as Qwen2.5 pads its output rows.
+
+transformers runs only in one forked child: importing it creates nn.Module instances at module
+level, which would outlive every test of this pytest process (tests/test_teardown.py counts them).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
+import numpy as np
 import pytest
 import torch
+from launcher import run_isolated
 
-transformers = pytest.importorskip(
-    "transformers",
+from engram.config import config_from_dict
+from engram.models.transformer import rope_cos_sin
+from recipes.generate import build_for_generation, generate, load_weights
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
     reason="transformers is not installed: pip install -e '.[dev]' for the HF parity tests",
 )
 
-from engram.config import config_from_dict  # noqa: E402
-from engram.models.transformer import rope_cos_sin  # noqa: E402
-from recipes.generate import build_for_generation, generate, load_weights  # noqa: E402
-
-VOCAB = 2112  # > the debug tokenizer's 2048 tokens: padded rows, as Qwen2.5's
+TOKENS = 2048  # the debug tokenizer
+VOCAB = 2112  # > TOKENS: padded rows, as Qwen2.5's
 SEQ = 48  # > ORIGINAL (the llama3 rope-scaling boundary)
 ORIGINAL = 16
 NEW = 8
@@ -50,7 +57,12 @@ CASES = {
     "qwen2": ("qwen2", "Qwen2Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
     "qwen3": ("qwen3", "Qwen3Config", {"head_dim": 32, "rms_norm_eps": 1e-6}),
     "qwen3_tied": ("qwen3", "Qwen3Config", {"head_dim": 32, "tie_word_embeddings": True}),
+    "llama3.1_v4_config": ("llama3", "LlamaConfig", {"rope_parameters": LLAMA31_ROPE}),
 }  # fmt: skip
+
+
+def _ids(seq: int) -> torch.Tensor:
+    return torch.randint(0, TOKENS, (2, seq), generator=torch.Generator().manual_seed(3))
 
 
 def _v4_layout(folder) -> None:
@@ -64,24 +76,44 @@ def _v4_layout(folder) -> None:
     path.write_text(json.dumps(config))
 
 
-@pytest.fixture(scope="module", params=[*CASES, "llama3.1_v4_config"])
-def hf_model(request, tmp_path_factory):
-    """(case, our model.name, the transformers model, its saved folder)."""
-    case = request.param
-    name, config_cls, extra = CASES[case.replace("_v4_config", "")]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**{**SMALL, **extra})
-    config._attn_implementation = "sdpa"
-    model = getattr(transformers, config_cls.replace("Config", "ForCausalLM"))(config).eval()
-    with torch.no_grad():  # non-trivial biases / norms, so a dropped or misplaced one shows
-        for n, p in model.named_parameters():
-            if n.endswith(".bias") or "norm" in n:
-                p.normal_(1.0 if "norm" in n else 0.0, 0.1)
-    folder = tmp_path_factory.mktemp(case)
-    model.save_pretrained(folder)
-    if case.endswith("_v4_config"):
-        _v4_layout(folder)
-    return case, name, model, folder
+def _transformers_side(root) -> dict[str, dict]:
+    """In a forked child: per case, build the transformers model, save it, and return its
+    logits on _ids(SEQ) and its greedy continuation of _ids(ORIGINAL + 4) (padded rows
+    suppressed), as numpy."""
+    import transformers
+
+    out = {}
+    for case, (_, config_cls, extra) in CASES.items():
+        torch.manual_seed(0)
+        config = getattr(transformers, config_cls)(**{**SMALL, **extra})
+        config._attn_implementation = "sdpa"
+        model = getattr(transformers, config_cls.replace("Config", "ForCausalLM"))(config).eval()
+        with torch.no_grad():  # non-trivial biases / norms, so a dropped or misplaced one shows
+            for n, p in model.named_parameters():
+                if n.endswith(".bias") or "norm" in n:
+                    p.normal_(1.0 if "norm" in n else 0.0, 0.1)
+        folder = root / case
+        model.save_pretrained(folder)
+        if case.endswith("_v4_config"):
+            _v4_layout(folder)
+        with torch.no_grad():
+            logits = model(_ids(SEQ)).logits
+            greedy = model.generate(
+                _ids(ORIGINAL + 4), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                pad_token_id=0, eos_token_id=None, suppress_tokens=list(range(TOKENS, VOCAB)),
+            )  # fmt: skip
+        out[case] = {
+            "logits": logits.numpy(),
+            "greedy": greedy.numpy(),
+            "tied": bool(config.tie_word_embeddings),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return root, run_isolated(_transformers_side, root, timeout=600)
 
 
 def _ours(name: str, folder, engram: bool, seq: int):
@@ -95,25 +127,23 @@ def _ours(name: str, folder, engram: bool, seq: int):
     }  # fmt: skip
     cfg = config_from_dict(raw)
     model, tokenizer, hasher = build_for_generation(cfg, seq)
+    assert tokenizer.vocab_size == TOKENS
     assert load_weights(model, cfg, source="hf").startswith("HF checkpoint")
-    return model, tokenizer, hasher
+    return model, hasher
 
 
-def _ids(tokens: int, seq: int) -> torch.Tensor:
-    return torch.randint(0, tokens, (2, seq), generator=torch.Generator().manual_seed(3))
-
-
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("engram", [False, True], ids=["plain", "engram_identity"])
-def test_logits_match_transformers(hf_model, engram):
-    case, name, theirs, folder = hf_model
-    ours, tokenizer, hasher = _ours(name, folder, engram, SEQ)
-    assert ours.args.tie_embeddings == theirs.config.tie_word_embeddings
+def test_logits_match_transformers(reference, case, engram):
+    root, theirs = reference
+    ours, hasher = _ours(CASES[case][0], root / case, engram, SEQ)
+    assert ours.args.tie_embeddings == theirs[case]["tied"]
     if ours.args.tie_embeddings:
         assert ours.output.weight is ours.tok_embeddings.weight
     assert (ours.args.rope_scaling is not None) == ("llama3.1" in case or "3.2" in case)
-    ids = _ids(tokenizer.vocab_size, SEQ)
+    ids = _ids(SEQ)
+    want = torch.from_numpy(theirs[case]["logits"])
     with torch.no_grad():
-        want = theirs(ids).logits
         got = ours(ids, hash_ids=hasher.hash_torch(ids) if engram else None)
     assert got.shape == want.shape == (2, SEQ, VOCAB)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # bit-exact on x86 CPU
@@ -123,16 +153,10 @@ def test_logits_match_transformers(hf_model, engram):
             assert not torch.allclose(ours(ids, hash_ids=hasher.hash_torch(ids) if engram else None), want)
 
 
-def test_greedy_generation_matches_transformers(hf_model):
-    _, name, theirs, folder = hf_model
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_generation_matches_transformers(reference, case):
     """Greedy with Engram (identity) on; the padded rows are suppressed on both sides."""
-    ours, tokenizer, hasher = _ours(name, folder, True, ORIGINAL + 4 + NEW)
-    prompt = _ids(tokenizer.vocab_size, ORIGINAL + 4)  # new tokens past the scaling boundary
-    with torch.no_grad():
-        want = theirs.generate(
-            prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-            pad_token_id=0, eos_token_id=None,
-            suppress_tokens=list(range(tokenizer.vocab_size, VOCAB)),
-        )  # fmt: skip
-    got = generate(ours, prompt, hasher, NEW, vocab_size=tokenizer.vocab_size)
-    assert torch.equal(got, want)
+    root, theirs = reference
+    ours, hasher = _ours(CASES[case][0], root / case, True, ORIGINAL + 4 + NEW)
+    got = generate(ours, _ids(ORIGINAL + 4), hasher, NEW, vocab_size=TOKENS)
+    assert np.array_equal(got.numpy(), theirs[case]["greedy"])
