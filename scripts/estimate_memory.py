@@ -637,11 +637,6 @@ def estimate(
             check_float8_device(cfg.float8, "npu")
         cfg = dataclasses.replace(cfg, float8=dataclasses.replace(cfg.float8, emulate=True))
     dims = parallel_dims_from_config(cfg, world_size)  # validates the degrees up front
-    if dims.pp_enabled:  # refused, never estimated as if pp were 1
-        raise ConfigError(
-            f"parallelism.pp={dims.pp}: the memory estimator does not model pipeline stages "
-            "yet; estimate one stage's share by hand (docs/parallelisms.md) or set pp = 1"
-        )
     no_sync = recipe_defers_grad_sync(cfg, dims) and not sync_every_micro_batch
     table_rows = engram_table_rows(cfg.engram)
     vocab_size = tokenizer_vocab_size(cfg)

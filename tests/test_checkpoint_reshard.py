@@ -1,6 +1,6 @@
 """Resume at another world size and layout through the real recipe: world 1 -> 2 (FSDP) -> 4
 (HSDP 2x2) -> 3 (DDP) -> 1, the same global batch (12) throughout, row-sharded Engram tables
-with the lazy table Adam, dense AdamW, and a global step-based data position.
+with the lazy table Adam, dense AdamW, and the real data loader (its state is global JSON).
 
 Each leg checks, right after its load, that the full model, both optimizers' states and the
 data position equal bit for bit what the previous leg (another world size) saved, and that its
@@ -9,6 +9,8 @@ reduction order (the gradients are summed in another order), not bit for bit; at
 the replay is exact (tests/test_resume.py, tests/test_checkpoint.py)."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -35,36 +37,6 @@ LEGS = [  # (world, dp_replicate, dp_shard, last step)
 ]
 
 
-class StepLoader:
-    """A global data position: batch s is rows [r*b, (r+1)*b) of a global batch drawn from s.
-
-    Its state ({"samples_consumed": N}) is the same on every rank, so it restores at any world
-    size; the shape the loader in engram/data is moving to."""
-
-    def __init__(self, hasher, vocab: int, dp_rank: int, dp_world: int):
-        self.hasher, self.vocab = hasher, vocab
-        self.b = GLOBAL_BATCH // dp_world
-        self.rank = dp_rank
-        self.step = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(1000 + self.step)
-        rows = torch.randint(0, self.vocab, (GLOBAL_BATCH, SEQ + 1), generator=g)
-        rows = rows[self.rank * self.b : (self.rank + 1) * self.b]
-        x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-        self.step += 1
-        return {"input_ids": x, "labels": y, "hash_ids": torch.from_numpy(self.hasher(x.numpy()))}
-
-    def state_dict(self) -> dict[str, int]:
-        return {"samples_consumed": self.step * GLOBAL_BATCH}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step = state["samples_consumed"] // GLOBAL_BATCH
-
-
 def _raw(folder: str, world: int, rep: int, shard: int, steps: int) -> dict:
     return {
         "job": {"dump_folder": folder, "run_name": "reshard", "device": "cpu", "seed": 11},
@@ -77,7 +49,7 @@ def _raw(folder: str, world: int, rep: int, shard: int, steps: int) -> dict:
             "init": "paper",
         },
         "training": {"seq_len": SEQ, "local_batch_size": GLOBAL_BATCH // world, "steps": steps},
-        "optimizer": {"lr": LR, "eps": 1e-6, "table_lazy": True},
+        "optimizer": {"lr": LR, "eps": 1e-6, "table_optimizer": "lazy_adam"},
         "lr_scheduler": {"warmup_steps": 2, "decay_type": "constant"},  # lr independent of steps
         "parallelism": {"dp_replicate": rep, "dp_shard": shard},
         "checkpoint": {"enable": True, "interval": 2, "keep_latest_k": 0},
@@ -91,7 +63,8 @@ def _full_state(model, optimizers, loader) -> dict[str, np.ndarray]:
     out = {f"model.{k}": v for k, v in get_model_state_dict(model, options=opts).items()}
     osd = get_optimizer_state_dict(model, optimizers, options=opts)
     out.update({f"optim.{k}": v for k, v in osd.items() if k.startswith("state.")})
-    out["loader.step"] = torch.tensor(loader.step)
+    state = json.dumps(loader.state_dict(), sort_keys=True).encode()
+    out["loader.state"] = torch.frombuffer(bytearray(state), dtype=torch.uint8)
     return {k: torch.as_tensor(v).detach().cpu().numpy().copy() for k, v in out.items()}
 
 
@@ -101,14 +74,17 @@ def _leg(rank: int, world: int, raw: dict) -> dict:
 
     captured: dict = {}
     real_build_optimizers, real_load = recipe.build_optimizers, ckpt.CheckpointManager.load
+    real_build_dataloader = recipe.build_dataloader
 
     def build_optimizers(model, cfg):
         captured["model"], captured["opts"] = model, real_build_optimizers(model, cfg)
         return captured["opts"]
 
     def build_dataloader(cfg, tokenizer, hasher, dp_rank, dp_world, split="train"):
-        captured["loader"] = StepLoader(hasher, tokenizer.vocab_size, dp_rank, dp_world)
-        return captured["loader"]
+        loader = real_build_dataloader(cfg, tokenizer, hasher, dp_rank, dp_world, split=split)
+        if split == "train":
+            captured["loader"] = loader
+        return loader
 
     def load(self):
         step = real_load(self)
@@ -148,8 +124,13 @@ def test_resume_across_world_sizes_1_2_4_3_1(tmp_path):
         )
         prev_final, prev_end = first["final"], end
     # The end state vs the uninterrupted run: reduction order differs between layouts, and Adam
-    # turns that into at most a fraction of one step (the criterion of tests/test_parity.py).
+    # turns that into a fraction of one step (the criterion of tests/test_parity.py), except for
+    # entries whose gradient is near zero (rarely seen tokens' embedding rows): there the sign of
+    # the summed gradient depends on the order and m / sqrt(v) makes a whole step of it. Measured
+    # with the synthetic-facts data: 4 of 524,288 embedding entries at 1.6 steps after 10 steps.
     for key, value in ref["final"].items():
         if key.startswith("model."):
             step = LR * (TABLE_LR_MULT if "table" in key else 1.0)
-            np.testing.assert_allclose(prev_final[key], value, rtol=0, atol=0.5 * step, err_msg=key)
+            diff = np.abs(prev_final[key] - value)
+            assert diff.max() <= 2 * step, (key, diff.max() / step)
+            assert (diff > 0.5 * step).mean() <= 1e-4, (key, (diff > 0.5 * step).sum())

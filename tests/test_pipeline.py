@@ -285,10 +285,10 @@ def test_tied_embeddings_are_refused_under_pp():
 
 
 def test_memory_estimator_refuses_pp():
-    from recipes.estimate_memory import estimate
+    from scripts.estimate_memory import estimate
 
     cfg = config_from_dict({"model": {"flavor": "debug"}, "parallelism": {"pp": 2}})
-    with pytest.raises(ConfigError, match="does not model pipeline stages"):
+    with pytest.raises(ConfigError, match="does not model pipeline"):
         estimate(cfg, world_size=2)
 
 
