@@ -88,7 +88,7 @@ def test_stepwise_agrees_with_one_full_forward(fresh):
     # Engram matters here: decoding with wrong hash ids gives other logits.
     wrong = torch.zeros_like(hasher.hash_torch(out[:, :-1]))
     with torch.no_grad():
-        assert not torch.allclose(model(out[:, :-1], wrong), logits)
+        assert not torch.allclose(model(out[:, :-1], hash_ids=wrong), logits)
 
 
 def test_sampling(fresh):
