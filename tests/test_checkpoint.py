@@ -97,7 +97,7 @@ class Trainer:
         # Draw from every global RNG so that a resume is exact only if all of them are restored.
         x = x + 0.01 * torch.randn_like(x) + random.random() * 0.01
         ids = ids + int(np.random.randint(0, 7))
-        loss = self.model(x, hash_ids=ids).pow(2).mean()
+        loss = self.model(x, ids).pow(2).mean()
         loss.backward()
         for o, s in zip(self.opts, self.scheds, strict=True):
             o.step()

@@ -220,7 +220,7 @@ def _batch(rank: int, rows=(1009, 997)):
 
 def _loss(model: nn.Module, rank: int) -> torch.Tensor:
     tokens, ids = _batch(rank)
-    logits = model(tokens, hash_ids=ids)
+    logits = model(tokens, ids)
     return F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
 
 

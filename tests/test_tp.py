@@ -190,3 +190,22 @@ def test_parallel_dims_views():
     d = ParallelDims(2, 2, 2, 1, world_size=8)
     assert (d.dp_size, d.engram_size, d.tp_enabled, d.pp_enabled) == (4, 8, True, False)
     assert d.hsdp_enabled and d.fsdp_enabled and not d.ddp_enabled
+
+
+def test_debug_tp_config_fits_the_model():
+    """train_configs/debug_tp.toml's degrees pass the model checks at 2 and 4 processes."""
+    from pathlib import Path
+
+    from engram.config import load_config
+    from engram.hashing import engram_table_rows
+    from engram.models.builder import build_model
+    from parallelisms.parallel_dims import parallel_dims_from_config
+    from parallelisms.parallelize import engram_halo
+
+    path = Path(__file__).resolve().parents[1] / "train_configs" / "debug_tp.toml"
+    cfg = load_config([f"--job.config_file={path}"])
+    model = build_model(cfg.model, cfg.engram, 2048, engram_table_rows(cfg.engram), "meta")
+    for world in (2, 4):
+        dims = parallel_dims_from_config(cfg, world)
+        assert dims.tp == 2 and dims.dp_size == world // 2
+        dims.check_model(model.args, cfg.training.seq_len, engram_halo(cfg))
