@@ -376,6 +376,9 @@ class Parallelism:
     """always (ZeRO-3-like) | never (ZeRO-2-like) | default (always, except the root)."""
     engram_table_dedup: bool = True
     """De-duplicate hash ids before the all-to-all of the sharded table lookup."""
+    engram_a2a_dtype: str = ""
+    """Dtype of the table rows and row gradients in the lookup's all-to-all: "" (the table's
+    dtype), float32 or bfloat16 (half the bytes; the table and its optimizer stay fp32)."""
     cpu_offload: bool = False
     """FSDP2 CPU offload of parameters, gradients and optimizer state (ZeRO-Offload)."""
     mixed_precision_param: str = "float32"
@@ -398,6 +401,11 @@ class Parallelism:
                 getattr(self, name) in ("float32", "bfloat16"),
                 f"parallelism.{name} must be float32 or bfloat16",
             )
+        _check(
+            self.engram_a2a_dtype in ("", "float32", "bfloat16"),
+            'parallelism.engram_a2a_dtype must be "" (the table dtype), float32 or bfloat16, '
+            f"got {self.engram_a2a_dtype!r}",
+        )
 
 
 # --- pipeline parallelism (issue 9); parallelisms/pipeline.py checks the split against the model

@@ -101,6 +101,7 @@ class _ShardedLookup(torch.autograd.Function):
         group: dist.ProcessGroup,
         dedup: bool,
         grad_scale: float,
+        wire_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         c = row_chunk(num_rows, world)
@@ -128,8 +129,12 @@ class _ShardedLookup(torch.autograd.Function):
 
         recv_ids = _exchange(send_ids, n_recv, recv_splits, send_splits, group)
         local_idx = recv_ids - start
-        rows = local_weight.index_select(0, local_idx)
+        # Rows (and, in backward, row gradients) may travel in a narrower dtype than the table
+        # (parallelism.engram_a2a_dtype): half the bytes in bf16; the optimizer stays fp32.
+        wire = wire_dtype or local_weight.dtype
+        rows = local_weight.index_select(0, local_idx).to(wire)
         rows_back = _exchange(rows, n_send, send_splits, recv_splits, group)
+        rows_back = rows_back.to(local_weight.dtype)
         if dedup:
             out = rows_back.index_select(0, inverse)
         else:
@@ -138,7 +143,7 @@ class _ShardedLookup(torch.autograd.Function):
 
         ctx.save_for_backward(local_idx, inverse if dedup else order)
         ctx.meta = (dedup, grad_scale, group, send_splits, recv_splits, n_send, n_recv)
-        ctx.local_shape, ctx.dtype = local_weight.shape, local_weight.dtype
+        ctx.local_shape, ctx.dtype, ctx.wire = local_weight.shape, local_weight.dtype, wire
         return out
 
     @staticmethod
@@ -147,7 +152,7 @@ class _ShardedLookup(torch.autograd.Function):
         acc = _accumulate_dtype(ctx.dtype)
         grad_local = grad_recv.new_zeros(ctx.local_shape, dtype=acc)
         grad_local.index_add_(0, local_idx, grad_recv.to(acc))
-        return grad_local.to(ctx.dtype), None, None, None, None, None
+        return grad_local.to(ctx.dtype), None, None, None, None, None, None
 
 
 def _route_grads_to_owners(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,8 +169,8 @@ def _route_grads_to_owners(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, t
         grad_send = grad_out.index_select(0, restore).to(acc)
     if grad_scale != 1.0:
         grad_send.mul_(grad_scale)
-    grad_recv = _exchange(grad_send.to(ctx.dtype), n_recv, recv_splits, send_splits, group)
-    return local_idx, grad_recv
+    grad_recv = _exchange(grad_send.to(ctx.wire), n_recv, recv_splits, send_splits, group)
+    return local_idx, grad_recv.to(acc)
 
 
 class _RowSparseShardedLookup(_ShardedLookup):
@@ -174,18 +179,18 @@ class _RowSparseShardedLookup(_ShardedLookup):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, local_weight, flat_ids, num_rows, group, dedup, grad_scale, param
+        ctx, local_weight, flat_ids, num_rows, group, dedup, grad_scale, wire_dtype, param
     ) -> torch.Tensor:
         ctx.param = param
         return _ShardedLookup.forward(
-            ctx, local_weight, flat_ids, num_rows, group, dedup, grad_scale
+            ctx, local_weight, flat_ids, num_rows, group, dedup, grad_scale, wire_dtype
         )
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
         local_idx, grad_recv = _route_grads_to_owners(ctx, grad_out)
         accumulate_row_grad(ctx.param, *coalesce_rows(local_idx, grad_recv))
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -207,6 +212,7 @@ def sharded_embedding_lookup(
     dedup: bool = True,
     grad_scale: float = 1.0,
     param: torch.Tensor | None = None,
+    wire_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Look up rows of a table row-sharded over `group`; returns [*ids.shape, d].
 
@@ -216,7 +222,8 @@ def sharded_embedding_lookup(
     data-parallel mean semantics when each rank's loss is its local mean). A group of one rank is a
     plain gather with no communication. If `param` (the table parameter whose local piece is
     `local_weight`) is marked row-sparse (engram/table_grad.py), the backward leaves row-sparse
-    gradients on it instead of a dense gradient.
+    gradients on it instead of a dense gradient. `wire_dtype` (default: the table's dtype) is the
+    dtype rows and row gradients travel in through the all-to-all.
     """
     if local_weight.dim() != 2:
         raise ValueError(f"local_weight must be [rows, dim], got shape {tuple(local_weight.shape)}")
@@ -228,7 +235,7 @@ def sharded_embedding_lookup(
         return embedding_lookup(ids, local_weight, param, grad_scale)
     if row_sparse:
         out = _RowSparseShardedLookup.apply(
-            local_weight, ids.reshape(-1), num_rows, group, dedup, grad_scale, param
+            local_weight, ids.reshape(-1), num_rows, group, dedup, grad_scale, wire_dtype, param
         )
         return out.view(*ids.shape, local_weight.shape[1])
     if dist.get_world_size(group) == 1:
@@ -236,7 +243,9 @@ def sharded_embedding_lookup(
             raise ValueError(f"one rank must hold all {num_rows} rows, has {local_weight.shape[0]}")
         weight = local_weight if grad_scale == 1.0 else _ScaleGrad.apply(local_weight, grad_scale)
         return F.embedding(ids, weight)
-    out = _ShardedLookup.apply(local_weight, ids.reshape(-1), num_rows, group, dedup, grad_scale)
+    out = _ShardedLookup.apply(
+        local_weight, ids.reshape(-1), num_rows, group, dedup, grad_scale, wire_dtype
+    )
     return out.view(*ids.shape, local_weight.shape[1])
 
 
@@ -251,6 +260,7 @@ class ShardedEngramTable(nn.Module):
     _engram_group: dist.ProcessGroup
     _engram_dedup: bool
     _engram_grad_scale: float
+    _engram_wire_dtype: torch.dtype | None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return sharded_embedding_lookup(
@@ -261,6 +271,7 @@ class ShardedEngramTable(nn.Module):
             self._engram_dedup,
             self._engram_grad_scale,
             param=self.weight,
+            wire_dtype=self._engram_wire_dtype,
         )
 
     def extra_repr(self) -> str:
@@ -291,6 +302,7 @@ def apply_engram_table_sharding(
     dedup: bool = True,
     grad_scale: float | None = None,
     table_types: tuple[type, ...] | None = None,
+    wire_dtype: torch.dtype | None = None,
 ) -> list[nn.Parameter]:
     """Row-shard every Engram table of `model` over the 1-D `mesh`; return the table params.
 
@@ -299,6 +311,7 @@ def apply_engram_table_sharding(
     lookup. `grad_scale` defaults to 1 / mesh size (data-parallel mean). The returned list is in
     module order (identical on every rank): pass it to `fully_shard(..., ignored_params=...)` and
     give it its own optimizer group. `table_types` defaults to engram.models.engram.EngramTable.
+    `wire_dtype`: dtype of the rows and row gradients in the all-to-all (None: the table's).
     """
     if mesh.ndim != 1:
         raise ValueError(
@@ -328,6 +341,7 @@ def apply_engram_table_sharding(
         module._engram_group = group
         module._engram_dedup = dedup
         module._engram_grad_scale = scale
+        module._engram_wire_dtype = wire_dtype
         params.append(module.weight)
     return params
 

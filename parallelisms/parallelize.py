@@ -20,7 +20,7 @@ from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import apply_compile
 from parallelisms.engram_tables import apply_engram_table_sharding
 from parallelisms.float8 import apply_float8
-from parallelisms.fsdp import apply_fsdp
+from parallelisms.fsdp import DTYPES, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import apply_tp
 
@@ -53,6 +53,7 @@ def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> l
         dims.mesh("engram"),
         dedup=cfg.parallelism.engram_table_dedup,
         grad_scale=1.0 / dims.dp_size,
+        wire_dtype=DTYPES.get(cfg.parallelism.engram_a2a_dtype),
     )
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     apply_compile(model, cfg.compile)
