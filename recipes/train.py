@@ -72,6 +72,11 @@ def local_value(loss: torch.Tensor) -> torch.Tensor:
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
+def local_numel(p: torch.Tensor) -> int:
+    """Elements this rank holds (a DTensor's numel() is its global size)."""
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+
 def forward_backward(
     model_parts: list[nn.Module],
     batch: dict[str, torch.Tensor],
@@ -211,7 +216,7 @@ def train(cfg: JobConfig) -> TrainResult:
         apply_training_mode(part, cfg.training.mode)
     model = model_parts[0]
     sharded_logits = dims.tp_enabled and cfg.parallelism.tp_loss_parallel  # see tensor_parallel.py
-    n_params = sum(p.numel() for part in model_parts for p in part.parameters())
+    n_params = sum(local_numel(p) for part in model_parts for p in part.parameters())
     logger.info(
         f"model {cfg.model.name}/{cfg.model.flavor}: {n_params:,} local parameters on this rank"
     )
