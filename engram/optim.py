@@ -137,6 +137,26 @@ def build_lr_schedulers(optimizers: list[torch.optim.Optimizer], cfg: JobConfig)
     return [LambdaLR(opt, fn) for opt in optimizers]
 
 
+class SchedulersState:
+    """Stateful view over the lr schedulers (one per optimizer, stepped together), saved as the
+    step count alone: every schedule is a function of the step (lr_lambda), so the state restores
+    at any layout, including pipeline stages whose optimizers hold other param groups."""
+
+    def __init__(self, schedulers: list[LambdaLR]) -> None:
+        self.schedulers = schedulers
+
+    def state_dict(self) -> dict[str, int]:
+        return {"last_epoch": self.schedulers[0].last_epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for s in self.schedulers:
+            s.last_epoch = int(state["last_epoch"])
+            lrs = [b * f(s.last_epoch) for b, f in zip(s.base_lrs, s.lr_lambdas, strict=True)]
+            for group, lr in zip(s.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+            s._last_lr = lrs
+
+
 def _shard_groups(t: DTensor) -> tuple[dist.ProcessGroup, ...]:
     """Process groups over which a DTensor's local pieces must be summed: its Shard dims,
     including the _StridedShard that FSDP2 puts over a TP-sharded dim (not a Shard subclass)."""

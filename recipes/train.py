@@ -34,7 +34,13 @@ from engram.hf_load import load_hf_backbone
 from engram.metrics import MetricsLogger, init_logger, logger
 from engram.models.builder import build_from_config
 from engram.nonfinite import NonFiniteGuard
-from engram.optim import apply_training_mode, build_lr_schedulers, build_optimizers, clip_grad_norm_
+from engram.optim import (
+    SchedulersState,
+    apply_training_mode,
+    build_lr_schedulers,
+    build_optimizers,
+    clip_grad_norm_,
+)
 from engram.profiling import maybe_profile
 from engram.table_check import warn_if_tables_collide
 from parallelisms.fsdp import defer_grad_sync
@@ -261,7 +267,7 @@ def train(cfg: JobConfig) -> TrainResult:
         states={
             "model": ModelState(model_parts),
             "optimizer": OptimizerState(optim_model, optimizers),
-            "lr_scheduler": _SchedulersState(schedulers),
+            "lr_scheduler": SchedulersState(schedulers),
             "dataloader": train_loader,
             "train_state": state,
         },
@@ -368,20 +374,6 @@ def train(cfg: JobConfig) -> TrainResult:
             checkpointer.maybe_save(step, last_step=step == cfg.training.steps)
     metrics.close()
     return result
-
-
-class _SchedulersState:
-    """Stateful view over the lr schedulers (one per optimizer)."""
-
-    def __init__(self, schedulers):
-        self.schedulers = schedulers
-
-    def state_dict(self):
-        return {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}
-
-    def load_state_dict(self, sd):
-        for i, s in enumerate(self.schedulers):
-            s.load_state_dict(sd[str(i)])
 
 
 def main(argv: list[str] | None = None) -> None:

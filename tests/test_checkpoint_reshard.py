@@ -1,5 +1,6 @@
 """Resume at another world size and layout through the real recipe: world 1 -> 2 (FSDP) -> 4
-(HSDP 2x2) -> 3 (DDP) -> 1, the same global batch (12) throughout, row-sharded Engram tables
+(HSDP 2x2) -> 2 (TP 2) -> 4 (PP 2 x FSDP 2) -> 3 (DDP) -> 1, the same global batch (12)
+throughout, row-sharded Engram tables
 with the lazy table Adam, dense AdamW, and the real data loader (its state is global JSON).
 
 Each leg checks, right after its load, that the full model, both optimizers' states and the
@@ -27,17 +28,19 @@ from engram.config import config_from_dict
 LR = 1e-4
 TABLE_LR_MULT = 5.0  # the config default
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3, 4
-SEQ = 16
-LEGS = [  # (world, dp_replicate, dp_shard, last step)
-    (1, 1, 1, 2),
-    (2, 1, 2, 4),
-    (4, 2, 2, 6),
-    (3, 3, 1, 8),
-    (1, 1, 1, 10),
+SEQ = 32
+LEGS = [  # (world, dp_replicate, dp_shard, tp, pp, last step)
+    (1, 1, 1, 1, 1, 2),
+    (2, 1, 2, 1, 1, 4),
+    (4, 2, 2, 1, 1, 6),
+    (2, 1, 1, 2, 1, 8),  # TP 2
+    (4, 1, 2, 1, 2, 10),  # PP 2 x FSDP 2
+    (3, 3, 1, 1, 1, 12),
+    (1, 1, 1, 1, 1, 14),
 ]
 
 
-def _raw(folder: str, world: int, rep: int, shard: int, steps: int) -> dict:
+def _raw(folder: str, world: int, rep: int, shard: int, tp: int, pp: int, steps: int) -> dict:
     return {
         "job": {"dump_folder": folder, "run_name": "reshard", "device": "cpu", "seed": 11},
         "model": {"flavor": "debug"},
@@ -48,10 +51,10 @@ def _raw(folder: str, world: int, rep: int, shard: int, steps: int) -> dict:
             "n_embed_per_ngram": 32,
             "init": "paper",
         },
-        "training": {"seq_len": SEQ, "local_batch_size": GLOBAL_BATCH // world, "steps": steps},
+        "training": {"seq_len": SEQ, "local_batch_size": GLOBAL_BATCH // (rep * shard), "steps": steps},
         "optimizer": {"lr": LR, "eps": 1e-6, "table_optimizer": "lazy_adam"},
         "lr_scheduler": {"warmup_steps": 2, "decay_type": "constant"},  # lr independent of steps
-        "parallelism": {"dp_replicate": rep, "dp_shard": shard},
+        "parallelism": {"dp_replicate": rep, "dp_shard": shard, "tp": tp, "pp": pp},
         "checkpoint": {"enable": True, "interval": 2, "keep_latest_k": 0},
         "metrics": {"enable_tensorboard": False},
     }
@@ -69,6 +72,8 @@ def _full_state(model, optimizers, loader) -> dict[str, np.ndarray]:
 
 
 def _leg(rank: int, world: int, raw: dict) -> dict:
+    # Under PP each stage's first rank reports its stage (ranks are pp-major); merged by _merged.
+    reports = rank % (world // raw["parallelism"]["pp"]) == 0
     import engram.checkpoint as ckpt
     import recipes.train as recipe
 
@@ -98,23 +103,37 @@ def _leg(rank: int, world: int, raw: dict) -> dict:
     return {
         "start": result.start_step,
         "losses": result.losses,
-        "loaded": captured["loaded"] if rank == 0 else None,
-        "final": final if rank == 0 else None,
+        "loaded": captured.get("loaded") if reports else None,
+        "final": final if reports else None,
     }
 
 
+def _merged(out: list[dict], key: str) -> dict[str, np.ndarray] | None:
+    """One full state from the reporting ranks (one per pipeline stage; shared keys must agree)."""
+    states = [o[key] for o in out if o[key] is not None]
+    if not states or any(s is None for s in states):
+        return None
+    merged: dict[str, np.ndarray] = {}
+    for state in states:
+        for k, v in state.items():
+            assert k not in merged or np.array_equal(merged[k], v), f"stages disagree on {k}"
+            merged[k] = v
+    return merged
+
+
 @pytest.mark.slow
-def test_resume_across_world_sizes_1_2_4_3_1(tmp_path):
+def test_resume_across_world_sizes_and_layouts(tmp_path):
     ref_dir, chain_dir = tmp_path / "ref", tmp_path / "chain"
-    (ref,) = run_distributed(_leg, 1, _raw(str(ref_dir), 1, 1, 1, LEGS[-1][3]))
+    (ref,) = run_distributed(_leg, 1, _raw(str(ref_dir), 1, 1, 1, 1, 1, LEGS[-1][-1]))
+    ref["final"] = _merged([ref], "final")
     prev_final, prev_end = None, 0
-    for world, rep, shard, end in LEGS:
-        out = run_distributed(_leg, world, _raw(str(chain_dir), world, rep, shard, end))
+    for world, rep, shard, tp, pp, end in LEGS:
+        out = run_distributed(_leg, world, _raw(str(chain_dir), world, rep, shard, tp, pp, end))
         first = out[0]
         assert first["start"] == prev_end, (world, first["start"])
         assert all(o["losses"] == first["losses"] for o in out)  # dp-mean: same on all ranks
         if prev_final is not None:
-            loaded = first["loaded"]
+            loaded = _merged(out, "loaded")
             assert loaded.keys() == prev_final.keys()
             assert any(".tables." in k or "table" in k for k in loaded if k.startswith("optim."))
             for key, value in prev_final.items():
@@ -122,7 +141,7 @@ def test_resume_across_world_sizes_1_2_4_3_1(tmp_path):
         np.testing.assert_allclose(
             first["losses"], ref["losses"][prev_end:end], rtol=1e-5, err_msg=f"world {world}"
         )
-        prev_final, prev_end = first["final"], end
+        prev_final, prev_end = _merged(out, "final"), end
     # The end state vs the uninterrupted run: reduction order differs between layouts, and Adam
     # turns that into a fraction of one step (the criterion of tests/test_parity.py), except for
     # entries whose gradient is near zero (rarely seen tokens' embedding rows): there the sign of
