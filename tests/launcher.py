@@ -98,6 +98,11 @@ def run_distributed(
 
 
 def _isolated_worker(fn, args, kwargs, queue):
+    import torch
+
+    # The parent's OpenMP pool does not survive fork (libgomp): a multi-threaded op in the child
+    # can wait forever on it. One thread, as the ranks of run_distributed use.
+    torch.set_num_threads(1)
     try:
         queue.put((True, fn(*args, **kwargs)))
     except BaseException as e:  # re-raised in the parent
