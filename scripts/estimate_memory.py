@@ -543,12 +543,28 @@ def _phases(
 # --------------------------------------------------------------------------- all ranks
 
 
-def _local_shapes_by_rank(p: DTensor) -> dict[int, tuple[int, ...]]:
-    """Global rank -> local shape of `p` on that rank, for every rank of p's mesh."""
+# Flattened mesh views of parallelisms/parallel_dims.py and the world dims they span.
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "engram": ("dp_replicate", "dp_shard", "tp")}
+
+
+def _local_shapes_by_rank(p: DTensor, world_mesh) -> dict[int, tuple[int, ...]]:
+    """Global rank -> local shape of `p` on that rank, for every rank of the world: p's mesh is
+    one rank's slice of the world mesh (e.g. its tp or dp_shard group); every other rank holds
+    the shape of its own coordinate along the same named dims."""
     mesh = p.device_mesh
-    ranks = tuple(mesh.mesh.flatten().tolist())  # row-major, like itertools.product below
     shapes = _local_shapes(tuple(p.shape), tuple(mesh.shape), tuple(p.placements))
-    return dict(zip(ranks, shapes, strict=True))
+    wshape, wnames = tuple(world_mesh.mesh.shape), world_mesh.mesh_dim_names
+    out = {}
+    for idx in itertools.product(*(range(n) for n in wshape)):
+        flat = 0  # row-major index of this rank's coordinate in p's mesh
+        for name, size in zip(mesh.mesh_dim_names, mesh.shape, strict=True):
+            coord = 0
+            for part in FLATTENED.get(name, (name,)):
+                i = wnames.index(part)
+                coord = coord * wshape[i] + idx[i]
+            flat = flat * size + coord
+        out[int(world_mesh.mesh[idx])] = shapes[flat]
+    return out
 
 
 @functools.cache
@@ -563,10 +579,11 @@ def _local_shapes(
 
 
 def all_ranks_summary(
-    model: nn.Module, table_params: list[nn.Parameter], world: int, replicas: int
+    model: nn.Module, table_params: list[nn.Parameter], dims: ParallelDims
 ) -> AllRanks:
     """Per-rank dense counts and table rows for every rank, from the placements of one built
-    rank. Every mesh here spans the world (tp = pp = 1)."""
+    rank (pp = 1: every rank builds the same model, only its coordinates differ)."""
+    world, replicas, world_mesh = dims.world_size, dims.dp_replicate, dims.mesh()
     per_rank = [0] * world
     for p in model.parameters():
         if _is_in(p, table_params):
@@ -574,14 +591,12 @@ def all_ranks_summary(
         if not isinstance(p, DTensor):  # no FSDP (world 1): every rank holds it whole
             per_rank = [n + p.numel() for n in per_rank]
             continue
-        if p.device_mesh.size() != world:
-            raise ValueError(f"mesh {p.device_mesh} does not span the world of {world} ranks")
-        for rank, shape in _local_shapes_by_rank(p).items():
+        for rank, shape in _local_shapes_by_rank(p, world_mesh).items():
             per_rank[rank] += math.prod(shape)
     rows = {}
     for layer, p in _table_layer(model, table_params):
         if isinstance(p, DTensor):
-            by_rank = _local_shapes_by_rank(p)
+            by_rank = _local_shapes_by_rank(p, world_mesh)
             rows[layer] = [by_rank[r][0] for r in range(world)]
         else:
             rows[layer] = [p.shape[0]] * world
@@ -665,7 +680,7 @@ def estimate(
                     buffers,
                     act,
                     float8_cast_bytes(model, act.tokens, dims.tp) if cfg.float8.enable else (0, ""),
-                    all_ranks_summary(model, table_params, world_size, dims.dp_replicate),
+                    all_ranks_summary(model, table_params, dims),
                     sum(p.numel() for p in model.parameters()),
                     sum(p.numel() for p in table_params),
                     repr(dims),

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from launcher import run_isolated
+from launcher import run_distributed, run_isolated
 
 from engram.config import ConfigError, load_config
 from engram.data.tokenizer import load_tokenizer
@@ -279,3 +279,38 @@ def test_tp_activation_formula():
     assert two.loss_bytes * 2 == one.loss_bytes  # vocabulary-parallel loss
     assert two.tokens == one.tokens  # every TP rank of a replica sees the same micro-batch
     assert 0.5 * one.saved_bytes < two.saved_bytes < one.saved_bytes
+
+
+def _real_rank_counts(rank: int, world: int, cfg) -> tuple[int, dict[int, int]]:
+    """What a real rank holds after the recipe's build + parallelize (gloo, world ranks)."""
+    from engram.models.builder import build_from_config
+    from parallelisms.parallel_dims import parallel_dims_from_config
+    from parallelisms.parallelize import parallelize_model
+
+    dims = parallel_dims_from_config(cfg, world)
+    dims.build_mesh("cpu")
+    model, _ = build_from_config(cfg, load_tokenizer(cfg.model.tokenizer_path))
+    tables = parallelize_model(model, cfg, dims)
+    table_ids = {id(t) for t in tables}
+    dense = sum(
+        (p.to_local() if hasattr(p, "to_local") else p).numel()
+        for p in model.parameters()
+        if id(p) not in table_ids
+    )
+    rows = {i: b.table.weight.to_local().shape[0] for i, b in model.engram_blocks().items()}
+    return dense, rows
+
+
+def test_tensor_parallel_per_rank_numbers_match_real_ranks():
+    """TP 2 x FSDP 2 at world 4: the fake-process-group numbers (and the all-rank view computed
+    from one rank's placements) equal what 4 real gloo ranks hold after parallelize_model."""
+    cfg = _cfg(DEBUG, "--parallelism.tp=2")
+    est = _estimate(cfg, 4, ranks=list(range(4)))
+    real = run_distributed(_real_rank_counts, 4, cfg)
+    for mem, (dense, rows) in zip(est.ranks, real, strict=True):
+        assert mem.dense_params == dense, mem.rank
+        assert mem.table_rows == rows, mem.rank
+    assert est.all_ranks.dense_params_sum == sum(d for d, _ in real)
+    assert est.all_ranks.dense_params_sum > est.global_dense_params  # norms replicated over TP
+    for layer in est.table_rows_global:
+        assert est.all_ranks.table_rows[layer] == [r[layer] for _, r in real]
