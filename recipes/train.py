@@ -32,7 +32,7 @@ from engram.distributed import destroy_distributed, init_distributed
 from engram.fingerprint import config_fingerprint
 from engram.hf_load import load_hf_backbone
 from engram.metrics import MetricsLogger, init_logger, logger
-from engram.models.builder import build_from_config
+from engram.models.builder import build_hasher, build_model_from_config
 from engram.nonfinite import NonFiniteGuard
 from engram.optim import (
     SchedulersState,
@@ -205,7 +205,9 @@ def train(cfg: JobConfig) -> TrainResult:
 
     # --- tokenizer, Engram hashing, model on meta -----------------------------------------
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    model, hasher = build_from_config(cfg, tokenizer)
+    # The hasher feeds the data loader; the model needs only the table sizes (from the config).
+    hasher = build_hasher(cfg, tokenizer)
+    model = build_model_from_config(cfg, tokenizer.vocab_size)
     if hasher is not None:
         logger.info(f"Engram hashing: {hasher}")
         warn_if_tables_collide(hasher)

@@ -9,7 +9,7 @@ import torch
 from engram.config import Engram as EngramConfig
 from engram.config import JobConfig
 from engram.config import Model as ModelConfig
-from engram.hashing import NgramHasher
+from engram.hashing import NgramHasher, engram_table_rows
 from engram.models.args import ModelArgs, get_model_args
 from engram.models.hf_config import HF_FLAVOR, check_flavor_against_hf, hf_flavor_args
 from engram.models.transformer import Transformer
@@ -101,20 +101,34 @@ def build_model(
     return model
 
 
+def build_model_from_config(
+    cfg: JobConfig, vocab_size: int, device: torch.device | str = "meta", max_seq_len: int | None = None
+) -> Transformer:
+    """The job's model (on `device`, uninitialised). It needs only the Engram table sizes, from
+    the config (`engram_table_rows`: the hasher's prime search without a tokenizer), never the
+    hasher; the RoPE table covers max(training.seq_len, max_seq_len) positions."""
+    table_rows = engram_table_rows(cfg.engram) if cfg.engram.enabled else {}
+    seq = max(cfg.training.seq_len, max_seq_len or 0)
+    return build_model(cfg.model, cfg.engram, vocab_size, table_rows, device, seq)
+
+
+def build_hasher(cfg: JobConfig, tokenizer) -> NgramHasher | None:
+    """The job's Engram hasher (None without Engram), for the data loader and generation."""
+    if not cfg.engram.enabled:
+        return None
+    return NgramHasher.from_config(cfg.engram, tokenizer, tokenizer.vocab_size)
+
+
 def build_from_config(
     cfg: JobConfig, tokenizer, device: torch.device | str = "meta", max_seq_len: int | None = None
 ) -> tuple[Transformer, NgramHasher | None]:
-    """The job's model (on `device`, uninitialised) and its Engram hasher (None without Engram).
-
-    The table sizes come from the hasher's prime search; the RoPE table covers
-    max(training.seq_len, max_seq_len) positions."""
-    hasher = None
-    table_rows: dict[int, int] = {}
-    if cfg.engram.enabled:
-        hasher = NgramHasher.from_config(cfg.engram, tokenizer, tokenizer.vocab_size)
-        table_rows = hasher.table_rows
-    seq = max(cfg.training.seq_len, max_seq_len or 0)
-    model = build_model(cfg.model, cfg.engram, tokenizer.vocab_size, table_rows, device, seq)
+    """Both of the above (tests, generation): the model and its hasher."""
+    hasher = build_hasher(cfg, tokenizer)
+    model = build_model_from_config(cfg, tokenizer.vocab_size, device, max_seq_len)
+    if hasher is not None:  # one prime search, two paths: they must agree
+        built = {i: b.table.weight.shape[0] for i, b in model.engram_blocks().items()}
+        if built != hasher.table_rows:
+            raise ValueError(f"table rows {built} differ from the hasher's {hasher.table_rows}")
     return model, hasher
 
 
