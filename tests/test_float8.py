@@ -100,6 +100,23 @@ def runs(tmp_path_factory):
             ),
         ],
     )[0]
+    four = run_distributed(  # float8 + FSDP2 + TP: dp_shard 2 x tp 2, global batch 8
+        _train_all,
+        4,
+        [
+            _raw(
+                tmp,
+                "f8-fsdp-tp",
+                4,
+                3,
+                {
+                    "float8": F8,
+                    "parallelism": {"dp_shard": 2, "tp": 2},
+                    "training": {"local_batch_size": 4},
+                },
+            )
+        ],
+    )[0]
     compiled = {
         "float8": F8,
         "compile": {"enable": True, "backend": "aot_eager"},
@@ -115,6 +132,7 @@ def runs(tmp_path_factory):
         "f8_bf16": two[1],
         "f8_fsdp": two[2],
         "f8_tp": two[3],
+        "f8_fsdp_tp": four[0],
         "f8_one": one[0],
         "f8_compiled": one[1],
     }
@@ -158,6 +176,16 @@ def test_float8_tensor_parallel_matches_its_single_process_run(runs):
     np.testing.assert_allclose(tp[0], one[0], rtol=1e-5)
     np.testing.assert_allclose(tp[:4], one[:4], rtol=1e-3)
     assert abs(tp.mean() - one[:5].mean()) / one[:5].mean() < 0.02
+
+
+@pytest.mark.slow
+def test_float8_fsdp2_tp_composes(runs):
+    """float8 + FSDP2 + TP (dp_shard 2 x tp 2 at 4 ranks): the 3 steps it runs track the
+    single-process float8 run (step 1 to 1e-5, then 1e-3 as above)."""
+    one, got = np.array(runs["f8_one"]["losses"]), np.array(runs["f8_fsdp_tp"]["losses"])
+    assert runs["f8_fsdp_tp"]["float8_linears"] == 28
+    np.testing.assert_allclose(got[0], one[0], rtol=1e-5)
+    np.testing.assert_allclose(got, one[:3], rtol=1e-3)
 
 
 # --------------------------------------------------------------------------- conversion, gates
