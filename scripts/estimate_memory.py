@@ -105,6 +105,9 @@ class RankMemory:
     reserve_bytes: int = 0
     peak_bytes: int = 0
     headroom_bytes: int = 0
+    async_staging_bytes: int = 0
+    """checkpoint.async_mode = "async": DCP async_save stages a host copy of this rank's model and
+    optimizer state (host memory, not device); 0 when saves are synchronous."""
 
 
 @dataclass
@@ -304,6 +307,7 @@ def measure_rank(
     rank: int,
     cpu_offload: bool,
     table_optimizer: str = "adam",
+    async_checkpoint: bool = False,
 ) -> RankMemory:
     dense = [p for p in model.parameters() if not _is_in(p, table_params)]
     dense_trainable = [p for p in dense if p.requires_grad]
@@ -337,6 +341,10 @@ def measure_rank(
         mem.dense_param_bytes + mem.table_param_bytes + mem.grad_bytes + mem.optimizer_bytes
         + mem.buffer_bytes - host
     )  # fmt: skip
+    if async_checkpoint:  # what a checkpoint holds: weights and optimizer state, not gradients
+        mem.async_staging_bytes = (
+            mem.dense_param_bytes + mem.table_param_bytes + mem.optimizer_bytes
+        )
     return mem
 
 
@@ -670,6 +678,7 @@ def estimate(
                 rank,
                 cfg.parallelism.cpu_offload,
                 cfg.optimizer.table_optimizer,
+                async_checkpoint=cfg.checkpoint.enable and cfg.checkpoint.async_mode == "async",
             )
             if model_info is None:  # rank-independent: global shapes and placements
                 buffers = fsdp_buffers(cfg, dims, model, table_params, no_sync)
@@ -814,6 +823,12 @@ def to_markdown(est: MemoryEstimate) -> str:
     if any(m.host_bytes for m in rs):
         row("- of which on the host (cpu_offload), GiB", [_gib(m.host_bytes) for m in rs], "exact")
     row("**persistent on device**, GiB", [f"**{_gib(m.persistent_bytes)}**" for m in rs], "exact")
+    if any(m.async_staging_bytes for m in rs):
+        row(
+            "async checkpoint staging copy (host memory, not device), GiB",
+            [_gib(m.async_staging_bytes) for m in rs],
+            "exact",
+        )
     gathered = "x2" if f.layers_reshard_after_forward else "all layers held (no reshard)"
     row(
         f"all-gather {f.largest_layer} ({_count(f.layer_unsharded_params)} params) {gathered}, GiB",

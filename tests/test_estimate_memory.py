@@ -314,3 +314,17 @@ def test_tensor_parallel_per_rank_numbers_match_real_ranks():
     assert est.all_ranks.dense_params_sum > est.global_dense_params  # norms replicated over TP
     for layer in est.table_rows_global:
         assert est.all_ranks.table_rows[layer] == [r[layer] for _, r in real]
+
+
+def test_async_checkpoint_staging_is_counted_on_the_host():
+    """checkpoint.async_mode = "async" stages a host copy of weights + optimizer state per rank;
+    synchronous saves stage nothing, and the device numbers do not change."""
+    sync = _estimate(_cfg(DEBUG, "--checkpoint.enable=true"), 2, ranks=[0, 1])
+    cfg = _cfg(DEBUG, "--checkpoint.enable=true", "--checkpoint.async_mode=async")
+    est = _estimate(cfg, 2, ranks=[0, 1])
+    for mem, ref in zip(est.ranks, sync.ranks, strict=True):
+        assert ref.async_staging_bytes == 0
+        assert mem.async_staging_bytes == (
+            mem.dense_param_bytes + mem.table_param_bytes + mem.optimizer_bytes
+        )
+        assert mem.persistent_bytes == ref.persistent_bytes and mem.peak_bytes == ref.peak_bytes
