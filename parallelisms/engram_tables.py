@@ -21,7 +21,6 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -193,17 +192,6 @@ class _RowSparseShardedLookup(_ShardedLookup):
         return None, None, None, None, None, None, None, None
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad * ctx.scale, None
-
-
 def sharded_embedding_lookup(
     ids: torch.Tensor,
     local_weight: torch.Tensor,
@@ -228,24 +216,18 @@ def sharded_embedding_lookup(
     if local_weight.dim() != 2:
         raise ValueError(f"local_weight must be [rows, dim], got shape {tuple(local_weight.shape)}")
     _check_ids(ids, num_rows)
-    row_sparse = param is not None and is_row_sparse(param) and local_weight.requires_grad
-    if row_sparse and dist.get_world_size(group) == 1:
+    if dist.get_world_size(group) == 1:  # a plain gather, no communication
         if local_weight.shape[0] != num_rows:
             raise ValueError(f"one rank must hold all {num_rows} rows, has {local_weight.shape[0]}")
         return embedding_lookup(ids, local_weight, param, grad_scale)
-    if row_sparse:
+    if param is not None and is_row_sparse(param) and local_weight.requires_grad:
         out = _RowSparseShardedLookup.apply(
             local_weight, ids.reshape(-1), num_rows, group, dedup, grad_scale, wire_dtype, param
         )
-        return out.view(*ids.shape, local_weight.shape[1])
-    if dist.get_world_size(group) == 1:
-        if local_weight.shape[0] != num_rows:
-            raise ValueError(f"one rank must hold all {num_rows} rows, has {local_weight.shape[0]}")
-        weight = local_weight if grad_scale == 1.0 else _ScaleGrad.apply(local_weight, grad_scale)
-        return F.embedding(ids, weight)
-    out = _ShardedLookup.apply(
-        local_weight, ids.reshape(-1), num_rows, group, dedup, grad_scale, wire_dtype
-    )
+    else:
+        out = _ShardedLookup.apply(
+            local_weight, ids.reshape(-1), num_rows, group, dedup, grad_scale, wire_dtype
+        )
     return out.view(*ids.shape, local_weight.shape[1])
 
 
