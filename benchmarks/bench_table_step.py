@@ -149,7 +149,7 @@ def our_worker(data: str, config: str, table_optimizer: str, threads: int) -> No
         ids, labels, hash_ids = batches[i % len(batches)]
         i += 1
         t0 = time.perf_counter()
-        logits = model(ids, hash_ids)
+        logits = model(ids, hash_ids=hash_ids)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         loss.backward()
         clip_grad_norm_(trainable, cfg.training.max_norm)
