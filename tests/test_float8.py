@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from launcher import run_distributed
+from small_job import small_job
 from torch import nn
 
 from engram.config import ConfigError, config_from_dict
@@ -42,26 +43,7 @@ F8 = {"enable": True, "emulate": True}
 
 
 def _raw(tmp: str, name: str, world: int, steps: int, extra: dict) -> dict:
-    raw = {
-        "job": {"dump_folder": tmp, "run_name": name, "device": "cpu", "seed": 3},
-        "model": {"name": "llama3", "flavor": "debug"},
-        "engram": {
-            "layer_ids": [1],
-            "n_head_per_ngram": 2,
-            "vocab_size_per_ngram": [1009, 997],
-            "n_embed_per_ngram": 32,
-            "init": "paper",
-        },
-        "training": {"seq_len": 32, "local_batch_size": 8 // world, "steps": steps},
-        "data": {"synthetic_num_entities": 64},
-        "optimizer": {"lr": 1e-3},
-        "lr_scheduler": {"warmup_steps": 2},
-        "metrics": {"log_freq": 100, "enable_tensorboard": False},
-        "parallelism": {"dp_shard": world},
-    }
-    for section, values in extra.items():
-        raw[section] = {**raw.get(section, {}), **values}
-    return raw
+    return small_job(tmp, name, world, steps, extra)
 
 
 def _train_all(rank: int, world: int, raws: list[dict]) -> list[dict]:

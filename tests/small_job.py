@@ -1,0 +1,28 @@
+"""The small debug job that the float8 and compile tests train (one shared definition)."""
+
+from __future__ import annotations
+
+
+def small_job(tmp: str, name: str, world: int, steps: int, extra: dict) -> dict:
+    """Raw config: debug llama3 + one small Engram layer, global batch 8 x 32 over `world` FSDP
+    ranks, lr 1e-3; `extra` is merged per section."""
+    raw = {
+        "job": {"dump_folder": tmp, "run_name": name, "device": "cpu", "seed": 3},
+        "model": {"name": "llama3", "flavor": "debug"},
+        "engram": {
+            "layer_ids": [1],
+            "n_head_per_ngram": 2,
+            "vocab_size_per_ngram": [1009, 997],
+            "n_embed_per_ngram": 32,
+            "init": "paper",
+        },
+        "training": {"seq_len": 32, "local_batch_size": 8 // world, "steps": steps},
+        "data": {"synthetic_num_entities": 64},
+        "optimizer": {"lr": 1e-3},
+        "lr_scheduler": {"warmup_steps": 2},
+        "metrics": {"log_freq": 100, "enable_tensorboard": False},
+        "parallelism": {"dp_shard": world},
+    }
+    for section, values in extra.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return raw
