@@ -136,6 +136,7 @@ def apply_float8(
     if not compiled:
         logger.warning(
             "float8 without compile.enable: the float8 casts run as separate unfused kernels, "
-            "usually slower than bf16; set compile.enable=true"
+            "usually slower than bf16; set compile.enable=true (refused with parallelism.tp > 1, "
+            "see docs/parallelisms.md)"
         )
     return converted

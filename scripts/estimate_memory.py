@@ -16,8 +16,14 @@ padding; activations, allocator fragmentation and runtime/collective buffers are
 Modelled: FSDP2 / HSDP / DDP, activation checkpointing, CPU offload, float8 (torchao keeps the
 weights in high precision and casts them per layer: only transient float8 copies are added),
 tensor parallelism (parameter bytes from the sharded DTensors; activations divided by tp under
-sequence parallel, see activation_estimate). Refused: pipeline parallelism (pp > 1). Compile is
-estimated as eager (inductor usually saves activation memory, never adds much).
+sequence parallel, see activation_estimate), pipeline parallelism (each rank builds its own
+stages with parallelisms.pipeline.split_stages, exactly as the recipe; FSDP keeps a stage's
+parameters and unsharded gradients across its micro-batches; saved activations are counted
+micro-batch by micro-batch along torch's own schedule order, scripts/pipeline_memory.py).
+Compile is estimated as eager (inductor usually saves activation memory, never adds much).
+
+`--compare` prints candidate layouts side by side instead (scripts/compare_layouts.py): peak per
+rank, communication per step and a fit verdict.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ from parallelisms.float8 import check_float8_device  # noqa: E402
 from parallelisms.fsdp import DTYPES, defer_grad_sync, reshard_after_forward  # noqa: E402
 from parallelisms.parallel_dims import ParallelDims, parallel_dims_from_config  # noqa: E402
 from parallelisms.parallelize import parallelize_model  # noqa: E402
+from parallelisms.pipeline import StagePlan, check_schedule, split_stages  # noqa: E402
+from scripts.comm_estimate import CommPerStep, comm_per_step  # noqa: E402
+from scripts.pipeline_memory import in_flight  # noqa: E402
 
 GIB = 1024**3
 
@@ -108,6 +117,16 @@ class RankMemory:
     async_staging_bytes: int = 0
     """checkpoint.async_mode = "async": DCP async_save stages a host copy of this rank's model and
     optimizer state (host memory, not device); 0 when saves are synchronous."""
+    stages: list[int] = field(default_factory=lambda: [0])
+    """Pipeline stages this rank runs (stage 0 of 1 without PP)."""
+    stage_layers: dict[int, list[int]] = field(default_factory=dict)
+    """Stage index -> its decoder layer ids (this rank's stages)."""
+    fsdp: FsdpBuffers | None = None
+    """FSDP buffers of this rank's stages (exact unit shapes)."""
+    activations: RankActivations | None = None
+    float8_cast_bytes: int = 0
+    float8_largest_linear: str = ""
+    comm: CommPerStep | None = None
 
 
 @dataclass
@@ -125,6 +144,22 @@ class ActivationEstimate:
     """Logits and the fp32 cross-entropy (log-softmax saved + its gradient)."""
     per_layer_full_bytes: int
     per_engram_layer_extra_bytes: int
+
+
+@dataclass
+class RankActivations:
+    """Activations of this rank's stages at their peak (bytes): one micro-batch without PP, the
+    micro-batches the schedule keeps in flight with PP (scripts/pipeline_memory.py)."""
+
+    microbatch_tokens: int
+    saved_bytes: int
+    """Held from forward to backward at the rank's peak (all micro-batches in flight)."""
+    in_flight: dict[int, int]
+    """Stage index -> micro-batches whose activations are held at that peak."""
+    recompute_bytes: int
+    """Largest recompute + backward temporaries of one layer of this rank's stages."""
+    loss_bytes: int
+    """Logits and fp32 cross-entropy of one micro-batch (0 off the last stage)."""
 
 
 @dataclass
@@ -198,24 +233,28 @@ class MemoryEstimate:
     training_mode: str
     global_params: int
     global_dense_params: int
+    model_dim: int
+    n_layers: int
+    vocab_size: int
+    tied_embeddings: bool
     global_table_params: int
     table_rows_global: dict[int, int]
     device_memory_bytes: int
     recipe_defers_grad_sync: bool
     no_sync_accumulation: bool
-    """Modelled: the recipe defers sync and --sync_every_micro_batch was not given."""
+    """Modelled: unsharded gradients kept across micro-batches (the recipe's no-sync DDP
+    accumulation without --sync_every_micro_batch, or a pipeline stage's micro-batches)."""
     fragmentation: float
     reserve_bytes: int
-    fsdp: FsdpBuffers
-    activations: ActivationEstimate
+    stage_activations: list[ActivationEstimate]
+    """Per pipeline stage (one entry without PP): one micro-batch's activations."""
     tp: int
     sequence_parallel: bool
+    pp: int
+    pipeline: str
+    """"schedule, micro-batches, virtual stages" under PP, else "off"."""
     float8: str
     """float8 recipe when float8.enable, else "off"."""
-    float8_cast_bytes: int
-    """Largest float8 working set of one converted linear (float8_cast_bytes); in the
-    decoder-layer backward phase."""
-    float8_largest_linear: str
     ranks: list[RankMemory]
     all_ranks: AllRanks
     replicated_tables: ReplicatedTableBaseline
@@ -248,17 +287,23 @@ def tokenizer_vocab_size(cfg: JobConfig) -> int:
     return flavor_vocab
 
 
-def build_parallel_model(
+def build_rank_parts(
     cfg: JobConfig, dims: ParallelDims, vocab_size: int, table_rows: dict[int, int]
-) -> tuple[nn.Module, list[nn.Parameter]]:
-    """recipes/train.py's model section, on meta: build, parallelize_model, training mode.
-    Returns the model and its (row-sharded) table parameters."""
+) -> tuple[StagePlan | None, list[int], list[nn.Module], list[nn.Parameter]]:
+    """recipes/train.py's model section, on meta, for the rank of the current (fake) process
+    group: build, split into this rank's pipeline stages (pp > 1), parallelize_model and
+    training mode per part. Returns (plan or None, stage ids, parts, row-sharded tables)."""
     model = build_model(
         cfg.model, cfg.engram, vocab_size, table_rows, "meta", max_seq_len=cfg.training.seq_len
     )
-    table_params = parallelize_model(model, cfg, dims)
-    apply_training_mode(model, cfg.training.mode)
-    return model, table_params
+    plan, stage_ids, parts = None, [0], [model]
+    if dims.pp_enabled:
+        plan, stage_ids, parts = split_stages(model, cfg, dims)
+    table_params = []
+    for part in parts:
+        table_params += parallelize_model(part, cfg, dims)
+        apply_training_mode(part, cfg.training.mode)
+    return plan, stage_ids, parts, table_params
 
 
 def sequence_parallel(cfg: JobConfig) -> bool:
@@ -289,27 +334,29 @@ def _is_in(p: nn.Parameter, params: list[nn.Parameter]) -> bool:
 
 
 def _table_layer(
-    model: nn.Module, table_params: list[nn.Parameter]
+    parts: list[nn.Module], table_params: list[nn.Parameter]
 ) -> list[tuple[int, nn.Parameter]]:
-    """(Engram layer id, table parameter) in module order."""
-    blocks = model.engram_blocks()
+    """(Engram layer id, table parameter) in module order, over this rank's model parts."""
     return [
         (layer, p)
-        for layer, block in blocks.items()
+        for part in parts
+        for layer, block in part.engram_blocks().items()
         for p in table_params
         if p is block.table.weight
     ]
 
 
 def measure_rank(
-    model: nn.Module,
+    parts: list[nn.Module],
     table_params: list[nn.Parameter],
     rank: int,
     cpu_offload: bool,
     table_optimizer: str = "adam",
     async_checkpoint: bool = False,
 ) -> RankMemory:
-    dense = [p for p in model.parameters() if not _is_in(p, table_params)]
+    """Exact bytes from the local shapes of this rank's parameters (all its pipeline stages)."""
+    params = [p for part in parts for p in part.parameters()]
+    dense = [p for p in params if not _is_in(p, table_params)]
     dense_trainable = [p for p in dense if p.requires_grad]
     tables_trainable = [p for p in table_params if p.requires_grad]
     dense_bytes = sum(_nbytes(_local(p)) for p in dense)
@@ -328,12 +375,12 @@ def measure_rank(
         rank=rank,
         dense_params=sum(_local(p).numel() for p in dense),
         dense_param_bytes=dense_bytes,
-        table_rows={layer: _local(p).shape[0] for layer, p in _table_layer(model, table_params)},
+        table_rows={layer: _local(p).shape[0] for layer, p in _table_layer(parts, table_params)},
         table_params=sum(_local(p).numel() for p in table_params),
         table_param_bytes=sum(_nbytes(_local(p)) for p in table_params),
         grad_bytes=dense_grad + table_grad,
         optimizer_bytes=dense_opt + table_opt,
-        buffer_bytes=sum(_nbytes(b) for b in model.buffers()),
+        buffer_bytes=sum(_nbytes(b) for part in parts for b in part.buffers()),
         optimizer_step_temp_bytes=max(dense_grad * on_device, table_grad),
         host_bytes=host,
     )
@@ -359,35 +406,55 @@ def _fsdp_units(model: nn.Module, table_params: list[nn.Parameter]) -> list[tupl
     return out
 
 
+def _fsdp_unsharded_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """What FSDP all-gathers of `p`: its TP-local shape (a TP-sharded dim divided by tp, as
+    DTensor splits it), or the global shape without TP."""
+    shape = list(p.shape)
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        for name, placement in zip(mesh.mesh_dim_names or (), p.placements, strict=True):
+            if name == "tp" and placement.is_shard():
+                d = placement.dim
+                shape[d] = math.ceil(shape[d] / mesh.size(mesh.mesh_dim_names.index("tp")))
+    return tuple(shape)
+
+
 def _padded_numel(p: torch.Tensor, shard_size: int) -> int:
-    """Unsharded numel of FSDP2's all-gather output: dim 0 padded to a multiple of the shard size."""
-    rows = math.ceil(p.shape[0] / shard_size) * shard_size if p.dim() else 1
-    return rows * math.prod(p.shape[1:])
+    """Unsharded numel of FSDP2's all-gather output: dim 0 (TP-local) padded to a multiple of the
+    shard size."""
+    shape = _fsdp_unsharded_shape(p)
+    rows = math.ceil(shape[0] / shard_size) * shard_size if shape else 1
+    return rows * math.prod(shape[1:])
 
 
 def fsdp_buffers(
     cfg: JobConfig,
     dims: ParallelDims,
-    model: nn.Module,
+    parts: list[nn.Module],
     table_params: list[nn.Parameter],
     no_sync_accumulation: bool,
 ) -> FsdpBuffers:
+    """FSDP buffers of this rank's model parts (one part, or its pipeline stages: each stage is
+    its own FSDP root)."""
     fsdp_on = dims.dp_size > 1
     compute = cfg.parallelism.mixed_precision_param if fsdp_on else "float32"
     reduce = cfg.parallelism.mixed_precision_reduce if fsdp_on else "float32"
     a, r = _bytes(compute), _bytes(reduce)
-    units = _fsdp_units(model, table_params) if fsdp_on else []
+    units = [u for part in parts for u in _fsdp_units(part, table_params)] if fsdp_on else []
     s = dims.dp_shard
 
     def unsharded(params: list, trainable_only: bool = False) -> int:
         return sum(_padded_numel(p, s) for p in params if p.requires_grad or not trainable_only)
 
     layers = [(n, ps) for n, ps in units if n != "<root>"]
-    root = next((ps for n, ps in units if n == "<root>"), [])
+    roots = [p for n, ps in units if n == "<root>" for p in ps]
     big_name, big = max(layers, key=lambda u: unsharded(u[1]), default=("no FSDP", []))
     # Layers that do not reshard after forward stay gathered from their forward to their
-    # backward, so all of them coexist at the start of backward.
-    layer_reshard, _ = reshard_after_forward(dims, cfg.parallelism)
+    # backward, so all of them coexist at the start of backward (under PP: all of the rank's
+    # stages, kept unsharded across the micro-batches of a step).
+    # torch's pipeline stage also keeps them unsharded after every backward but the last
+    # (set_reshard_after_backward(False)), whatever fsdp_reshard_after_forward says.
+    layer_reshard = reshard_after_forward(dims, cfg.parallelism)[0] and not dims.pp_enabled
     if layer_reshard:
         gathered = 2 * unsharded(big)  # current layer + the prefetched next one
     else:
@@ -399,11 +466,11 @@ def fsdp_buffers(
         layer_unsharded_params=unsharded(big),
         layers_reshard_after_forward=layer_reshard,
         layer_gather_bytes=a * gathered,
-        root_unsharded_params=unsharded(root),
-        root_gather_bytes=a * unsharded(root),
+        root_unsharded_params=unsharded(roots),
+        root_gather_bytes=a * unsharded(roots),
         layer_reduce_bytes=(a + 2 * r) * unsharded(big, trainable_only=True),
-        root_grad_bytes=a * unsharded(root, trainable_only=True),
-        root_reduce_bytes=r * unsharded(root, trainable_only=True),
+        root_grad_bytes=a * unsharded(roots, trainable_only=True),
+        root_reduce_bytes=r * unsharded(roots, trainable_only=True),
         no_sync_accum_bytes=(
             r * sum(unsharded(ps, trainable_only=True) for _, ps in units)
             if no_sync_accumulation
@@ -458,31 +525,44 @@ def _engram_bytes_per_token(cfg: JobConfig, dim: int, a: int) -> tuple[int, int]
 
 
 def activation_estimate(
-    cfg: JobConfig, args: ModelArgs, compute_dtype: str, tp: int = 1, sp: bool = True
+    cfg: JobConfig,
+    args: ModelArgs,
+    compute_dtype: str,
+    tp: int = 1,
+    sp: bool = True,
+    layers: list[int] | None = None,
+    first: bool = True,
+    last: bool = True,
+    tokens: int | None = None,
 ) -> ActivationEstimate:
     """Activation bytes of one micro-batch on one rank, `tp` tensor-parallel ranks with (`sp`)
     or without sequence parallel. Per token, a sequence-sharded tensor costs 1/tp of its bytes:
     with sequence parallel that is the residual stream (checkpoint inputs, norms, the Engram
     block, which looks up only its own tokens); without it, only the head- and FFN-split parts.
-    The loss is vocabulary-parallel under TP (loss_parallel): logits / tp."""
+    The loss is vocabulary-parallel under TP (loss_parallel): logits / tp.
+
+    A pipeline stage passes its decoder `layers`, whether it is the `first` (embedding ids) and
+    the `last` stage (final norm, loss) and its micro-batch `tokens` (default: the local batch)."""
     a = _bytes(compute_dtype)
     stream_div = tp if sp else 1
-    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    if tokens is None:
+        tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    layer_ids = range(args.n_layers) if layers is None else layers
     layer = _layer_bytes_per_token(args, a, tp, sp)
     engram_layers = set(cfg.engram.layer_ids) if cfg.engram.enabled else set()
     engram_saved, engram_transient = (
-        _engram_bytes_per_token(cfg, args.dim, a) if engram_layers else (0, 0)
+        _engram_bytes_per_token(cfg, args.dim, a) if engram_layers & set(layer_ids) else (0, 0)
     )
     engram_saved //= stream_div
     engram_transient //= stream_div
     ac = cfg.activation_checkpoint
     every = {"none": 0, "full": 1, "selective": ac.selective_every}[ac.mode]
     # Embedding ids; final norm (its output feeds the head).
-    saved = 8 + _norm_bytes(a) * args.dim // stream_div
+    saved = (8 if first else 0) + (_norm_bytes(a) * args.dim // stream_div if last else 0)
     recompute = 0
-    for i in range(args.n_layers):
+    for k, i in enumerate(layer_ids):  # AC wraps every `every`-th layer of the stage (k)
         full = layer + (engram_saved if i in engram_layers else 0)
-        if every and i % every == 0:
+        if every and k % every == 0:
             saved += a * args.dim // stream_div  # the checkpoint keeps only the layer input
             recompute = max(recompute, full)
         else:
@@ -493,7 +573,7 @@ def activation_estimate(
     # Cross-entropy in fp32: log-softmax output saved, its gradient, the gradient of the fp32
     # logits (12 bytes/logit) dominate; the compute-dtype logits (a) and the fp32 upcast (4)
     # exist together with the saved log-softmax in forward (a + 8).
-    loss = max(12, a + 8) * args.vocab_size // tp
+    loss = max(12, a + 8) * args.vocab_size // tp if last else 0
     return ActivationEstimate(
         tokens=tokens,
         saved_bytes=saved * tokens,
@@ -502,6 +582,51 @@ def activation_estimate(
         per_layer_full_bytes=layer * tokens,
         per_engram_layer_extra_bytes=engram_saved * tokens,
     )
+
+
+def rank_activations(
+    cfg: JobConfig,
+    args: ModelArgs,
+    compute_dtype: str,
+    tp: int,
+    sp: bool,
+    plan: StagePlan | None,
+    stage_ids: list[int],
+    pp_rank: int,
+) -> tuple[RankActivations, list[ActivationEstimate]]:
+    """This rank's activations at its peak and every stage's one-micro-batch estimate. Without
+    PP one micro-batch (the local batch) is in flight; with PP the micro-batch is local batch /
+    pipeline.microbatches and in_flight walks the schedule's own order."""
+    if plan is None:
+        act = activation_estimate(cfg, args, compute_dtype, tp, sp)
+        ra = RankActivations(
+            act.tokens, act.saved_bytes, {0: 1}, act.recompute_bytes, act.loss_bytes
+        )
+        return ra, [act]
+    p, pp = cfg.pipeline, max(plan.ranks) + 1
+    n_micro = check_schedule(p, pp, cfg.training.local_batch_size)
+    tokens = cfg.training.local_batch_size // n_micro * cfg.training.seq_len
+    last = plan.num_stages - 1
+    per_stage = [
+        activation_estimate(cfg, args, compute_dtype, tp, sp, layers, s == 0, s == last, tokens)
+        for s, layers in enumerate(plan.layers)
+    ]
+    peak = in_flight(
+        p.schedule,
+        pp,
+        p.virtual_stages,
+        n_micro,
+        pp_rank,
+        {s: per_stage[s].saved_bytes for s in stage_ids},
+    )
+    ra = RankActivations(
+        microbatch_tokens=tokens,
+        saved_bytes=peak.peak_bytes,
+        in_flight=peak.micro_batches,
+        recompute_bytes=max(per_stage[s].recompute_bytes for s in stage_ids),
+        loss_bytes=sum(per_stage[s].loss_bytes for s in stage_ids),
+    )
+    return ra, per_stage
 
 
 def float8_cast_bytes(model: nn.Module, tokens: int, tp: int = 1) -> tuple[int, str]:
@@ -525,7 +650,7 @@ def float8_cast_bytes(model: nn.Module, tokens: int, tp: int = 1) -> tuple[int, 
 
 
 def _phases(
-    f: FsdpBuffers, act: ActivationEstimate, opt_temp: int, float8_bytes: int = 0
+    f: FsdpBuffers, act: RankActivations, opt_temp: int, float8_bytes: int = 0
 ) -> dict[str, int]:
     """Transient bytes at the moments that can set the peak (each a sum of coexisting items)."""
     acc = f.no_sync_accum_bytes
@@ -586,29 +711,52 @@ def _local_shapes(
     ]
 
 
-def all_ranks_summary(
-    model: nn.Module, table_params: list[nn.Parameter], dims: ParallelDims
-) -> AllRanks:
-    """Per-rank dense counts and table rows for every rank, from the placements of one built
-    rank (pp = 1: every rank builds the same model, only its coordinates differ)."""
-    world, replicas, world_mesh = dims.world_size, dims.dp_replicate, dims.mesh()
-    per_rank = [0] * world
-    for p in model.parameters():
-        if _is_in(p, table_params):
-            continue
-        if not isinstance(p, DTensor):  # no FSDP (world 1): every rank holds it whole
-            per_rank = [n + p.numel() for n in per_rank]
-            continue
-        for rank, shape in _local_shapes_by_rank(p, world_mesh).items():
-            per_rank[rank] += math.prod(shape)
+def stage_ranks_summary(
+    parts: list[nn.Module], table_params: list[nn.Parameter], dims: ParallelDims
+) -> tuple[dict[int, int], dict[int, dict[int, int]]]:
+    """(rank -> dense parameters, layer -> {rank -> table rows}) for every rank that holds the
+    same pipeline stages as the current one, from its placements: those ranks differ only in
+    their dp / tp coordinates (without PP: every rank of the world)."""
+    world_mesh = dims.mesh()
+    pp_coord = dims.mesh("pp").get_local_rank()
+    same_stage = {int(r) for r in world_mesh.mesh[pp_coord].flatten()}
+    dense = dict.fromkeys(same_stage, 0)
+    for part in parts:
+        for p in part.parameters():
+            if _is_in(p, table_params):
+                continue
+            if not isinstance(p, DTensor):  # no FSDP / TP: every rank of the stage holds it whole
+                dense = {r: n + p.numel() for r, n in dense.items()}
+                continue
+            for rank, shape in _local_shapes_by_rank(p, world_mesh).items():
+                if rank in same_stage:
+                    dense[rank] += math.prod(shape)
     rows = {}
-    for layer, p in _table_layer(model, table_params):
+    for layer, p in _table_layer(parts, table_params):
         if isinstance(p, DTensor):
             by_rank = _local_shapes_by_rank(p, world_mesh)
-            rows[layer] = [by_rank[r][0] for r in range(world)]
+            rows[layer] = {r: by_rank[r][0] for r in same_stage}
         else:
-            rows[layer] = [p.shape[0]] * world
-    return AllRanks(world, replicas, sum(per_rank), min(per_rank), max(per_rank), rows)
+            rows[layer] = dict.fromkeys(same_stage, p.shape[0])
+    return dense, rows
+
+
+def all_ranks_summary(
+    summaries: list[tuple[dict[int, int], dict[int, dict[int, int]]]], dims: ParallelDims
+) -> AllRanks:
+    """Merge the stage summaries (one built rank per pp coordinate) into every rank's numbers."""
+    world = dims.world_size
+    dense = [0] * world
+    rows: dict[int, list[int]] = {}
+    for stage_dense, stage_rows in summaries:
+        for r, n in stage_dense.items():
+            dense[r] += n
+        for layer, by_rank in stage_rows.items():
+            per_rank = rows.setdefault(layer, [0] * world)
+            for r, n in by_rank.items():
+                per_rank[r] += n
+    rows = dict(sorted(rows.items()))
+    return AllRanks(world, dims.dp_replicate, sum(dense), min(dense), max(dense), rows)
 
 
 # --------------------------------------------------------------------------- driver
@@ -645,12 +793,6 @@ def estimate(
         raise ConfigError(f"ranks {bad} are outside 0..{world_size - 1} (--ranks)")
     if device_memory_gib is None:
         device_memory_gib = DEVICE_MEMORY_GIB.get(cfg.job.device, 64.0)
-    if cfg.parallelism.pp > 1:
-        raise ConfigError(
-            f"parallelism.pp={cfg.parallelism.pp}: the memory estimator does not model pipeline "
-            "parallelism (per-stage layers, in-flight micro-batches of the schedule); estimate "
-            "with parallelism.pp=1, which is an upper bound for the parameter state only"
-        )
     if cfg.float8.enable:
         # The recipe's "float8 without compile is slow" warning would repeat once per rank here.
         logging.getLogger("parallelisms.float8").setLevel(logging.ERROR)
@@ -660,50 +802,82 @@ def estimate(
             check_float8_device(cfg.float8, "npu")
         cfg = dataclasses.replace(cfg, float8=dataclasses.replace(cfg.float8, emulate=True))
     dims = parallel_dims_from_config(cfg, world_size)  # validates the degrees up front
-    no_sync = recipe_defers_grad_sync(cfg, dims) and not sync_every_micro_batch
+    # Unsharded gradients kept across micro-batches: the recipe's no-sync DDP accumulation, or
+    # a pipeline stage (torch's stage turns gradient sync off for all but the last micro-batch).
+    n_micro = (
+        check_schedule(cfg.pipeline, dims.pp, cfg.training.local_batch_size)
+        if dims.pp_enabled
+        else 1
+    )
+    pp_micro = n_micro > 1
+    no_sync = (recipe_defers_grad_sync(cfg, dims) and not sync_every_micro_batch) or pp_micro
     table_rows = engram_table_rows(cfg.engram)
     vocab_size = tokenizer_vocab_size(cfg)
+    whole = build_model(
+        cfg.model, cfg.engram, vocab_size, table_rows, "meta", max_seq_len=cfg.training.seq_len
+    )
+    n_global = sum(p.numel() for p in whole.parameters())
+    n_tables = sum(b.table.weight.numel() for b in whole.engram_blocks().values())
+    # One built rank per pipeline coordinate gives every rank's numbers (all_ranks_summary).
+    per_stage = world_size // dims.pp
+    representatives = {c * per_stage for c in range(dims.pp)}
 
     results: list[RankMemory] = []
-    model_info = None
-    for rank in ranks:
+    summaries, stage_acts = [], []
+    for rank in sorted(set(ranks) | representatives):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
             dims = parallel_dims_from_config(cfg, world_size)
             dims.build_mesh("cpu")
-            model, table_params = build_parallel_model(cfg, dims, vocab_size, table_rows)
-            mem = measure_rank(
-                model,
-                table_params,
-                rank,
-                cfg.parallelism.cpu_offload,
-                cfg.optimizer.table_optimizer,
-                async_checkpoint=cfg.checkpoint.enable and cfg.checkpoint.async_mode == "async",
+            plan, stage_ids, parts, table_params = build_rank_parts(
+                cfg, dims, vocab_size, table_rows
             )
-            if model_info is None:  # rank-independent: global shapes and placements
-                buffers = fsdp_buffers(cfg, dims, model, table_params, no_sync)
-                act = activation_estimate(
-                    cfg, model.args, buffers.compute_dtype, dims.tp, sequence_parallel(cfg)
+            if rank in representatives:
+                summaries.append(stage_ranks_summary(parts, table_params, dims))
+            if rank in ranks:
+                mem = measure_rank(
+                    parts,
+                    table_params,
+                    rank,
+                    cfg.parallelism.cpu_offload,
+                    cfg.optimizer.table_optimizer,
+                    async_checkpoint=cfg.checkpoint.enable and cfg.checkpoint.async_mode == "async",
                 )
-                model_info = (
-                    buffers,
-                    act,
-                    float8_cast_bytes(model, act.tokens, dims.tp) if cfg.float8.enable else (0, ""),
-                    all_ranks_summary(model, table_params, dims),
-                    sum(p.numel() for p in model.parameters()),
-                    sum(p.numel() for p in table_params),
-                    repr(dims),
+                mem.stages = stage_ids
+                mem.stage_layers = (
+                    {s: plan.layers[s] for s in stage_ids}
+                    if plan
+                    else {0: list(range(whole.args.n_layers))}
                 )
+                mem.fsdp = fsdp_buffers(cfg, dims, parts, table_params, no_sync)
+                mem.activations, acts = rank_activations(
+                    cfg,
+                    whole.args,
+                    mem.fsdp.compute_dtype,
+                    dims.tp,
+                    sequence_parallel(cfg),
+                    plan,
+                    stage_ids,
+                    dims.mesh("pp").get_local_rank(),
+                )
+                stage_acts = stage_acts or acts
+                if cfg.float8.enable:
+                    mem.float8_cast_bytes, mem.float8_largest_linear = max(
+                        float8_cast_bytes(part, mem.activations.microbatch_tokens, dims.tp)
+                        for part in parts
+                    )
+                mem.comm = comm_per_step(cfg, dims, parts, table_params, mem, plan)
+                results.append(mem)
         finally:
             dist.destroy_process_group()
-        results.append(mem)
-    assert model_info is not None
-    buffers, act, (f8_bytes, f8_linear), all_ranks, n_global, n_tables, dims_repr = model_info
+    all_ranks = all_ranks_summary(summaries, dims)
 
     device_bytes = int(device_memory_gib * GIB)
     reserve = int(reserve_gib * GIB)
     for mem in results:
-        mem.phases = _phases(buffers, act, mem.optimizer_step_temp_bytes, f8_bytes)
+        mem.phases = _phases(
+            mem.fsdp, mem.activations, mem.optimizer_step_temp_bytes, mem.float8_cast_bytes
+        )
         mem.peak_phase = max(mem.phases, key=mem.phases.__getitem__)
         mem.transient_bytes = mem.phases[mem.peak_phase]
         mem.fragmentation_bytes = int(fragmentation * (mem.persistent_bytes + mem.transient_bytes))
@@ -714,17 +888,21 @@ def estimate(
         mem.headroom_bytes = device_bytes - mem.peak_bytes
 
     table_state = [m.table_param_bytes * (1 + 1 + ADAM_STATES) for m in results]
-    full = 4 * n_tables  # fp32 bytes of all tables
-    ddp = full * (1 + 1 + ADAM_STATES)
     worst = max(results, key=lambda m: m.peak_bytes)
-    # Replicated tables: the sharded table state leaves, the full one arrives; the rest scales
+    # Replicated tables: the tables of the worst rank's stages (all tables without PP) on every
+    # rank of its stage; the sharded table state leaves, the full one arrives; the rest scales
     # with the allocator fragmentation the same way.
+    width = n_tables // sum(table_rows.values()) if table_rows else 0
+    stage_tables = width * sum(table_rows[layer] for layer in worst.table_rows)
+    full = 4 * stage_tables  # fp32 bytes
+    ddp = full * (1 + 1 + ADAM_STATES)
+    stage_world = world_size // dims.pp
     worst_table = worst.table_param_bytes * (1 + 1 + ADAM_STATES)
     baseline = ReplicatedTableBaseline(
-        table_params_total=n_tables,
+        table_params_total=stage_tables,
         ddp_bytes=ddp,
-        zero1_bytes=2 * full + ADAM_STATES * full // world_size,
-        zero2_bytes=2 * full + (1 + ADAM_STATES) * full // world_size,
+        zero1_bytes=2 * full + ADAM_STATES * full // stage_world,
+        zero2_bytes=2 * full + (1 + ADAM_STATES) * full // stage_world,
         row_sharded_bytes_max=max(table_state),
         peak_with_ddp_tables_max=worst.peak_bytes + int((1 + fragmentation) * (ddp - worst_table)),
     )
@@ -732,7 +910,7 @@ def estimate(
         config_file=cfg.job.config_file,
         model=f"{cfg.model.name}/{cfg.model.flavor}",
         world_size=world_size,
-        parallel_dims=dims_repr,
+        parallel_dims=repr(dims),
         seq_len=cfg.training.seq_len,
         local_batch_size=cfg.training.local_batch_size,
         grad_accum_steps=cfg.training.grad_accum_steps,
@@ -740,6 +918,10 @@ def estimate(
         training_mode=cfg.training.mode,
         global_params=n_global,
         global_dense_params=n_global - n_tables,
+        model_dim=whole.args.dim,
+        n_layers=whole.args.n_layers,
+        vocab_size=whole.args.vocab_size,
+        tied_embeddings=whole.args.tie_embeddings,
         global_table_params=n_tables,
         table_rows_global=dict(table_rows),
         device_memory_bytes=device_bytes,
@@ -747,13 +929,17 @@ def estimate(
         no_sync_accumulation=no_sync,
         fragmentation=fragmentation,
         reserve_bytes=reserve,
-        fsdp=buffers,
-        activations=act,
+        stage_activations=stage_acts,
         tp=dims.tp,
         sequence_parallel=sequence_parallel(cfg),
+        pp=dims.pp,
+        pipeline=(
+            f"{cfg.pipeline.schedule}, {n_micro} micro-batches, "
+            f"{cfg.pipeline.virtual_stages} stage(s) per rank"
+            if dims.pp_enabled
+            else "off"
+        ),
         float8=cfg.float8.recipe if cfg.float8.enable else "off",
-        float8_cast_bytes=f8_bytes,
-        float8_largest_linear=f8_linear,
         ranks=results,
         all_ranks=all_ranks,
         replicated_tables=baseline,
@@ -781,17 +967,33 @@ def _runs(values: list[int]) -> str:
     return ", ".join(parts)
 
 
+COMM_ROWS = (
+    ("FSDP all-gather", "fsdp_all_gather"),
+    ("FSDP reduce-scatter", "fsdp_reduce_scatter"),
+    ("DP all-reduce (HSDP / DDP replicas)", "dp_all_reduce"),
+    ("TP collectives", "tp"),
+    ("PP send / recv", "pp_send_recv"),
+    ("Engram table all-to-all (no dedup)", "table_all_to_all"),
+)
+
+
+def _span(layers: list[int]) -> str:
+    return f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}"
+
+
 def to_markdown(est: MemoryEstimate) -> str:
-    f, act, rs = est.fsdp, est.activations, est.ranks
+    rs = est.ranks
+    f0 = rs[0].fsdp
     cols = " | ".join(f"rank {m.rank}" for m in rs)
     lines = [
         f"## {est.model} at world {est.world_size} ({est.config_file or 'defaults'})",
         "",
         f"{est.parallel_dims}; seq_len {est.seq_len}, local batch {est.local_batch_size}, "
         f"grad accum {est.grad_accum_steps}, activation checkpointing {est.activation_checkpoint}, "
-        f"training mode {est.training_mode}; compute {f.compute_dtype}, reduce {f.reduce_dtype}; "
-        f"float8 {est.float8}"
+        f"training mode {est.training_mode}; compute {f0.compute_dtype}, reduce "
+        f"{f0.reduce_dtype}; float8 {est.float8}"
         + (f"; tp {est.tp}, sequence parallel {est.sequence_parallel}" if est.tp > 1 else "")
+        + (f"; pipeline {est.pipeline}" if est.pp > 1 else "")
         + ". GiB = 2^30 bytes.",
         "",
         f"| per rank | {cols} | kind |",
@@ -801,9 +1003,15 @@ def to_markdown(est: MemoryEstimate) -> str:
     def row(label: str, values: list[str], kind: str) -> None:
         lines.append(f"| {label} | " + " | ".join(values) + f" | {kind} |")
 
-    def same(v: str) -> list[str]:
-        return [v] * len(rs)
+    def each(fn) -> list[str]:
+        return [fn(m) for m in rs]
 
+    if est.pp > 1:
+        row(
+            "pipeline stages (decoder layers)",
+            each(lambda m: ", ".join(f"{s} ({_span(m.stage_layers[s])})" for s in m.stages)),
+            "exact",
+        )
     row("dense parameters (FSDP shard), count", [_count(m.dense_params) for m in rs], "exact")
     row(
         "dense parameters fp32 = master weights, GiB",
@@ -829,40 +1037,62 @@ def to_markdown(est: MemoryEstimate) -> str:
             [_gib(m.async_staging_bytes) for m in rs],
             "exact",
         )
-    gathered = "x2" if f.layers_reshard_after_forward else "all layers held (no reshard)"
+    gathered = "x2" if f0.layers_reshard_after_forward else "all layers held (no reshard)"
     row(
-        f"all-gather {f.largest_layer} ({_count(f.layer_unsharded_params)} params) {gathered}, GiB",
-        same(_gib(f.layer_gather_bytes)),
+        f"all-gather largest layer {gathered}, GiB",
+        each(lambda m: f"{_gib(m.fsdp.layer_gather_bytes)} ({m.fsdp.largest_layer})"),
         "exact shapes",
     )
     row(
-        f"all-gather root unit ({_count(f.root_unsharded_params)} params), GiB",
-        same(_gib(f.root_gather_bytes)),
+        "all-gather root unit(s), GiB",
+        each(lambda m: _gib(m.fsdp.root_gather_bytes)),
         "exact shapes",
     )
     row(
         "layer grads + 2 reduce-scatter inputs, GiB",
-        same(_gib(f.layer_reduce_bytes)),
+        each(lambda m: _gib(m.fsdp.layer_reduce_bytes)),
         "exact shapes",
     )
-    row("root grads (held to end of backward), GiB", same(_gib(f.root_grad_bytes)), "exact shapes")
-    row("root reduce-scatter input, GiB", same(_gib(f.root_reduce_bytes)), "exact shapes")
+    row(
+        "root grads (held to end of backward), GiB",
+        each(lambda m: _gib(m.fsdp.root_grad_bytes)),
+        "exact shapes",
+    )
+    row(
+        "root reduce-scatter input, GiB",
+        each(lambda m: _gib(m.fsdp.root_reduce_bytes)),
+        "exact shapes",
+    )
     row(
         "unsharded grads kept across micro-batches (no-sync), GiB",
-        same(_gib(f.no_sync_accum_bytes)),
+        each(lambda m: _gib(m.fsdp.no_sync_accum_bytes)),
         "exact shapes" if est.no_sync_accumulation else "not modelled: no no-sync accumulation",
     )
-    row("activations saved to backward, GiB", same(_gib(act.saved_bytes)), "estimate")
+    if est.pp > 1:
+        row(
+            "micro-batches in flight at the peak, per stage",
+            each(lambda m: ", ".join(f"{s}: {n}" for s, n in m.activations.in_flight.items())),
+            "schedule order",
+        )
     row(
-        "one layer's recompute + backward temporaries, GiB",
-        same(_gib(act.recompute_bytes)),
+        "activations saved to backward, GiB",
+        each(lambda m: _gib(m.activations.saved_bytes)),
         "estimate",
     )
-    row("loss head (logits, fp32 cross-entropy), GiB", same(_gib(act.loss_bytes)), "estimate")
+    row(
+        "one layer's recompute + backward temporaries, GiB",
+        each(lambda m: _gib(m.activations.recompute_bytes)),
+        "estimate",
+    )
+    row(
+        "loss head (logits, fp32 cross-entropy), GiB",
+        each(lambda m: _gib(m.activations.loss_bytes)),
+        "estimate",
+    )
     if est.float8 != "off":
         row(
-            f"float8 casts of one linear ({est.float8_largest_linear}), GiB",
-            same(_gib(est.float8_cast_bytes)),
+            "float8 casts of one linear, GiB",
+            each(lambda m: f"{_gib(m.float8_cast_bytes)} ({m.float8_largest_linear})"),
             "estimate",
         )
     row(
@@ -880,10 +1110,20 @@ def to_markdown(est: MemoryEstimate) -> str:
         [_gib(m.fragmentation_bytes) for m in rs],
         "assumption",
     )
-    row("runtime context + collective buffers, GiB", same(_gib(est.reserve_bytes)), "assumption")
+    row(
+        "runtime context + collective buffers, GiB",
+        each(lambda m: _gib(est.reserve_bytes)),
+        "assumption",
+    )
     row("**estimated peak**, GiB", [f"**{_gib(m.peak_bytes)}**" for m in rs], "estimate")
-    row("device memory, GiB", same(_gib(est.device_memory_bytes)), "--device_memory_gib")
+    row("device memory, GiB", each(lambda m: _gib(est.device_memory_bytes)), "--device_memory_gib")
     row("headroom, GiB", [_gib(m.headroom_bytes) for m in rs], "estimate")
+    for label, key in COMM_ROWS:
+        row(
+            f"{label}, GiB received per step",
+            each(lambda m, k=key: _gib(getattr(m.comm, k))),
+            "formula",
+        )
     lines += ["", f"Fits: **{'yes' if est.fits else 'NO'}**."]
     if est.recipe_defers_grad_sync and not est.no_sync_accumulation:
         lines += [
@@ -893,18 +1133,24 @@ def to_markdown(est: MemoryEstimate) -> str:
             "micro-batches).",
         ]
     if est.no_sync_accumulation:
+        why = (
+            "under PP, torch's pipeline stage turns gradient sync off for all but the last of "
+            "a step's micro-batches"
+            if est.pp > 1
+            else f"with grad_accum_steps = {est.grad_accum_steps}, recipes/train.py turns "
+            "gradient sync off on non-last micro-batches"
+        )
         lines += [
             "",
-            f"Note: with grad_accum_steps = {est.grad_accum_steps}, recipes/train.py turns "
-            "gradient sync off on non-last micro-batches; FSDP2 then keeps every unit's "
-            f"unsharded gradient in {f.reduce_dtype} until the last micro-batch "
-            f"({_gib(f.no_sync_accum_bytes)} GiB per rank).",
+            f"Note: {why}; FSDP2 then keeps every unit's unsharded gradient in "
+            f"{f0.reduce_dtype} until the last micro-batch "
+            f"({_gib(f0.no_sync_accum_bytes)} GiB on rank {rs[0].rank}).",
         ]
     a = est.all_ranks
     rows_summary = "; ".join(f"layer {layer}: {_runs(r)}" for layer, r in a.table_rows.items())
     lines += [
         "",
-        "### All ranks (DTensor placement math from one built rank)",
+        "### All ranks (DTensor placement math from one built rank per pipeline stage)",
         "",
         f"- dense parameters summed over {a.world_size} ranks: {_count(a.dense_params_sum)} "
         f"(global {_count(est.global_dense_params)} x {a.replicas} replica(s)); per rank min "
@@ -927,7 +1173,7 @@ def to_markdown(est: MemoryEstimate) -> str:
     ]
     n_rows = sum(est.table_rows_global.values())
     dim = est.global_table_params // n_rows if n_rows else 0
-    lines += table_memory_markdown(est.table_rows_global, dim, est.world_size)
+    lines += table_memory_markdown(est.table_rows_global, dim, est.world_size // est.pp)
     return "\n".join(lines) + "\n"
 
 
@@ -957,6 +1203,41 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "gradient accumulation",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="print candidate layouts side by side (scripts/compare_layouts.py) instead",
+    )
+    p.add_argument(
+        "--layouts",
+        default="",
+        help="with --compare: comma-separated layouts, e.g. FSDP64,HSDP8x8,PP2xTP4xFSDP8 "
+        "(default: the usual candidates for the world size)",
+    )
+    p.add_argument(
+        "--node_size", type=int, default=8, help="with --compare: devices per node (TP <= this)"
+    )
+    p.add_argument(
+        "--local_batch_sizes",
+        default="",
+        help="with --compare: micro-batch sizes (sequences) to try for layouts without PP, e.g. "
+        "1,2,4 (default: the config's training.local_batch_size)",
+    )
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=0.15,
+        help="with --compare: the pick needs this fraction of device memory free",
+    )
+    for flag, what in (
+        ("peak_tflops", "dense bf16 TFLOPS per device"),
+        ("mfu", "model FLOPs utilisation"),
+        ("inter_node_gbs", "GB/s per device between nodes"),
+        ("intra_node_gbs", "GB/s per device inside a node"),
+    ):
+        p.add_argument(
+            f"--{flag}", type=float, default=None, help=f"with --compare: {what} (step model)"
+        )
     return p.parse_known_args(argv)
 
 
@@ -973,9 +1254,38 @@ def _parse_ranks(text: str, world_size: int) -> list[int] | None:
         ) from None
 
 
-def main(argv: list[str] | None = None) -> MemoryEstimate:
+def main(argv: list[str] | None = None) -> MemoryEstimate | list:
     opts, rest = parse_args(list(sys.argv[1:] if argv is None else argv))
     cfg = load_config(rest)
+    if opts.compare:
+        from scripts import compare_layouts
+
+        machine = compare_layouts.MACHINES.get(cfg.job.device, compare_layouts.MACHINES["cuda"])
+        machine = dataclasses.replace(
+            machine,
+            **{
+                k: getattr(opts, k)
+                for k in ("peak_tflops", "mfu", "inter_node_gbs", "intra_node_gbs")
+                if getattr(opts, k) is not None
+            },
+        )
+        rows = compare_layouts.compare(
+            cfg,
+            opts.world_size,
+            [name for name in opts.layouts.split(",") if name] or None,
+            opts.node_size,
+            machine,
+            [int(n) for n in opts.local_batch_sizes.split(",") if n] or None,
+            device_memory_gib=opts.device_memory_gib,
+            fragmentation=opts.fragmentation,
+            reserve_gib=opts.reserve_gib,
+        )
+        print(
+            compare_layouts.to_markdown(
+                cfg, opts.world_size, rows, opts.node_size, machine, opts.margin
+            )
+        )
+        return rows
     est = estimate(
         cfg,
         opts.world_size,

@@ -162,12 +162,12 @@ def est_32b_recipe():
 
 
 def test_32b_recipe_reduce_scatters_every_micro_batch(est_32b_recipe):
-    """Under FSDP the recipe never defers the reduce-scatter (grad_accum_steps = 4 in the 32B
+    """Under FSDP the recipe never defers the reduce-scatter (grad_accum_steps = 2 in the 32B
     config), so no unsharded fp32 gradient (4 B x 32.8 B params per rank) is kept between
     micro-batches (parallelisms.fsdp.defer_grad_sync)."""
     est = est_32b_recipe
     assert not est.recipe_defers_grad_sync and not est.no_sync_accumulation
-    assert est.fsdp.no_sync_accum_bytes == 0
+    assert all(m.fsdp.no_sync_accum_bytes == 0 for m in est.ranks)
 
 
 def test_32b_npu_fits_in_64gb_as_the_recipe_runs(est_32b_recipe):
@@ -232,11 +232,6 @@ def test_bad_input_names_the_fix():
         _estimate(_cfg(DEBUG, "--parallelism.dp_replicate=3"), 4)
 
 
-def test_pipeline_parallel_is_refused():
-    with pytest.raises(ConfigError, match="does not model pipeline parallelism"):
-        _estimate(_cfg(DEBUG, "--parallelism.pp=2"), 2)
-
-
 def test_float8_on_npu_is_refused():
     with pytest.raises(ConfigError, match="no float8 matmul.*bf16"):
         _estimate(_cfg(NPU_32B, "--float8.enable=true"), 64, ranks=[0])
@@ -250,13 +245,14 @@ def test_float8_changes_only_transients():
     cfg = _cfg(DEBUG)
     base = _estimate(cfg, 2, ranks=[0])
     f8 = _estimate(_cfg(DEBUG, "--float8.enable=true"), 2, ranks=[0])
-    assert f8.float8 == "rowwise" and base.float8 == "off" and base.float8_cast_bytes == 0
-    assert f8.ranks[0].persistent_bytes == base.ranks[0].persistent_bytes
+    b, f = base.ranks[0], f8.ranks[0]
+    assert f8.float8 == "rowwise" and base.float8 == "off" and b.float8_cast_bytes == 0
+    assert f.persistent_bytes == b.persistent_bytes
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
-    assert f8.float8_largest_linear.endswith("feed_forward.w1")  # w3 has the same shape
-    assert f8.float8_cast_bytes == 2 * 256 * 768 + tokens * (256 + 2 * 768)
+    assert f.float8_largest_linear.endswith("feed_forward.w1")  # w3 has the same shape
+    assert f.float8_cast_bytes == 2 * 256 * 768 + tokens * (256 + 2 * 768)
     phase = "decoder-layer backward"
-    assert f8.ranks[0].phases[phase] - base.ranks[0].phases[phase] == f8.float8_cast_bytes
+    assert f.phases[phase] - b.phases[phase] == f.float8_cast_bytes
 
 
 def test_tp_activation_formula():

@@ -1,0 +1,148 @@
+"""Bytes one rank receives per optimizer step, per kind of collective (formulas).
+
+Each number is what a rank receives over the wire in one optimizer step (a ring collective
+sends as much as it receives), from this rank's exact local shapes and the layout:
+
+    FSDP all-gather      dense shard (compute dtype) x (dp_shard - 1), per gather of a unit.
+                         Gathers per step: without PP, each micro-batch gathers in forward and,
+                         if the layers reshard after forward, again in backward; under PP a
+                         stage stays unsharded across its micro-batches: one gather per
+                         schedule step.
+    FSDP reduce-scatter  trainable shard (reduce dtype) x (dp_shard - 1), per gradient sync:
+                         every micro-batch without PP (FSDP), once per schedule step under PP,
+                         once per step under DDP's no-sync accumulation.
+    DP all-reduce        HSDP / DDP across dp_replicate: 2 (R - 1) / R x the trainable shard.
+    TP                   sequence parallel: per decoder layer 2 all-gathers + 2
+                         reduce-scatters of the [tokens, dim] stream in forward, the same in
+                         backward, again in a checkpointed layer's recompute; each moves
+                         (tp - 1) / tp of it. Plus the embedding's reduce-scatter and the
+                         head's all-gather (forward and backward). Without sequence parallel
+                         the all-reduces move the same bytes.
+    PP send / recv       per micro-batch, each local stage sends its output (not the last
+                         stage) and its input gradient (not the first): [tokens, dim] in the
+                         compute dtype, / tp under sequence parallel. Stages on the same rank
+                         (the V placement's turn) send nothing.
+    table all-to-all     per Engram layer of this rank's stages and micro-batch: the ids
+                         (int64 per head) out, the rows back (`engram_a2a_dtype`), the row
+                         gradients out in backward, (E - 1) / E of them remote with E =
+                         dp x tp table shards; again in a checkpointed layer's recompute.
+                         Without dedup (an upper bound: repeated n-grams are sent once,
+                         benchmarks/bench_table_a2a.py measures the saving).
+
+Not counted: Engram's ShortConv halo under TP (k-1 positions per layer), the small
+all-reduces of the loss, grad norm and Engram block's dense grads over TP, barriers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from engram.config import JobConfig
+from parallelisms.fsdp import DTYPES, defer_grad_sync, reshard_after_forward
+from parallelisms.parallel_dims import ParallelDims
+
+
+@dataclass
+class CommPerStep:
+    """Bytes this rank receives per optimizer step."""
+
+    fsdp_all_gather: int = 0
+    fsdp_reduce_scatter: int = 0
+    dp_all_reduce: int = 0
+    tp: int = 0
+    pp_send_recv: int = 0
+    table_all_to_all: int = 0
+
+    @property
+    def total(self) -> int:
+        return (
+            self.fsdp_all_gather
+            + self.fsdp_reduce_scatter
+            + self.dp_all_reduce
+            + self.tp
+            + self.pp_send_recv
+            + self.table_all_to_all
+        )
+
+
+def _local_numel(p: nn.Parameter) -> int:
+    return (p.to_local() if isinstance(p, DTensor) else p).numel()
+
+
+def comm_per_step(
+    cfg: JobConfig, dims: ParallelDims, parts, table_params, mem, plan
+) -> CommPerStep:
+    """`mem`: this rank's RankMemory (its stages, FSDP dtypes, micro-batch tokens); `plan`: the
+    StagePlan under PP, else None."""
+    p = cfg.parallelism
+    a = DTYPES[mem.fsdp.compute_dtype].itemsize
+    r = DTYPES[mem.fsdp.reduce_dtype].itemsize
+    accum = cfg.training.grad_accum_steps
+    tokens = mem.activations.microbatch_tokens
+    passes = accum * (cfg.training.local_batch_size * cfg.training.seq_len // tokens)
+    table_ids = {id(t) for t in table_params}
+    dense = [q for part in parts for q in part.parameters() if id(q) not in table_ids]
+    shard = sum(_local_numel(q) for q in dense)
+    trainable = sum(_local_numel(q) for q in dense if q.requires_grad)
+    out = CommPerStep()
+
+    s, rep = dims.dp_shard, dims.dp_replicate
+    if s > 1:
+        layer_reshard, _ = reshard_after_forward(dims, p)
+        gathers = accum if dims.pp_enabled else accum * (2 if layer_reshard else 1)
+        out.fsdp_all_gather = gathers * shard * (s - 1) * a
+    if dims.pp_enabled or not defer_grad_sync(dims):
+        syncs = accum
+    else:  # DDP: the recipe reduces once, at the last micro-batch
+        syncs = 1
+    if s > 1:
+        out.fsdp_reduce_scatter = syncs * trainable * (s - 1) * r
+    if rep > 1:
+        out.dp_all_reduce = syncs * 2 * (rep - 1) * trainable * r // rep
+
+    layers = [i for s_ in mem.stages for i in mem.stage_layers[s_]]
+    every = {"none": 0, "full": 1, "selective": cfg.activation_checkpoint.selective_every}[
+        cfg.activation_checkpoint.mode
+    ]
+    recomputed = {
+        i
+        for s_ in mem.stages
+        for k, i in enumerate(mem.stage_layers[s_])
+        if every and k % every == 0
+    }
+    dim = parts[0].args.dim
+    stream = tokens * dim * a  # one [tokens, dim] tensor of the micro-batch, compute dtype
+    if dims.tp > 1:
+        tp = dims.tp
+        ops = sum(8 + (4 if i in recomputed else 0) for i in layers)
+        first = 0 in mem.stages
+        last = plan is None or plan.num_stages - 1 in mem.stages
+        ops += 2 * first + 2 * last
+        out.tp = passes * ops * stream * (tp - 1) // tp
+
+    sp_div = dims.tp if dims.tp > 1 and dims.sequence_parallel else 1
+    if plan is not None:
+        sends = 0
+        for st in mem.stages:
+            if st < plan.num_stages - 1 and plan.ranks[st + 1] != plan.ranks[st]:
+                sends += 1  # activation to the next stage
+            if st > 0 and plan.ranks[st - 1] != plan.ranks[st]:
+                sends += 1  # input gradient to the previous stage
+        out.pp_send_recv = passes * sends * stream // sp_div
+
+    e = cfg.engram
+    engram_layers = [i for i in layers if e.enabled and i in e.layer_ids]
+    shards = dims.dp_size * dims.tp
+    if engram_layers and shards > 1:
+        wire = DTYPES[p.engram_a2a_dtype].itemsize if p.engram_a2a_dtype else 4
+        local_tokens = tokens // sp_div
+        ids = local_tokens * e.num_heads * 8
+        rows = local_tokens * e.num_heads * e.head_dim * wire
+        per_layer = [
+            (ids + rows) * (2 if i in recomputed else 1) + rows for i in engram_layers
+        ]  # forward (+ recompute), row gradients in backward
+        out.table_all_to_all = passes * sum(per_layer) * (shards - 1) // shards
+    return out
