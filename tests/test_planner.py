@@ -142,29 +142,33 @@ def _real_stage_bytes(rank: int, world: int, cfg) -> dict:
 
 
 @pytest.mark.parametrize(
-    "layout",
+    "world, layout",
     [
-        ("--parallelism.pp=2",),  # PP2 x FSDP2
-        ("--parallelism.pp=2", "--parallelism.tp=2"),  # PP2 x TP2
+        (4, ("--parallelism.pp=2",)),  # PP2 x FSDP2
+        (4, ("--parallelism.pp=2", "--parallelism.tp=2")),  # PP2 x TP2
         (  # two stages per rank, V placement: rank 0 holds the first and the last stage
-            "--parallelism.pp=2",
-            "--pipeline.schedule=ZBVZeroBubble",
-            "--pipeline.virtual_stages=2",
+            4,
+            (
+                "--parallelism.pp=2",
+                "--pipeline.schedule=ZBVZeroBubble",
+                "--pipeline.virtual_stages=2",
+            ),
         ),
+        (8, ("--parallelism.pp=2", "--parallelism.tp=2")),  # PP2 x FSDP2 x TP2
     ],
-    ids=["pp2_fsdp2", "pp2_tp2", "pp2_v_fsdp2"],
+    ids=["pp2_fsdp2", "pp2_tp2", "pp2_v_fsdp2", "pp2_fsdp2_tp2"],
 )
-def test_per_stage_bytes_equal_what_real_ranks_hold(layout):
+def test_per_stage_bytes_equal_what_real_ranks_hold(world, layout):
     """Parameters, table rows, gradients and optimizer state per rank from the estimator (fake
-    process group) equal those of 4 real gloo ranks after one optimizer step; Engram tables on
+    process group) equal those of real gloo ranks after one optimizer step; Engram tables on
     two different stages."""
     cfg = _cfg(DEBUG, "--engram.layer_ids=[1, 2]", "--training.local_batch_size=4", *layout)
-    est = run_isolated(estimate, cfg, 4, ranks=list(range(4)))
-    real = run_distributed(_real_stage_bytes, 4, cfg)
+    est = run_isolated(estimate, cfg, world, ranks=list(range(world)))
+    real = run_distributed(_real_stage_bytes, world, cfg)
     for mem, got in zip(est.ranks, real, strict=True):
         assert mem.stages == got["stages"], mem.rank
         assert mem.dense_params == got["dense"], mem.rank
-        assert {k: v for k, v in mem.table_rows.items()} == got["rows"], mem.rank
+        assert dict(mem.table_rows) == got["rows"], mem.rank
         assert mem.grad_bytes == got["grad_bytes"], mem.rank
         assert mem.optimizer_bytes == got["optimizer_bytes"], mem.rank
     assert est.all_ranks.dense_params_sum == sum(g["dense"] for g in real)
