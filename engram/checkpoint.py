@@ -117,19 +117,34 @@ class ModelState(Stateful):
 
 
 class OptimizerState(Stateful):
-    """One or more optimizers over (disjoint parameter sets of) one model, as DCP state."""
+    """One or more optimizers over (disjoint parameter sets of) one model, as DCP state.
 
-    def __init__(self, model: nn.Module, optimizers: torch.optim.Optimizer | Sequence[Any]):
-        self.model = model
-        self.optimizers = (
-            [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
-        )
+    Pipeline parts: pass the parts and, per part, its optimizers. Each part's state is keyed by
+    its own parameter names (global: stages keep the unsplit model's names), so a rank holding
+    two stages saves and loads the same keys as any other layout (a ModuleList of the parts
+    would prefix them with the part's index and resume only at the same placement)."""
+
+    def __init__(
+        self,
+        model: nn.Module | Sequence[nn.Module],
+        optimizers: torch.optim.Optimizer | Sequence[Any],
+    ):
+        if isinstance(model, nn.Module):
+            opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
+            self.pairs = [(model, list(opts))]
+        else:
+            self.pairs = [(part, list(opts)) for part, opts in zip(model, optimizers, strict=True)]
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizers, options=_OPTIM_OPTIONS)
+        merged: dict[str, Any] = {}
+        for part, opts in self.pairs:
+            merged.update(get_optimizer_state_dict(part, opts, options=_OPTIM_OPTIONS))
+        return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizers, state_dict, options=_OPTIM_OPTIONS)
+        # Each part reads its own parameters' keys from the merged, flattened dict.
+        for part, opts in self.pairs:
+            set_optimizer_state_dict(part, opts, state_dict, options=_OPTIM_OPTIONS)
 
 
 @dataclass

@@ -42,6 +42,10 @@ from parallelisms.parallel_dims import ParallelDims
 
 SINGLE_STAGE = ("GPipe", "1F1B")
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+# Schedules that split backward into input gradients (I) and weight gradients (W); W asks
+# autograd for each parameter's gradient.
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+ROW_SPARSE_TABLE_OPTIMIZERS = ("lazy_adam", "rowwise_adagrad")
 
 
 @dataclass
@@ -180,6 +184,17 @@ def split_stages(
     model: nn.Module, cfg: JobConfig, dims: ParallelDims
 ) -> tuple[StagePlan, list[int], list[nn.Module]]:
     """The plan, this rank's stage indices and their (meta, unparallelised) modules."""
+    sparse = cfg.optimizer.table_optimizer in ROW_SPARSE_TABLE_OPTIMIZERS
+    if cfg.pipeline.schedule in SPLIT_BACKWARD and cfg.engram.enabled and sparse:
+        # The row-sparse lookup returns no weight gradient (engram/table_grad.py), and the
+        # weight-gradient step of these schedules asks autograd for one: torch fails there.
+        raise ConfigError(
+            f"pipeline.schedule={cfg.pipeline.schedule} computes weight gradients in a separate "
+            f"pass that row-sparse Engram tables (optimizer.table_optimizer="
+            f"{cfg.optimizer.table_optimizer}) do not support: use optimizer.table_optimizer = "
+            '"adam", or a schedule without split backward (GPipe, 1F1B, Interleaved1F1B, '
+            "LoopedBFS)"
+        )
     if model.args.tie_embeddings:
         raise ConfigError(
             "tied input/output embeddings cannot be split across pipeline stages (the embedding "

@@ -252,8 +252,8 @@ def train(cfg: JobConfig) -> TrainResult:
         )
 
     # One optimizer set per stage (their parameters are disjoint); DCP sees them as one model.
-    optimizers = [opt for part in model_parts for opt in build_optimizers(part, cfg)]
-    optim_model = model if len(model_parts) == 1 else torch.nn.ModuleList(model_parts)
+    part_optimizers = [build_optimizers(part, cfg) for part in model_parts]
+    optimizers = [opt for opts in part_optimizers for opt in opts]
     schedulers = build_lr_schedulers(optimizers, cfg)
     train_loader = build_dataloader(cfg, tokenizer, hasher, dp_rank, dims.dp_size, split="train")
 
@@ -268,7 +268,7 @@ def train(cfg: JobConfig) -> TrainResult:
         cfg.run_folder,
         states={
             "model": ModelState(model_parts),
-            "optimizer": OptimizerState(optim_model, optimizers),
+            "optimizer": OptimizerState(model_parts, part_optimizers),
             "lr_scheduler": SchedulersState(schedulers),
             "dataloader": train_loader,
             "train_state": state,

@@ -1,6 +1,6 @@
 """Resume at another world size and layout through the real recipe: world 1 -> 2 (FSDP) -> 4
-(HSDP 2x2) -> 2 (TP 2) -> 4 (PP 2 x FSDP 2) -> 3 (DDP) -> 1, the same global batch (12)
-throughout, row-sharded Engram tables
+(HSDP 2x2) -> 2 (TP 2) -> 4 (PP 2 x FSDP 2) -> 2 (PP 2, Interleaved1F1B: two stages per rank)
+-> 3 (DDP) -> 1, the same global batch (12) throughout, row-sharded Engram tables
 with the lazy table Adam, dense AdamW, and the real data loader (its state is global JSON).
 
 Each leg checks, right after its load, that the full model, both optimizers' states and the
@@ -35,12 +35,22 @@ LEGS = [  # (world, dp_replicate, dp_shard, tp, pp, last step)
     (4, 2, 2, 1, 1, 6),
     (2, 1, 1, 2, 1, 8),  # TP 2
     (4, 1, 2, 1, 2, 10),  # PP 2 x FSDP 2
-    (3, 3, 1, 1, 1, 12),
-    (1, 1, 1, 1, 1, 14),
+    (2, 1, 1, 1, -2, 12),  # PP 2, Interleaved1F1B: stages 0 + 2 on rank 0, 1 + 3 on rank 1
+    (3, 3, 1, 1, 1, 14),
+    (1, 1, 1, 1, 1, 16),
 ]
 
 
+def _pipeline(pp: int) -> tuple[int, dict]:
+    """pp < 0: |pp| ranks with two stages each (looped placement; the zero-bubble schedules
+    refuse the row-sparse table optimizer used here)."""
+    if pp < 0:
+        return -pp, {"schedule": "Interleaved1F1B", "virtual_stages": 2}
+    return pp, {"schedule": "1F1B"}
+
+
 def _raw(folder: str, world: int, rep: int, shard: int, tp: int, pp: int, steps: int) -> dict:
+    pp, pipeline = _pipeline(pp)
     return {
         "job": {"dump_folder": folder, "run_name": "reshard", "device": "cpu", "seed": 11},
         "model": {"flavor": "debug"},
@@ -51,21 +61,29 @@ def _raw(folder: str, world: int, rep: int, shard: int, tp: int, pp: int, steps:
             "n_embed_per_ngram": 32,
             "init": "paper",
         },
-        "training": {"seq_len": SEQ, "local_batch_size": GLOBAL_BATCH // (rep * shard), "steps": steps},
+        "training": {
+            "seq_len": SEQ,
+            "local_batch_size": GLOBAL_BATCH // (rep * shard),
+            "steps": steps,
+        },
         "optimizer": {"lr": LR, "eps": 1e-6, "table_optimizer": "lazy_adam"},
         "lr_scheduler": {"warmup_steps": 2, "decay_type": "constant"},  # lr independent of steps
         "parallelism": {"dp_replicate": rep, "dp_shard": shard, "tp": tp, "pp": pp},
+        "pipeline": pipeline,
         "checkpoint": {"enable": True, "interval": 2, "keep_latest_k": 0},
         "metrics": {"enable_tensorboard": False},
     }
 
 
-def _full_state(model, optimizers, loader) -> dict[str, np.ndarray]:
-    """Every value as a full (unsharded) array; collective."""
+def _full_state(pairs: list, loader) -> dict[str, np.ndarray]:
+    """Every value as a full (unsharded) array, over this rank's (model part, optimizers) pairs;
+    collective."""
     opts = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
-    out = {f"model.{k}": v for k, v in get_model_state_dict(model, options=opts).items()}
-    osd = get_optimizer_state_dict(model, optimizers, options=opts)
-    out.update({f"optim.{k}": v for k, v in osd.items() if k.startswith("state.")})
+    out = {}
+    for part, optimizers in pairs:
+        out.update({f"model.{k}": v for k, v in get_model_state_dict(part, options=opts).items()})
+        osd = get_optimizer_state_dict(part, optimizers, options=opts)
+        out.update({f"optim.{k}": v for k, v in osd.items() if k.startswith("state.")})
     state = json.dumps(loader.state_dict(), sort_keys=True).encode()
     out["loader.state"] = torch.frombuffer(bytearray(state), dtype=torch.uint8)
     return {k: torch.as_tensor(v).detach().cpu().numpy().copy() for k, v in out.items()}
@@ -81,9 +99,10 @@ def _leg(rank: int, world: int, raw: dict) -> dict:
     real_build_optimizers, real_load = recipe.build_optimizers, ckpt.CheckpointManager.load
     real_build_dataloader = recipe.build_dataloader
 
-    def build_optimizers(model, cfg):
-        captured["model"], captured["opts"] = model, real_build_optimizers(model, cfg)
-        return captured["opts"]
+    def build_optimizers(model, cfg):  # once per stage this rank holds
+        opts = real_build_optimizers(model, cfg)
+        captured.setdefault("pairs", []).append((model, opts))
+        return opts
 
     def build_dataloader(cfg, tokenizer, hasher, dp_rank, dp_world, split="train"):
         loader = real_build_dataloader(cfg, tokenizer, hasher, dp_rank, dp_world, split=split)
@@ -93,13 +112,13 @@ def _leg(rank: int, world: int, raw: dict) -> dict:
 
     def load(self):
         step = real_load(self)
-        captured["loaded"] = _full_state(captured["model"], captured["opts"], captured["loader"])
+        captured["loaded"] = _full_state(captured["pairs"], captured["loader"])
         return step
 
     recipe.build_optimizers, recipe.build_dataloader = build_optimizers, build_dataloader
     ckpt.CheckpointManager.load = load
     result = recipe.train(config_from_dict(raw))
-    final = _full_state(captured["model"], captured["opts"], captured["loader"])
+    final = _full_state(captured["pairs"], captured["loader"])
     return {
         "start": result.start_step,
         "losses": result.losses,

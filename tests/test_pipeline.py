@@ -322,6 +322,24 @@ def test_tied_embeddings_are_refused_under_pp():
         split_stages(model, cfg, dims=None)
 
 
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_split_backward_schedules_refuse_row_sparse_tables(schedule):
+    """Their weight-gradient pass asks autograd for every parameter's gradient; a row-sparse
+    table has none (torch raised "appears to not have been used in the graph")."""
+    from parallelisms.pipeline import split_stages
+
+    raw = {
+        "model": {"flavor": "debug"},
+        "parallelism": {"pp": 2},
+        "pipeline": {"schedule": schedule, "virtual_stages": 2},
+        "optimizer": {"table_optimizer": "lazy_adam"},
+    }
+    cfg = config_from_dict(raw)
+    model, _ = build_from_config(cfg, load_tokenizer(""))
+    with pytest.raises(ConfigError, match='use optimizer.table_optimizer = "adam"'):
+        split_stages(model, cfg, dims=None)
+
+
 @pytest.mark.slow
 def test_engram_only_under_pp(tmp_path):
     """engram_only trains the Engram parameters of both stages (frozen backbone bit-identical);
