@@ -162,10 +162,10 @@ class ParallelDims:
 def parallel_dims_from_config(cfg, world_size: int) -> ParallelDims:
     p = cfg.parallelism
     if p.tp > 1 and cfg.compile.enable:
-        # Measured on torch 2.13 (CPU, gloo, aot_eager; tests/test_tp.py): compiled decoder
-        # blocks under TP give wrong gradients with FSDP2 x TP2 (step-1 grad norm 2.5% low, no
-        # Engram) and fail in backward with TP2 alone (DTensor redistribute gets a plain
-        # tensor). Refused until that composition is verified.
+        # Measured on torch 2.13 (CPU, gloo, aot_eager): under TP the embedding's gradient is
+        # lost between it and the first compiled block (zero with FSDP2 x TP2, a crash in
+        # DTensor's redistribute backward with TP2 alone); docs/parallelisms.md. Refused until
+        # that composition passes a parity test.
         raise ConfigError(
             f"compile.enable = true with parallelism.tp = {p.tp} is refused: compiled blocks "
             "under tensor parallelism compute wrong gradients with this torch (see "
