@@ -136,7 +136,6 @@ def apply_float8(
     if not compiled:
         logger.warning(
             "float8 without compile.enable: the float8 casts run as separate unfused kernels, "
-            "usually slower than bf16; set compile.enable=true (refused with parallelism.tp > 1, "
-            "see docs/parallelisms.md)"
+            "usually slower than bf16; set compile.enable=true"
         )
     return converted

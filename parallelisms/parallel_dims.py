@@ -161,16 +161,6 @@ class ParallelDims:
 
 def parallel_dims_from_config(cfg, world_size: int) -> ParallelDims:
     p = cfg.parallelism
-    if p.tp > 1 and cfg.compile.enable:
-        # Measured on torch 2.13 (CPU, gloo, aot_eager): under TP the embedding's gradient is
-        # lost between it and the first compiled block (zero with FSDP2 x TP2, a crash in
-        # DTensor's redistribute backward with TP2 alone); docs/parallelisms.md. Refused until
-        # that composition passes a parity test.
-        raise ConfigError(
-            f"compile.enable = true with parallelism.tp = {p.tp} is refused: compiled blocks "
-            "under tensor parallelism compute wrong gradients with this torch (see "
-            "docs/parallelisms.md); set compile.enable = false, or parallelism.tp = 1"
-        )
     return ParallelDims(
         dp_replicate=p.dp_replicate,
         dp_shard=p.dp_shard,

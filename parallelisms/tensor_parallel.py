@@ -68,6 +68,8 @@ def apply_tp(
     # A pipeline stage holds the embedding / final norm / head only on the first / last stage.
     root_plan = {k: v for k, v in root_plan.items() if getattr(model, k) is not None}
     parallelize_module(model, tp_mesh, root_plan)
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_stream_own_storage)
 
     for layer in model.layers.values():
         block = _unwrap(layer)
@@ -98,6 +100,15 @@ def apply_tp(
         parallelize_module(block, tp_mesh, plan)
         if block.engram is not None:
             _shard_engram_sequence(block.engram, tp_mesh, sequence_parallel)
+
+
+def _stream_own_storage(_module: nn.Module, _inputs, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's output is `to_local()` of a DTensor: a view of its local tensor made by a
+    custom autograd Function. A compiled block that takes such a view as input loses its
+    gradient (measured on torch 2.13, aot_eager: the embedding's gradient was zero under FSDP2 x
+    TP2, and without FSDP DTensor's redistribute backward received a plain tensor). A copy gives
+    the residual stream its own storage; it costs one [B, T/tp, D] copy per micro-batch."""
+    return output.clone()
 
 
 # ----------------------------------------------------------------------------- Engram under TP

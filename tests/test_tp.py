@@ -93,14 +93,24 @@ def test_tp_with_activation_checkpointing(tmp_path):
         _assert_matches(got, ref, init, f"fsdp2 x tp2 + AC (rank {rank})")
 
 
-def test_compile_with_tp_is_refused():
-    """Compiled blocks under TP gave wrong gradients (FSDP2 x TP2, aot_eager: step-1 grad norm
-    6.83 vs 7.01 eager without Engram) or crashed in backward (TP2): refused with the fix."""
-    from parallelisms.parallel_dims import parallel_dims_from_config
-
-    cfg = config_from_dict({"parallelism": {"tp": 2}, "compile": {"enable": True}})
-    with pytest.raises(ConfigError, match="set compile.enable = false, or parallelism.tp = 1"):
-        parallel_dims_from_config(cfg, 2)
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world, layout", [(2, {"tp": 2, "dp_shard": 1}), (4, {"tp": 2, "dp_shard": 2})]
+)
+def test_tp_with_compile_and_checkpointing(tmp_path, world, layout):
+    """TP 2 and FSDP2 x TP2 with every block compiled (aot_eager, as in tests/test_compile.py)
+    and full activation checkpointing, Engram in a middle layer, against one eager process.
+    Before the embedding's output got its own storage (tensor_parallel._stream_own_storage)
+    the embedding's gradient was zero here (FSDP2 x TP2) or the backward crashed (TP2)."""
+    engram = MIDDLE
+    ref_raw = _raw(str(tmp_path / "ref"), 1, 1, "full", "llama3", {}, engram)
+    ref = run_distributed(_train, 1, ref_raw)[0]
+    init = _initial_weights(ref_raw)
+    raw = _raw(str(tmp_path / "compiled"), world, 2, "full", "llama3", layout, engram)
+    raw["activation_checkpoint"] = {"mode": "full"}
+    raw["compile"] = {"enable": True, "backend": "aot_eager"}
+    for rank, got in enumerate(run_distributed(_train, world, raw)):
+        _assert_matches(got, ref, init, f"{layout} + compile + AC (rank {rank})")
 
 
 def _init_and_load(rank: int, world: int, raw: dict, hf_folder: str) -> dict:
