@@ -73,7 +73,9 @@ def build_optimizers(model: nn.Module, cfg: JobConfig) -> list[torch.optim.Optim
     groups = [g for g in groups if g["params"]]
     optimizers: list[torch.optim.Optimizer] = []
     if groups:
-        optimizers.append(torch.optim.AdamW(groups, lr=o.lr, betas=betas, eps=o.eps))
+        params = [p for g in groups for p in g["params"]]
+        fused = _fused_adam_ok(params) or None
+        optimizers.append(torch.optim.AdamW(groups, lr=o.lr, betas=betas, eps=o.eps, fused=fused))
     if tables:
         table_lr = o.lr * o.table_lr_mult
         table_group = [
@@ -100,12 +102,30 @@ def build_table_optimizer(
     """
     if name == "adam":
         # AdamW with weight_decay 0 is exactly Adam; decoupled decay if table_weight_decay > 0.
-        return torch.optim.AdamW(groups, betas=betas, eps=eps)
+        # Fused where torch has the kernel: one pass over each table instead of ~10 (the default
+        # on CPU is the per-op loop: 7x slower on a 400k x 32 table).
+        params = [p for g in groups for p in g["params"]]
+        return torch.optim.AdamW(groups, betas=betas, eps=eps, fused=_fused_adam_ok(params) or None)
     if name == "lazy_adam":
         return LazyAdam(groups, betas=betas, eps=eps)
     if name == "rowwise_adagrad":
         return RowwiseAdagrad(groups, eps=eps)
     raise ValueError(f"unknown table optimizer {name!r}: use adam, lazy_adam or rowwise_adagrad")
+
+
+def _fused_adam_ok(params: list[torch.Tensor]) -> bool:
+    """torch's fused AdamW runs on these params: float, on CPU or CUDA (other backends keep the
+    default implementation), and either no DTensor or all DTensors on one mesh (one fused call
+    must not mix meshes)."""
+    dtensors = [p for p in params if isinstance(p, DTensor)]
+    if dtensors and (
+        len(dtensors) != len(params) or len({id(p.device_mesh) for p in dtensors}) > 1
+    ):
+        return False
+    locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    return bool(locals_) and all(
+        t.device.type in ("cpu", "cuda") and t.is_floating_point() for t in locals_
+    )
 
 
 def lr_lambda(

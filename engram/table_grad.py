@@ -46,19 +46,32 @@ def accumulate_row_grad(param: torch.Tensor, rows: torch.Tensor, values: torch.T
     pending.append((rows, values))
 
 
+def sort_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, unique sorted rows, counts): rows[order] is sorted (stable: equal rows keep their
+    positions' order) and runs of equal rows have lengths `counts`."""
+    order = torch.argsort(rows, stable=True)
+    uniq, counts = torch.unique_consecutive(rows.index_select(0, order), return_counts=True)
+    return order, uniq, counts
+
+
+def bag_sums(values: torch.Tensor, order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Row i: the sum of the values of sort_rows' i-th unique row, in position order (CPU).
+
+    One embedding_bag over the sorted order: index_add_ runs as a scatter_add over an expanded
+    index on CPU (6x slower), index_select + segment_reduce as two passes (7x slower)."""
+    if counts.numel() == 0:
+        return values.new_zeros((0, values.shape[1]))
+    starts = counts.cumsum(0).sub_(counts)
+    return F.embedding_bag(order, values.contiguous(), starts, mode="sum")
+
+
 def coalesce_rows(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unique sorted row ids and the sum of each row's values in fp32 (fp64 stays fp64), in a
     deterministic order."""
     values = values.to(torch.promote_types(values.dtype, torch.float32))
     if rows.device.type == "cpu":
-        # CPU: a stable sort + segment sum is several times faster than index_add_ (which runs
-        # as a scatter_add over an expanded index there).
-        order = torch.argsort(rows, stable=True)
-        uniq, counts = torch.unique_consecutive(rows.index_select(0, order), return_counts=True)
-        if uniq.numel() == 0:
-            return uniq, values.new_zeros((0, values.shape[1]))
-        summed = torch.segment_reduce(values.index_select(0, order), "sum", lengths=counts, axis=0)
-        return uniq, summed
+        order, uniq, counts = sort_rows(rows)
+        return uniq, bag_sums(values, order, counts)
     uniq, inverse = torch.unique(rows, sorted=True, return_inverse=True)
     out = values.new_zeros((uniq.numel(), values.shape[1]))
     out.index_add_(0, inverse, values)

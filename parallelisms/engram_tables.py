@@ -27,10 +27,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from engram.table_grad import (
     accumulate_row_grad,
+    bag_sums,
     coalesce_rows,
     embedding_lookup,
     is_row_sparse,
     row_grad,
+    sort_rows,
 )
 
 __all__ = [
@@ -112,10 +114,14 @@ class _ShardedLookup(torch.autograd.Function):
                 "with apply_engram_table_sharding (Shard(0) on the same group)"
             )
         ids = flat_ids.to(device=local_weight.device, dtype=torch.long)
-        # Ids sorted by owner: unique() sorts, and the owner is monotonic in the id.
-        if dedup:
+        # Ids sorted by owner: the owner is monotonic in the id.
+        order, runs = None, None
+        if dedup and ids.device.type == "cpu":
+            # One stable sort, kept for backward: its duplicate-row sum then needs no other sort.
+            order, send_ids, runs = sort_rows(ids)
+            inverse = torch.empty_like(order).scatter_(0, order, torch.repeat_interleave(runs))
+        elif dedup:
             send_ids, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-            order = None
         else:
             order = torch.argsort(ids, stable=True)
             send_ids, inverse = ids[order], None
@@ -140,7 +146,7 @@ class _ShardedLookup(torch.autograd.Function):
             out = torch.empty_like(rows_back)
             out[order] = rows_back
 
-        ctx.save_for_backward(local_idx, inverse if dedup else order)
+        ctx.save_for_backward(local_idx, inverse if dedup else order, order, runs)
         ctx.meta = (dedup, grad_scale, group, send_splits, recv_splits, n_send, n_recv)
         ctx.local_shape, ctx.dtype, ctx.wire = local_weight.shape, local_weight.dtype, wire
         return out
@@ -157,11 +163,13 @@ class _ShardedLookup(torch.autograd.Function):
 def _route_grads_to_owners(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Backward all-to-all: (local row ids, row gradients) this rank owns, as received (a row
     may appear once per sending rank); grad_scale applied."""
-    local_idx, restore = ctx.saved_tensors
+    local_idx, restore, order, runs = ctx.saved_tensors
     dedup, grad_scale, group, send_splits, recv_splits, n_send, n_recv = ctx.meta
     acc = _accumulate_dtype(ctx.dtype)
     grad_out = grad_out.contiguous()
-    if dedup:  # rows repeated in this rank's batch: sum them before sending (every one of the
+    if dedup and runs is not None:  # CPU: the forward's sort (same sums as coalesce_rows)
+        grad_send = bag_sums(grad_out.to(acc), order, runs)
+    elif dedup:  # rows repeated in this rank's batch: sum them before sending (every one of the
         # n_send unique ids occurs, so the coalesced rows are exactly 0..n_send-1)
         grad_send = coalesce_rows(restore, grad_out.to(acc))[1].to(acc)
     else:
