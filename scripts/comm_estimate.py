@@ -35,6 +35,7 @@ all-reduces of the loss, grad norm and Engram block's dense grads over TP, barri
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
@@ -58,14 +59,7 @@ class CommPerStep:
 
     @property
     def total(self) -> int:
-        return (
-            self.fsdp_all_gather
-            + self.fsdp_reduce_scatter
-            + self.dp_all_reduce
-            + self.tp
-            + self.pp_send_recv
-            + self.table_all_to_all
-        )
+        return sum(dataclasses.astuple(self))
 
 
 def _local_numel(p: nn.Parameter) -> int:

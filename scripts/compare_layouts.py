@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
 from dataclasses import dataclass
 
 from engram.config import ConfigError, JobConfig
@@ -227,7 +226,6 @@ class Row:
     micro: str
     estimate: MemoryEstimate | None = None
     error: str = ""
-    seconds: float = 0.0
     bubble: float = 0.0
     inter_node: int = 0
     compute_s: float = 0.0
@@ -261,7 +259,6 @@ def compare(
         for lbs in [0] if pipelined else local_batch_sizes or [0]:
             runs.append((name, lbs))
     for name, lbs in runs:
-        start = time.perf_counter()
         try:
             layout = parse_layout(name)
             lcfg = layout_config(cfg, layout, world, lbs)
@@ -289,7 +286,6 @@ def compare(
                     name,
                     micro,
                     est,
-                    seconds=time.perf_counter() - start,
                     bubble=bubble,
                     inter_node=inter,
                     compute_s=compute_s,
@@ -298,7 +294,7 @@ def compare(
                 )
             )
         except ConfigError as e:
-            rows.append(Row(name, "", error=str(e), seconds=time.perf_counter() - start))
+            rows.append(Row(name, "", error=str(e)))
     return rows
 
 

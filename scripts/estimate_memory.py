@@ -977,6 +977,14 @@ COMM_ROWS = (
 )
 
 
+FSDP_ROWS = (
+    ("all-gather root unit(s), GiB", "root_gather_bytes"),
+    ("layer grads + 2 reduce-scatter inputs, GiB", "layer_reduce_bytes"),
+    ("root grads (held to end of backward), GiB", "root_grad_bytes"),
+    ("root reduce-scatter input, GiB", "root_reduce_bytes"),
+)
+
+
 def _span(layers: list[int]) -> str:
     return f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}"
 
@@ -1043,26 +1051,8 @@ def to_markdown(est: MemoryEstimate) -> str:
         each(lambda m: f"{_gib(m.fsdp.layer_gather_bytes)} ({m.fsdp.largest_layer})"),
         "exact shapes",
     )
-    row(
-        "all-gather root unit(s), GiB",
-        each(lambda m: _gib(m.fsdp.root_gather_bytes)),
-        "exact shapes",
-    )
-    row(
-        "layer grads + 2 reduce-scatter inputs, GiB",
-        each(lambda m: _gib(m.fsdp.layer_reduce_bytes)),
-        "exact shapes",
-    )
-    row(
-        "root grads (held to end of backward), GiB",
-        each(lambda m: _gib(m.fsdp.root_grad_bytes)),
-        "exact shapes",
-    )
-    row(
-        "root reduce-scatter input, GiB",
-        each(lambda m: _gib(m.fsdp.root_reduce_bytes)),
-        "exact shapes",
-    )
+    for label, attr in FSDP_ROWS:
+        row(label, each(lambda m, a=attr: _gib(getattr(m.fsdp, a))), "exact shapes")
     row(
         "unsharded grads kept across micro-batches (no-sync), GiB",
         each(lambda m: _gib(m.fsdp.no_sync_accum_bytes)),
