@@ -8,11 +8,19 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from engram.config import ActivationCheckpoint
 
 
+def checkpoint_every(cfg: ActivationCheckpoint) -> int:
+    """Every how many decoder layers one is wrapped (0: none)."""
+    return {"none": 0, "full": 1, "selective": cfg.selective_every}[cfg.mode]
+
+
+def is_checkpointed(cfg: ActivationCheckpoint, position: int) -> bool:
+    """Whether the decoder layer at `position` of a model (or pipeline stage) is wrapped."""
+    every = checkpoint_every(cfg)
+    return bool(every) and position % every == 0
+
+
 def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpoint) -> None:
     """Wrap decoder layers in place; parameter names keep working through DCP's state-dict API."""
-    if cfg.mode == "none":
-        return
-    every = 1 if cfg.mode == "full" else cfg.selective_every
     for i, (name, layer) in enumerate(list(model.layers.named_children())):
-        if i % every == 0:
+        if is_checkpointed(cfg, i):
             model.layers.register_module(name, checkpoint_wrapper(layer, preserve_rng_state=False))

@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from engram.config import JobConfig
+from parallelisms.activation_checkpoint import is_checkpointed
 from parallelisms.fsdp import DTYPES, defer_grad_sync, reshard_after_forward
 from parallelisms.parallel_dims import ParallelDims
 
@@ -98,14 +99,11 @@ def comm_per_step(
         out.dp_all_reduce = syncs * 2 * (rep - 1) * trainable * r // rep
 
     layers = [i for s_ in mem.stages for i in mem.stage_layers[s_]]
-    every = {"none": 0, "full": 1, "selective": cfg.activation_checkpoint.selective_every}[
-        cfg.activation_checkpoint.mode
-    ]
     recomputed = {
         i
         for s_ in mem.stages
         for k, i in enumerate(mem.stage_layers[s_])
-        if every and k % every == 0
+        if is_checkpointed(cfg.activation_checkpoint, k)
     }
     dim = parts[0].args.dim
     stream = tokens * dim * a  # one [tokens, dim] tensor of the micro-batch, compute dtype

@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 
 from engram.config import ConfigError, JobConfig
+from parallelisms.activation_checkpoint import checkpoint_every
 from scripts.comm_estimate import CommPerStep
 from scripts.estimate_memory import GIB, MemoryEstimate, estimate
 from scripts.pipeline_memory import bubble_fraction
@@ -183,8 +184,8 @@ def flops_per_token(est: MemoryEstimate, cfg: JobConfig) -> float:
     embedding = 0 if est.tied_embeddings else est.vocab_size * dim
     matmul = est.global_dense_params - embedding
     attention = 6 * est.n_layers * dim * cfg.training.seq_len
-    ac = cfg.activation_checkpoint
-    recompute = {"none": 1.0, "full": 4 / 3, "selective": 1 + 1 / (3 * ac.selective_every)}[ac.mode]
+    every = checkpoint_every(cfg.activation_checkpoint)
+    recompute = 1 + 1 / (3 * every) if every else 1.0
     return (6 * matmul + attention) * recompute
 
 

@@ -60,6 +60,7 @@ from engram.models.args import ModelArgs  # noqa: E402
 from engram.models.builder import build_model, flavor_args  # noqa: E402
 from engram.models.transformer import clean_fqn  # noqa: E402
 from engram.optim import apply_training_mode  # noqa: E402
+from parallelisms.activation_checkpoint import is_checkpointed  # noqa: E402
 from parallelisms.float8 import check_float8_device  # noqa: E402
 from parallelisms.fsdp import DTYPES, defer_grad_sync, reshard_after_forward  # noqa: E402
 from parallelisms.parallel_dims import ParallelDims, parallel_dims_from_config  # noqa: E402
@@ -555,14 +556,12 @@ def activation_estimate(
     )
     engram_saved //= stream_div
     engram_transient //= stream_div
-    ac = cfg.activation_checkpoint
-    every = {"none": 0, "full": 1, "selective": ac.selective_every}[ac.mode]
     # Embedding ids; final norm (its output feeds the head).
     saved = (8 if first else 0) + (_norm_bytes(a) * args.dim // stream_div if last else 0)
     recompute = 0
-    for k, i in enumerate(layer_ids):  # AC wraps every `every`-th layer of the stage (k)
+    for k, i in enumerate(layer_ids):  # AC counts the layers of the model or stage (k)
         full = layer + (engram_saved if i in engram_layers else 0)
-        if every and k % every == 0:
+        if is_checkpointed(cfg.activation_checkpoint, k):
             saved += a * args.dim // stream_div  # the checkpoint keeps only the layer input
             recompute = max(recompute, full)
         else:
@@ -593,6 +592,7 @@ def rank_activations(
     plan: StagePlan | None,
     stage_ids: list[int],
     pp_rank: int,
+    n_micro: int = 1,
 ) -> tuple[RankActivations, list[ActivationEstimate]]:
     """This rank's activations at its peak and every stage's one-micro-batch estimate. Without
     PP one micro-batch (the local batch) is in flight; with PP the micro-batch is local batch /
@@ -604,7 +604,6 @@ def rank_activations(
         )
         return ra, [act]
     p, pp = cfg.pipeline, max(plan.ranks) + 1
-    n_micro = check_schedule(p, pp, cfg.training.local_batch_size)
     tokens = cfg.training.local_batch_size // n_micro * cfg.training.seq_len
     last = plan.num_stages - 1
     per_stage = [
@@ -859,6 +858,7 @@ def estimate(
                     plan,
                     stage_ids,
                     dims.mesh("pp").get_local_rank(),
+                    n_micro,
                 )
                 stage_acts = stage_acts or acts
                 if cfg.float8.enable:
