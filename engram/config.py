@@ -26,6 +26,9 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 # Largest n-gram order of the C hashing kernel (MAX_NGRAM in engram/csrc/ngram_hash.c).
 MAX_NGRAM = 16
 
+# Where the Engram table shards and their optimizer state live (parallelisms/host_tables.py).
+TABLE_LOCATIONS = ("device", "host")
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message says how to fix it."""
@@ -136,6 +139,12 @@ class Engram:
     (pre-training)."""
     table_init_std: float = 0.02
     """Std of the normal init of the embedding tables."""
+    table_location: str = "device"
+    """Where each rank's row shard of the tables and its optimizer state live: device (accelerator
+    memory) | host (host memory: the rows a lookup touches are gathered on the host and copied to
+    the device, the row-sparse optimizer updates the shard on the host; needs
+    optimizer.table_optimizer = lazy_adam or rowwise_adagrad). Bitwise equal to device on CPU;
+    see docs/host_tables.md."""
 
     def __post_init__(self) -> None:
         _check(
@@ -178,6 +187,11 @@ class Engram:
         )
         _check_finite(self.table_init_std, "engram.table_init_std")
         _check(self.table_init_std > 0, "engram.table_init_std must be > 0")
+        _check(
+            self.table_location in TABLE_LOCATIONS,
+            f"engram.table_location must be one of {', '.join(TABLE_LOCATIONS)}, "
+            f"got {self.table_location!r}",
+        )
 
     @property
     def head_dim(self) -> int:
@@ -282,6 +296,7 @@ class Data:
 
 
 TABLE_OPTIMIZERS = ("adam", "lazy_adam", "rowwise_adagrad")
+ROW_SPARSE_TABLE_OPTIMIZERS = ("lazy_adam", "rowwise_adagrad")  # work O(rows touched) per step
 
 
 @dataclass
@@ -571,6 +586,19 @@ class JobConfig:
     pipeline: Pipeline = field(default_factory=Pipeline)
     float8: Float8 = field(default_factory=Float8)
     compile: Compile = field(default_factory=Compile)
+
+    def __post_init__(self) -> None:
+        _check(
+            not (
+                self.engram.enabled
+                and self.engram.table_location == "host"
+                and self.optimizer.table_optimizer not in ROW_SPARSE_TABLE_OPTIMIZERS
+            ),
+            f"engram.table_location = host needs a row-sparse table optimizer, got "
+            f"optimizer.table_optimizer = {self.optimizer.table_optimizer!r} (dense Adam touches "
+            f"every row every step): set optimizer.table_optimizer to "
+            f"{' or '.join(ROW_SPARSE_TABLE_OPTIMIZERS)}",
+        )
 
     @property
     def run_folder(self) -> Path:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from engram.host_worker import HOST_WORKER, is_host_resident, wait_host_work
 from engram.table_grad import clear_row_grad, coalesce_rows, mark_row_sparse, row_grad
 
 
@@ -52,6 +53,44 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                     )
                 mark_row_sparse(p)
 
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Collect every table's row gradient and the group's hyper-parameters now, then update:
+        here, or for host-resident tables (parallelisms/host_tables.py) on the host worker, which
+        overlaps the next forward (its later gathers queue behind the update: exact)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = []
+        for group in self.param_groups:
+            hyper = {k: v for k, v in group.items() if k != "params"}  # lr moves on after step
+            for p in group["params"]:
+                rg = self._row_grad(p)
+                if rg is not None:
+                    work.append((p, hyper, rg))
+        if any(is_host_resident(p) for p, _, _ in work):
+            HOST_WORKER.submit(self._update_all, work)
+        else:
+            self._update_all(work)
+        return loss
+
+    @torch.no_grad()  # grad mode is per thread: the host worker needs its own
+    def _update_all(self, work: list) -> None:
+        for p, hyper, rg in work:
+            self._update(p, hyper, *rg)
+
+    def _update(self, p: torch.Tensor, hyper: dict, rows: torch.Tensor, g: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        wait_host_work()  # host updates still queued write the state
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        wait_host_work()
+        super().load_state_dict(state_dict)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         for group in self.param_groups:
@@ -60,7 +99,16 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _row_grad(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(unique local rows, fp32 row grads), or None when the table got no gradient."""
+        """(unique local rows, fp32 row grads) on the shard's device (host memory for a host
+        table), or None when the table got no gradient."""
+        rg = RowSparseOptimizer._all_row_grads(p)
+        if rg is None:
+            return None
+        device = _local(p).device
+        return rg[0].to(device), rg[1].to(device)
+
+    @staticmethod
+    def _all_row_grads(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         rg = row_grad(p)
         if p.grad is None:
             return rg
@@ -109,48 +157,36 @@ class LazyAdam(RowSparseOptimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, (beta1, beta2) = float(group["lr"]), group["betas"]
-            eps, weight_decay = group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                rg = self._row_grad(p)
-                if rg is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = self._rows_state(p, row_shape=False)
-                    state["exp_avg_sq"] = self._rows_state(p, row_shape=False)
-                state["step"] += 1  # every rank, also one that owns no touched row
-                step = int(state["step"].item())
-                rows, g = rg
-                if rows.numel() == 0:
-                    continue
-                param = _local(p)
-                exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-                if weight_decay != 0:
-                    self._decay_rows(param, rows, 1 - lr * weight_decay)
-                # torch.optim._functional.sparse_adam on (rows, values), same values: rows are
-                # unique, so each state row is read once and written back (index_copy_ is
-                # several times faster than index_add_ on CPU).
-                old_exp_avg = exp_avg.index_select(0, rows).float()
-                numer = g.sub(old_exp_avg).mul_(1 - beta1).add_(old_exp_avg)
-                exp_avg.index_copy_(0, rows, numer.to(exp_avg.dtype))
-                old_exp_avg_sq = exp_avg_sq.index_select(0, rows).float()
-                new_exp_avg_sq = g.pow(2).sub_(old_exp_avg_sq).mul_(1 - beta2).add_(old_exp_avg_sq)
-                exp_avg_sq.index_copy_(0, rows, new_exp_avg_sq.to(exp_avg_sq.dtype))
-                denom = new_exp_avg_sq.sqrt_().add_(eps)
-                bias_correction1 = 1 - beta1**step
-                bias_correction2 = 1 - beta2**step
-                step_size = lr * math.sqrt(bias_correction2) / bias_correction1
-                self._add_rows(param, rows, numer.div_(denom).mul_(-step_size))
-        return loss
+    def _update(self, p: torch.Tensor, hyper: dict, rows: torch.Tensor, g: torch.Tensor) -> None:
+        lr, (beta1, beta2) = float(hyper["lr"]), hyper["betas"]
+        eps, weight_decay = hyper["eps"], hyper["weight_decay"]
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = self._rows_state(p, row_shape=False)
+            state["exp_avg_sq"] = self._rows_state(p, row_shape=False)
+        state["step"] += 1  # every rank, also one that owns no touched row
+        step = int(state["step"].item())
+        if rows.numel() == 0:
+            return
+        param = _local(p)
+        exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+        if weight_decay != 0:
+            self._decay_rows(param, rows, 1 - lr * weight_decay)
+        # torch.optim._functional.sparse_adam on (rows, values), same values: rows are
+        # unique, so each state row is read once and written back (index_copy_ is
+        # several times faster than index_add_ on CPU).
+        old_exp_avg = exp_avg.index_select(0, rows).float()
+        numer = g.sub(old_exp_avg).mul_(1 - beta1).add_(old_exp_avg)
+        exp_avg.index_copy_(0, rows, numer.to(exp_avg.dtype))
+        old_exp_avg_sq = exp_avg_sq.index_select(0, rows).float()
+        new_exp_avg_sq = g.pow(2).sub_(old_exp_avg_sq).mul_(1 - beta2).add_(old_exp_avg_sq)
+        exp_avg_sq.index_copy_(0, rows, new_exp_avg_sq.to(exp_avg_sq.dtype))
+        denom = new_exp_avg_sq.sqrt_().add_(eps)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = lr * math.sqrt(bias_correction2) / bias_correction1
+        self._add_rows(param, rows, numer.div_(denom).mul_(-step_size))
 
 
 class RowwiseAdagrad(RowSparseOptimizer):
@@ -169,32 +205,20 @@ class RowwiseAdagrad(RowSparseOptimizer):
     ) -> None:
         super().__init__(params, {"lr": lr, "eps": eps, "weight_decay": weight_decay})
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, eps, weight_decay = float(group["lr"]), group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                rg = self._row_grad(p)
-                if rg is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["sum"] = self._rows_state(p, row_shape=True)
-                rows, g = rg
-                if rows.numel() == 0:
-                    continue
-                param, acc = _local(p), _local(state["sum"])
-                if weight_decay != 0:
-                    self._decay_rows(param, rows, 1 - lr * weight_decay)
-                new_acc = acc.index_select(0, rows).add_(g.pow(2).mean(dim=1))
-                acc.index_copy_(0, rows, new_acc)
-                std = new_acc.sqrt_().add_(eps)
-                self._add_rows(param, rows, (g / std.unsqueeze(1)).mul_(-lr))
-        return loss
+    def _update(self, p: torch.Tensor, hyper: dict, rows: torch.Tensor, g: torch.Tensor) -> None:
+        lr, eps, weight_decay = float(hyper["lr"]), hyper["eps"], hyper["weight_decay"]
+        state = self.state[p]
+        if not state:
+            state["sum"] = self._rows_state(p, row_shape=True)
+        if rows.numel() == 0:
+            return
+        param, acc = _local(p), _local(state["sum"])
+        if weight_decay != 0:
+            self._decay_rows(param, rows, 1 - lr * weight_decay)
+        new_acc = acc.index_select(0, rows).add_(g.pow(2).mean(dim=1))
+        acc.index_copy_(0, rows, new_acc)
+        std = new_acc.sqrt_().add_(eps)
+        self._add_rows(param, rows, (g / std.unsqueeze(1)).mul_(-lr))
 
 
 # The pre-row-sparse name (dense-gradient lazy Adam); kept so existing imports keep working.

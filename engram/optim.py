@@ -23,6 +23,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.lr_scheduler import LambdaLR
 
 from engram.config import JobConfig
+from engram.host_worker import is_host_resident
 from engram.lazy_adam import LazyAdam, RowwiseAdagrad
 from engram.table_grad import row_grad_norm_sq, scale_row_grads_
 
@@ -101,6 +102,12 @@ def build_table_optimizer(
     leaves (rows, row grads) on the parameters and `.grad` stays None (engram/table_grad.py).
     """
     if name == "adam":
+        if any(is_host_resident(p) for g in groups for p in g["params"]):
+            raise ValueError(
+                "host-resident Engram tables (engram.table_location = host) need a row-sparse "
+                "table optimizer: set optimizer.table_optimizer to lazy_adam or rowwise_adagrad "
+                "(dense adam touches every row every step)"
+            )
         # AdamW with weight_decay 0 is exactly Adam; decoupled decay if table_weight_decay > 0.
         # Fused where torch has the kernel: one pass over each table instead of ~10 (the default
         # on CPU is the per-op loop: 7x slower on a 400k x 32 table).

@@ -18,6 +18,7 @@ not manage these parameters: pass the returned list to `fully_shard(..., ignored
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from engram.host_worker import mark_host_resident
 from engram.table_grad import (
     accumulate_row_grad,
     bag_sums,
@@ -83,11 +85,94 @@ def _exchange(
     in_splits: list[int],
     group: dist.ProcessGroup,
 ) -> torch.Tensor:
+    if dist.get_world_size(group) == 1:  # a group of one (host tables at world 1): no collective
+        return x.contiguous()
     out = x.new_empty((out_rows, *x.shape[1:]))
     dist.all_to_all_single(
         out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits, group=group
     )
     return out
+
+
+@dataclass
+class LookupRoute:
+    """Where a lookup's ids go (the id half of the all-to-all lookup, see route_ids)."""
+
+    local_idx: torch.Tensor  # owner side: rows of this rank's shard requested, in receive order
+    restore: torch.Tensor  # requester side: inverse of the dedup (dedup) or the sort order
+    order: torch.Tensor | None  # the stable sort order (no dedup, or dedup on CPU)
+    runs: torch.Tensor | None  # CPU dedup: run lengths of the sorted ids (kept for backward)
+    dedup: bool
+    send_splits: list[int]
+    recv_splits: list[int]
+    n_send: int
+    n_recv: int
+
+
+def route_ids(
+    ids: torch.Tensor, num_rows: int, local_rows: int, group: dist.ProcessGroup, dedup: bool
+) -> LookupRoute:
+    """Send the (deduplicated) ids to their owners: counts and ids all-to-all (collective).
+
+    `ids`: flat int64 on the device the exchange runs on. Checks that this rank holds the
+    `local_rows` rows the torch.chunk split gives it."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    c = row_chunk(num_rows, world)
+    start, stop = local_row_range(num_rows, rank, world)
+    if local_rows != stop - start:
+        raise ValueError(
+            f"rank {rank} holds {local_rows} table rows but the torch.chunk split "
+            f"of {num_rows} rows over {world} ranks gives it {stop - start}: shard the table "
+            "with apply_engram_table_sharding (Shard(0) on the same group)"
+        )
+    # Ids sorted by owner: the owner is monotonic in the id.
+    order, runs = None, None
+    if dedup and ids.device.type == "cpu":
+        # One stable sort, kept for backward: its duplicate-row sum then needs no other sort.
+        order, send_ids, runs = sort_rows(ids)
+        restore = torch.empty_like(order).scatter_(0, order, torch.repeat_interleave(runs))
+    elif dedup:
+        send_ids, restore = torch.unique(ids, sorted=True, return_inverse=True)
+    else:
+        order = torch.argsort(ids, stable=True)
+        send_ids, restore = ids[order], order
+    send_counts = torch.bincount(send_ids // c, minlength=world)
+    if world == 1:
+        recv_counts = send_counts
+    else:
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+    counts = torch.cat([send_counts, recv_counts]).tolist()
+    send_splits, recv_splits = counts[:world], counts[world:]
+    n_send, n_recv = sum(send_splits), sum(recv_splits)
+    recv_ids = _exchange(send_ids, n_recv, recv_splits, send_splits, group)
+    return LookupRoute(
+        recv_ids - start, restore, order, runs, dedup, send_splits, recv_splits, n_send, n_recv
+    )
+
+
+def restore_rows(route: LookupRoute, rows_back: torch.Tensor) -> torch.Tensor:
+    """The requester's rows in the order of its ids, from the rows its owners sent back."""
+    if route.dedup:
+        return rows_back.index_select(0, route.restore)
+    out = torch.empty_like(rows_back)
+    out[route.order] = rows_back
+    return out
+
+
+def save_route(ctx, route: LookupRoute, group, grad_scale, dtype, wire, local_shape) -> None:
+    """What the backward of a routed lookup needs (_route_grads_to_owners reads it)."""
+    ctx.save_for_backward(route.local_idx, route.restore, route.order, route.runs)
+    ctx.meta = (
+        route.dedup,
+        grad_scale,
+        group,
+        route.send_splits,
+        route.recv_splits,
+        route.n_send,
+        route.n_recv,
+    )
+    ctx.local_shape, ctx.dtype, ctx.wire = local_shape, dtype, wire
 
 
 class _ShardedLookup(torch.autograd.Function):
@@ -104,51 +189,15 @@ class _ShardedLookup(torch.autograd.Function):
         grad_scale: float,
         wire_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        c = row_chunk(num_rows, world)
-        start, stop = local_row_range(num_rows, rank, world)
-        if local_weight.shape[0] != stop - start:
-            raise ValueError(
-                f"rank {rank} holds {local_weight.shape[0]} table rows but the torch.chunk split "
-                f"of {num_rows} rows over {world} ranks gives it {stop - start}: shard the table "
-                "with apply_engram_table_sharding (Shard(0) on the same group)"
-            )
         ids = flat_ids.to(device=local_weight.device, dtype=torch.long)
-        # Ids sorted by owner: the owner is monotonic in the id.
-        order, runs = None, None
-        if dedup and ids.device.type == "cpu":
-            # One stable sort, kept for backward: its duplicate-row sum then needs no other sort.
-            order, send_ids, runs = sort_rows(ids)
-            inverse = torch.empty_like(order).scatter_(0, order, torch.repeat_interleave(runs))
-        elif dedup:
-            send_ids, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-        else:
-            order = torch.argsort(ids, stable=True)
-            send_ids, inverse = ids[order], None
-        send_counts = torch.bincount(send_ids // c, minlength=world)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=group)
-        counts = torch.cat([send_counts, recv_counts]).tolist()
-        send_splits, recv_splits = counts[:world], counts[world:]
-        n_send, n_recv = sum(send_splits), sum(recv_splits)
-
-        recv_ids = _exchange(send_ids, n_recv, recv_splits, send_splits, group)
-        local_idx = recv_ids - start
+        route = route_ids(ids, num_rows, local_weight.shape[0], group, dedup)
         # Rows (and, in backward, row gradients) may travel in a narrower dtype than the table
         # (parallelism.engram_a2a_dtype): half the bytes in bf16; the optimizer stays fp32.
         wire = wire_dtype or local_weight.dtype
-        rows = local_weight.index_select(0, local_idx).to(wire)
-        rows_back = _exchange(rows, n_send, send_splits, recv_splits, group)
-        rows_back = rows_back.to(local_weight.dtype)
-        if dedup:
-            out = rows_back.index_select(0, inverse)
-        else:
-            out = torch.empty_like(rows_back)
-            out[order] = rows_back
-
-        ctx.save_for_backward(local_idx, inverse if dedup else order, order, runs)
-        ctx.meta = (dedup, grad_scale, group, send_splits, recv_splits, n_send, n_recv)
-        ctx.local_shape, ctx.dtype, ctx.wire = local_weight.shape, local_weight.dtype, wire
+        rows = local_weight.index_select(0, route.local_idx).to(wire)
+        rows_back = _exchange(rows, route.n_send, route.send_splits, route.recv_splits, group)
+        out = restore_rows(route, rows_back.to(local_weight.dtype))
+        save_route(ctx, route, group, grad_scale, local_weight.dtype, wire, local_weight.shape)
         return out
 
     @staticmethod
@@ -271,13 +320,19 @@ class ShardedEngramTable(nn.Module):
         )
 
 
-_SHARDED_CLASSES: dict[type, type] = {}
+_SHARDED_CLASSES: dict[tuple[type, str], type] = {}
 
 
-def _sharded_class(cls: type) -> type:
-    if cls not in _SHARDED_CLASSES:
-        _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedEngramTable, cls), {})
-    return _SHARDED_CLASSES[cls]
+def _sharded_class(cls: type, location: str) -> type:
+    if (cls, location) not in _SHARDED_CLASSES:
+        from parallelisms.host_tables import HostShardedEngramTable  # imports this module
+
+        mixin, prefix = (
+            (HostShardedEngramTable, "HostSharded") if location == "host"
+            else (ShardedEngramTable, "Sharded")
+        )  # fmt: skip
+        _SHARDED_CLASSES[(cls, location)] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+    return _SHARDED_CLASSES[(cls, location)]
 
 
 def _default_table_types() -> tuple[type, ...]:
@@ -293,6 +348,7 @@ def apply_engram_table_sharding(
     grad_scale: float | None = None,
     table_types: tuple[type, ...] | None = None,
     wire_dtype: torch.dtype | None = None,
+    location: str = "device",
 ) -> list[nn.Parameter]:
     """Row-shard every Engram table of `model` over the 1-D `mesh`; return the table params.
 
@@ -302,7 +358,12 @@ def apply_engram_table_sharding(
     module order (identical on every rank): pass it to `fully_shard(..., ignored_params=...)` and
     give it its own optimizer group. `table_types` defaults to engram.models.engram.EngramTable.
     `wire_dtype`: dtype of the rows and row gradients in the all-to-all (None: the table's).
+    `location`: "device" | "host" (engram.table_location): a host table keeps its shard in host
+    memory and looks up through a host gather (parallelisms/host_tables.py); it needs a
+    row-sparse table optimizer (lazy_adam / rowwise_adagrad).
     """
+    if location not in ("device", "host"):
+        raise ValueError(f"table location must be 'device' or 'host', got {location!r}")
     if mesh.ndim != 1:
         raise ValueError(
             f"Engram tables shard over a 1-D mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}: "
@@ -327,7 +388,12 @@ def apply_engram_table_sharding(
             local, mesh, [Shard(0)], run_check=False, shape=weight.shape, stride=weight.stride()
         )
         module.weight = nn.Parameter(dt, requires_grad=weight.requires_grad)
-        module.__class__ = _sharded_class(type(module))
+        module.__class__ = _sharded_class(type(module), location)
+        if location == "host":
+            from parallelisms.host_tables import init_host_table  # imports this module
+
+            mark_host_resident(module.weight)
+            init_host_table(module)
         module._engram_group = group
         module._engram_dedup = dedup
         module._engram_grad_scale = scale

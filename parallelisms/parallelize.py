@@ -54,6 +54,7 @@ def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> l
         dedup=cfg.parallelism.engram_table_dedup,
         grad_scale=1.0 / dims.dp_size,
         wire_dtype=DTYPES.get(cfg.parallelism.engram_a2a_dtype),
+        location=cfg.engram.table_location,
     )
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     apply_compile(model, cfg.compile)

@@ -31,6 +31,7 @@ from engram.data.tokenizer import load_tokenizer
 from engram.distributed import destroy_distributed, init_distributed
 from engram.fingerprint import config_fingerprint
 from engram.hf_load import load_hf_backbone
+from engram.host_worker import wait_host_work
 from engram.metrics import MetricsLogger, init_logger, logger
 from engram.models.builder import build_hasher, build_model_from_config
 from engram.nonfinite import NonFiniteGuard
@@ -44,6 +45,7 @@ from engram.optim import (
 from engram.profiling import maybe_profile
 from engram.table_check import warn_if_tables_collide
 from parallelisms.fsdp import defer_grad_sync
+from parallelisms.host_tables import prefetch_host_tables
 from parallelisms.parallel_dims import parallel_dims_from_config
 from parallelisms.parallelize import parallelize_model
 from parallelisms.pipeline import build_eval_schedule, build_schedule, split_stages
@@ -294,6 +296,12 @@ def train(cfg: JobConfig) -> TrainResult:
     )
     data_iter = iter(train_loader)
     trainable = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+    # Host tables see hash_ids[:, :, slot] only without TP / PP; there their lookups gather late.
+    prefetch = (
+        cfg.engram.enabled
+        and cfg.engram.table_location == "host"
+        and not (dims.tp_enabled or dims.pp_enabled)
+    )
     dev.reset_peak_memory(device)
     with maybe_profile(
         cfg.profiling, cfg.run_folder, rank, device_type=device_type, start_step=start_step
@@ -301,8 +309,15 @@ def train(cfg: JobConfig) -> TrainResult:
         for step in range(start_step + 1, cfg.training.steps + 1):
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
-            for micro in range(cfg.training.grad_accum_steps):
-                batch = to_device(next(data_iter), device)
+            # This step's micro-batches up front: host tables prefetch their rows (behind the
+            # previous step's host update; see parallelisms/host_tables.py).
+            batches = [
+                to_device(next(data_iter), device) for _ in range(cfg.training.grad_accum_steps)
+            ]
+            if prefetch:
+                for batch in batches:
+                    prefetch_host_tables(model, batch["hash_ids"])
+            for micro, batch in enumerate(batches):
                 last_micro = micro == cfg.training.grad_accum_steps - 1
                 if pp is not None:  # the schedule toggles FSDP's reduction itself
                     loss_sum += pipeline_forward_backward(
@@ -374,6 +389,7 @@ def train(cfg: JobConfig) -> TrainResult:
                 result.eval_losses[step] = eval_loss
                 metrics.log(step, {"eval_loss": eval_loss})
             checkpointer.maybe_save(step, last_step=step == cfg.training.steps)
+    wait_host_work()  # the last host-table update
     metrics.close()
     return result
 

@@ -1,0 +1,63 @@
+"""The host worker of host-resident Engram tables (engram.table_location = "host").
+
+One FIFO thread per process runs every host-side job of every host table: the row-sparse
+optimizer's update of a host shard and the host-side gathers of rows for later lookups. FIFO
+order is the exactness argument: a gather queued after step N's update reads the updated rows,
+so host tables train bitwise like device tables (docs/host_tables.md). Torch ops release the GIL,
+so the thread overlaps the main thread's forward. Anyone reading a host shard outside the worker
+(a checkpoint, a test) calls `wait_host_work()` first.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+_HOST = "_engram_host_resident"
+
+
+def mark_host_resident(param: torch.Tensor) -> None:
+    """Mark a table parameter whose local shard lives in host memory."""
+    setattr(param, _HOST, True)
+
+
+def is_host_resident(param: torch.Tensor) -> bool:
+    return bool(getattr(param, _HOST, False))
+
+
+class HostWorker:
+    """A single-thread FIFO executor that remembers its pending jobs (errors surface on wait)."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = -1
+        self._pending: list[Future] = []
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        if self._pool is None or self._pid != os.getpid():  # a forked child starts its own
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-host")
+            self._pid, self._pending = os.getpid(), []
+        self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
+        future = self._pool.submit(fn, *args)
+        self._pending.append(future)
+        return future
+
+    def wait(self) -> None:
+        """Block until every queued job has run; re-raise the first job error."""
+        if self._pid != os.getpid():
+            return
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+
+HOST_WORKER = HostWorker()
+
+
+def wait_host_work() -> None:
+    """Wait for every queued host update / gather (before reading a host shard directly)."""
+    HOST_WORKER.wait()

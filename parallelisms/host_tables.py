@@ -1,0 +1,235 @@
+"""Host-resident Engram table shards (engram.table_location = "host").
+
+Each rank's Shard(0) piece of every table, and its row-sparse optimizer state, stay in host
+memory: the table module materialises its shard on the host in `to_empty` (and ignores device
+moves), so neither the recipe's `to_empty` / init nor the HF loader moves it. A lookup is the
+all-to-all lookup of parallelisms/engram_tables.py with the owner's gather done on the host:
+
+    ids -> owners (counts + ids all-to-all, on the device)            route_ids
+    owner: host gather of the requested rows into a staging buffer    HOST_WORKER (FIFO thread)
+    staging -> device (async copy on accelerators), rows all-to-all back, restore order
+
+Backward is unchanged: the owners keep (unique local rows, fp32 summed row gradients) on the
+parameter (engram/table_grad.py); the row-sparse optimizer copies them to the host and updates
+the shard in the same FIFO worker (engram/lazy_adam.py). Exactness: every gather is queued after
+every update queued before it, so a lookup reads the rows as updated by the previous step
+(bitwise equal to device tables). Prefetch (`prefetch_host_tables`) runs the id exchange for a
+batch's micro-batches at the start of the step and queues their gathers, so the lookups find
+their rows staged. Activation checkpointing does not re-run a lookup: the recompute replays the
+rows of the original forward (no collective, no gather).
+
+Accelerator specifics (not run on hardware here): staging buffers are page-locked so the
+copy to the device is asynchronous; see `pin_staging`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from engram.host_worker import HOST_WORKER, mark_host_resident, wait_host_work
+from engram.table_grad import accumulate_row_grad, coalesce_rows
+from parallelisms.engram_tables import (
+    LookupRoute,
+    ShardedEngramTable,
+    _check_ids,
+    _exchange,
+    _route_grads_to_owners,
+    restore_rows,
+    route_ids,
+    save_route,
+)
+
+__all__ = ["HostShardedEngramTable", "pin_staging", "prefetch_host_tables"]
+
+# Page-locked staging chunks are a power of two (the caching pinned allocators round every
+# request up to one, so a power of two wastes nothing) and under 128 MB (Ascend registers host
+# memory with the runtime in pieces below 128 MB).
+STAGING_CHUNK_BYTES = 64 * 2**20
+
+
+def pin_staging(rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host staging buffer for `rows` rows: page-locked for an accelerator `device` (so the
+    copy to it can be asynchronous), plain on CPU. Sized to a power of two bytes <= 64 MiB; larger
+    gathers go through it in pieces (see _gather)."""
+    pinned = device.type != "cpu"
+    row_bytes = dim * torch.empty((), dtype=dtype).element_size()
+    nbytes = min(STAGING_CHUNK_BYTES, 1 << max(0, (rows * row_bytes - 1).bit_length()))
+    return torch.empty(max(1, nbytes // row_bytes), dim, dtype=dtype, pin_memory=pinned)
+
+
+@torch.no_grad()  # grad mode is per thread: the host worker needs its own
+def _gather(host: torch.Tensor, local_idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """host[local_idx] on `device`: a host-side gather (Ascend kernels cannot read host memory)
+    into page-locked staging, copied to the device. Runs on the host worker."""
+    idx = local_idx.to("cpu")
+    n, dim = idx.numel(), host.shape[1]
+    if device.type == "cpu":  # no staging copy to make: the gather is the host buffer
+        return host.index_select(0, idx)
+    out = torch.empty((n, dim), dtype=host.dtype, device=device)
+    staging = pin_staging(n, dim, host.dtype, device)
+    step = staging.shape[0]
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        piece = staging[: hi - lo]
+        torch.index_select(host, 0, idx[lo:hi], out=piece)
+        # Synchronous per piece: the next piece reuses the buffer (exact on every backend).
+        out[lo:hi].copy_(piece)
+    return out
+
+
+@dataclass
+class _Staged:
+    """A prefetched lookup: its ids, route and the pending host gather of the owner's rows."""
+
+    ids: torch.Tensor
+    route: LookupRoute
+    rows: object  # concurrent.futures.Future[torch.Tensor]
+
+
+def _replay_key(ids: torch.Tensor) -> tuple:
+    return (ids.data_ptr(), tuple(ids.shape), tuple(ids.stride()), ids._version)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward (an activation-checkpoint recompute runs in it)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _HostLookup(torch.autograd.Function):
+    """Restores the looked-up rows (already brought back) and, in backward, routes the row
+    gradients to their owners, which keep them row-sparse on `table.weight`."""
+
+    @staticmethod
+    def forward(ctx, host_weight, rows_back, route, table, key):  # type: ignore[override]
+        ctx.table, ctx.key = table, key
+        save_route(
+            ctx,
+            route,
+            table._engram_group,
+            table._engram_grad_scale,
+            host_weight.dtype,
+            table._engram_wire_dtype or host_weight.dtype,
+            host_weight.shape,
+        )
+        return restore_rows(route, rows_back)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        ctx.table._engram_replay.pop(ctx.key, None)
+        local_idx, grad_recv = _route_grads_to_owners(ctx, grad_out)
+        accumulate_row_grad(ctx.table.weight, *coalesce_rows(local_idx, grad_recv))
+        return None, None, None, None, None
+
+
+class HostShardedEngramTable(ShardedEngramTable):
+    """A row-sharded table whose local shard lives in host memory (see the module docstring)."""
+
+    _engram_prefetched: deque
+    _engram_replay: dict
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        """The shard stays on the host: a meta shard is materialised there (to_empty), a
+        materialised one is not moved (.to(device), .cuda(), casts)."""
+        w = self.weight
+        local = w.to_local()
+        if local.is_meta:
+            host = torch.empty_like(local, device="cpu")
+            dt = DTensor.from_local(
+                host, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride()
+            )
+            self.weight = nn.Parameter(dt, requires_grad=w.requires_grad)  # as Module._apply
+            mark_host_resident(self.weight)
+        return self
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Route `ids` now (collective) and queue the host gather of the owner's rows; the next
+        lookup of these ids uses them. Every rank must prefetch the same number of lookups."""
+        route = self._route(ids)
+        host = self.weight.to_local()
+        future = HOST_WORKER.submit(_gather, host, route.local_idx, ids.device)
+        self._engram_prefetched.append(_Staged(ids, route, future))
+
+    def _route(self, ids: torch.Tensor) -> LookupRoute:
+        _check_ids(ids, self.weight.shape[0])
+        flat = ids.reshape(-1).to(dtype=torch.long)
+        return route_ids(
+            flat, self.weight.shape[0], self.weight.to_local().shape[0], self._engram_group,
+            self._engram_dedup,
+        )  # fmt: skip
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        host = self.weight.to_local().detach()  # for shapes: the worker may be updating it
+        grad = torch.is_grad_enabled() and self.weight.requires_grad
+        key = _replay_key(ids)
+        if grad and _in_backward():  # activation-checkpoint recompute: no collective, no gather
+            if key not in self._engram_replay:
+                raise RuntimeError(
+                    "host Engram table: a lookup recomputed in backward has no recorded forward "
+                    "(the recompute must see the forward's hash ids)"
+                )
+            route, rows_back = self._engram_replay[key]
+        else:
+            route, rows = self._staged_rows(ids, host)
+            wire = self._engram_wire_dtype or host.dtype
+            rows_back = _exchange(
+                rows.to(wire), route.n_send, route.send_splits, route.recv_splits,
+                self._engram_group,
+            ).to(host.dtype)  # fmt: skip
+            if grad:
+                self._engram_replay[key] = (route, rows_back)
+        if not grad:
+            out = restore_rows(route, rows_back)
+        else:
+            # The autograd view of the shard, taken after this lookup's gather (so after every
+            # queued update: an in-place update of a view's base forbids it as an input).
+            out = _HostLookup.apply(self.weight.to_local(), rows_back, route, self, key)
+        return out.view(*ids.shape, host.shape[1])
+
+    def _staged_rows(self, ids: torch.Tensor, host: torch.Tensor):
+        """(route, owner's rows on the device) from the prefetch queue, else routed and
+        gathered now (behind every queued update)."""
+        if self._engram_prefetched:
+            staged = self._engram_prefetched.popleft()
+            if staged.ids.shape != ids.shape or not torch.equal(staged.ids, ids):
+                raise RuntimeError(
+                    "host Engram table: the lookup's ids differ from the next prefetched ids; "
+                    "prefetch_host_tables must see the micro-batches in the order they run"
+                )
+            return staged.route, staged.rows.result()
+        route = self._route(ids)
+        return route, HOST_WORKER.submit(_gather, host, route.local_idx, ids.device).result()
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", host-resident"
+
+
+def init_host_table(module: nn.Module) -> None:
+    """State a host table carries (called by apply_engram_table_sharding)."""
+    module._engram_prefetched = deque()
+    module._engram_replay = {}
+    # A state dict (checkpoint save / load) reads or writes the shard: queued updates first.
+    module.register_state_dict_pre_hook(lambda *args, **kwargs: wait_host_work())
+    module.register_load_state_dict_pre_hook(lambda *args, **kwargs: wait_host_work())
+
+
+def prefetch_host_tables(model: nn.Module, hash_ids: torch.Tensor) -> int:
+    """Queue the lookups of one micro-batch for every host table of `model` (the id exchange
+    now, the host gathers on the worker); returns how many were queued. Call it for each
+    micro-batch of a step, in order, after the previous step's optimizer step, and only where
+    every table sees hash_ids[:, :, slot] (no tensor / pipeline parallelism: there the lookups
+    gather when they run)."""
+    from engram.models.transformer import _unwrap
+
+    queued = 0
+    for layer in model.layers.values():
+        block = getattr(_unwrap(layer), "engram", None)
+        table = getattr(block, "table", None)
+        if isinstance(table, HostShardedEngramTable):
+            table.prefetch(hash_ids[:, :, model._engram_slot[_unwrap(layer).layer_id]])
+            queued += 1
+    return queued

@@ -1,0 +1,221 @@
+"""Host-resident Engram tables (engram.table_location = "host", parallelisms/host_tables.py).
+
+`host` must train bitwise like `device` (losses, grad norms, table rows after several steps) for
+both row-sparse table optimizers, at 1 / 2 / 4 gloo ranks, with grad accumulation, activation
+checkpointing (which must not re-run a lookup), FSDP2 x TP2, PP2 and the non-finite guard;
+checkpoints interchange host <-> device exactly; dense adam is refused. On this CPU machine host
+and device memory are the same, so these tests check the host code path (host gather through the
+FIFO worker, prefetch, async host update, replay under recompute), not page-locked copies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from launcher import run_distributed
+from small_job import small_job
+
+from engram.config import ConfigError, config_from_dict
+
+ROW_SPARSE = ("lazy_adam", "rowwise_adagrad")
+
+
+def _raw(tmp: str, name: str, world: int, location: str, opt: str, extra: dict | None = None):
+    extra = extra or {}
+    sections = {
+        "engram": {"table_location": location},
+        "optimizer": {"table_optimizer": opt},
+        **{k: v for k, v in extra.items() if k not in ("engram", "optimizer")},
+    }
+    for key in ("engram", "optimizer"):
+        sections[key] = {**sections[key], **extra.get(key, {})}
+    raw = small_job(tmp, f"{name}_{location}", world, 4, sections)
+    accum = raw["training"].get("grad_accum_steps", 1)
+    dp = raw["parallelism"].get("dp_shard", world)
+    raw["training"]["local_batch_size"] = 8 // dp // accum
+    return raw
+
+
+def _train(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) -> dict:
+    """Train; return losses, grad norms, full table rows and how often the host path routed
+    ids / gathered rows / consumed a prefetch."""
+    from torch.distributed.tensor import DTensor
+
+    import parallelisms.host_tables as ht
+    import recipes.train as recipe
+
+    counts = {"route": 0, "gather": 0, "prefetch": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    ht.route_ids = counted("route", ht.route_ids)
+    ht._gather = counted("gather", ht._gather)
+    ht.HostShardedEngramTable.prefetch = counted("prefetch", ht.HostShardedEngramTable.prefetch)
+    if nan_steps:  # fault injection: the loss (and every gradient) of these steps is NaN
+        real, calls = recipe.cross_entropy, [0]
+
+        def poisoned(logits, labels):
+            calls[0] += 1
+            loss = real(logits, labels)
+            return loss * float("nan") if calls[0] in nan_steps else loss
+
+        recipe.cross_entropy = poisoned
+    result = recipe.train(config_from_dict(raw))
+    tables, where = {}, {}
+    for part in result.model_parts:
+        for n, p in part.named_parameters():
+            if ".table." in n:
+                tables[n] = p.full_tensor().detach().clone() if isinstance(p, DTensor) else p
+                where[n] = (p.to_local() if isinstance(p, DTensor) else p).device.type
+    return {
+        "losses": result.losses,
+        "norms": result.grad_norms,
+        "tables": tables,
+        "counts": counts,
+        "host_tables": [
+            type(m).__name__ for m in result.model.modules() if "Host" in type(m).__name__
+        ],
+    }
+
+
+def _same(a: list[float], b: list[float]) -> bool:
+    return all((math.isnan(x) and math.isnan(y)) or x == y for x, y in zip(a, b, strict=True))
+
+
+def _assert_bitwise(host: list[dict], device: list[dict], label: str) -> None:
+    for rank, (h, d) in enumerate(zip(host, device, strict=True)):
+        where = f"{label} rank {rank}"
+        assert h["host_tables"] and not d["host_tables"], where
+        assert _same(h["losses"], d["losses"]), f"{where}: {h['losses']} != {d['losses']}"
+        assert _same(h["norms"], d["norms"]), f"{where}: {h['norms']} != {d['norms']}"
+        assert h["tables"].keys() == d["tables"].keys()
+        for n, t in d["tables"].items():
+            assert np.array_equal(h["tables"][n], t), f"{where}: table {n} differs"
+
+
+def _pair(tmp, name, world, opt, extra=None, nan_steps=()):
+    runs = {}
+    for loc in ("device", "host"):
+        raw = _raw(str(tmp), name, world, loc, opt, extra)
+        runs[loc] = run_distributed(_train, world, raw, nan_steps)
+    return runs["host"], runs["device"]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_host_equals_device_lazy_adam(tmp_path, world):
+    host, device = _pair(tmp_path, "lazy", world, "lazy_adam")
+    _assert_bitwise(host, device, f"lazy_adam world {world}")
+    # every step's lookup came through a prefetch (4 steps x 1 table), none gathered late
+    assert host[0]["counts"] == {"route": 4, "gather": 4, "prefetch": 4}
+
+
+def test_host_tables_learn(tmp_path):
+    """The compared runs update the tables (a frozen table would also compare equal)."""
+    raw = _raw(str(tmp_path), "learn", 1, "host", "lazy_adam")
+    steps0 = {**raw, "training": {**raw["training"], "steps": 1}}
+    (one,) = run_distributed(_train, 1, steps0)
+    (four,) = run_distributed(_train, 1, raw)
+    for n, t in one["tables"].items():
+        assert not np.array_equal(t, four["tables"][n])
+
+
+def test_host_equals_device_rowwise_adagrad_accum_ac(tmp_path):
+    """rowwise_adagrad, 2 ranks, 2 micro-batches per step, every layer checkpointed: the
+    recompute replays the forward's rows (route / gather once per lookup, not twice)."""
+    extra = {
+        "training": {"grad_accum_steps": 2},
+        "activation_checkpoint": {"mode": "full"},
+    }
+    host, device = _pair(tmp_path, "adagrad", 2, "rowwise_adagrad", extra)
+    _assert_bitwise(host, device, "rowwise_adagrad accum 2 + AC")
+    assert host[0]["counts"] == {"route": 8, "gather": 8, "prefetch": 8}
+
+
+def test_host_equals_device_fsdp2_tp2_and_pp2(tmp_path):
+    """FSDP2 x TP2 and PP2 (lookups gather when they run: no prefetch)."""
+    layouts = {
+        "fsdp2tp2": {"parallelism": {"dp_shard": 2, "tp": 2}},
+        "pp2": {
+            "parallelism": {"dp_shard": 1, "pp": 2},
+            "pipeline": {"schedule": "1F1B", "microbatches": 2},
+            "engram": {"layer_ids": [0, 2]},
+        },
+    }
+    for label, extra in layouts.items():
+        host, device = _pair(tmp_path, label, 4 if label == "fsdp2tp2" else 2, "lazy_adam", extra)
+        _assert_bitwise(host, device, label)
+        assert host[0]["counts"]["prefetch"] == 0 and host[0]["counts"]["gather"] > 0
+
+
+def test_nonfinite_step_leaves_host_rows_alone(tmp_path):
+    extra = {"training": {"max_nonfinite_steps": 2}}
+    host, device = _pair(tmp_path, "nan", 2, "lazy_adam", extra, nan_steps=(2,))
+    assert math.isnan(host[0]["losses"][1])
+    _assert_bitwise(host, device, "non-finite step 2")
+
+
+def _ckpt_raw(tmp: str, world: int, location: str, load_step: int) -> dict:
+    raw = _raw(tmp, "ckpt", world, location, "lazy_adam")
+    raw["job"]["run_name"] = "interchange"  # one folder: the locations resume each other
+    raw["checkpoint"] = {"enable": True, "interval": 2, "keep_latest_k": 0, "load_step": load_step}
+    return raw
+
+
+@pytest.mark.parametrize("first,second", [("host", "device"), ("device", "host")])
+def test_checkpoint_interchange_host_device(tmp_path, first, second):
+    """Steps 1-2 with one location, resume steps 3-4 with the other: equal to 4 steps with the
+    second location throughout (2 ranks)."""
+    ref = run_distributed(_train, 2, _raw(str(tmp_path / "ref"), "ref", 2, second, "lazy_adam"))
+    run_distributed(_train, 2, _ckpt_raw(str(tmp_path), 2, first, -1))
+    resumed = run_distributed(_train, 2, _ckpt_raw(str(tmp_path), 2, second, 2))
+    for r, got in zip(ref, resumed, strict=True):
+        assert got["losses"] == r["losses"][2:]
+        for n, t in r["tables"].items():
+            assert np.array_equal(got["tables"][n], t), n
+
+
+def test_dense_adam_refused_with_host_tables():
+    with pytest.raises(ConfigError, match="lazy_adam or rowwise_adagrad"):
+        config_from_dict({"engram": {"table_location": "host"}})
+    with pytest.raises(ConfigError, match="engram.table_location must be one of device, host"):
+        config_from_dict({"engram": {"table_location": "disk"}})
+
+
+def _shard_worker(rank: int, world: int) -> dict:
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from engram.models.engram import EngramTable
+    from engram.optim import build_table_optimizer
+    from parallelisms.engram_tables import apply_engram_table_sharding
+
+    with torch.device("meta"):
+        model = nn.ModuleList([EngramTable(101, 4), nn.Linear(4, 4)])
+    params = apply_engram_table_sharding(model, init_device_mesh("cpu", (world,)), location="host")
+    model.to_empty(device=torch.device("meta"))  # everything else to meta: the shard stays
+    local = model[0].weight.to_local()
+    model.to(torch.device("meta"))
+    moved = model[0].weight.to_local()
+    out = {"table": local.device.type, "after_to": moved.device.type, "rows": local.shape[0]}
+    out["linear"] = model[1].weight.device.type
+    try:
+        build_table_optimizer("adam", [{"params": params, "lr": 1e-3}], (0.9, 0.99), 1e-8)
+    except ValueError as e:
+        out["adam"] = str(e)
+    return out
+
+
+def test_shard_stays_on_host_and_adam_refused():
+    results = run_distributed(_shard_worker, 2)
+    assert [got["rows"] for got in results] == [51, 50]
+    for got in results:
+        assert got["table"] == got["after_to"] == "cpu" and got["linear"] == "meta"
+        assert "lazy_adam or rowwise_adagrad" in got["adam"]
