@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -122,7 +123,11 @@ class _HostLookup(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         ctx.table._engram_replay.pop(ctx.key, None)
         local_idx, grad_recv = _route_grads_to_owners(ctx, grad_out)
-        accumulate_row_grad(ctx.table.weight, *coalesce_rows(local_idx, grad_recv))
+        if ctx.meta[0] and dist.get_world_size(ctx.meta[2]) == 1:
+            # dedup on one rank: the rows are unique and sorted, each summed once already
+            accumulate_row_grad(ctx.table.weight, local_idx, grad_recv)
+        else:
+            accumulate_row_grad(ctx.table.weight, *coalesce_rows(local_idx, grad_recv))
         return None, None, None, None, None
 
 

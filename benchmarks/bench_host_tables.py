@@ -1,0 +1,113 @@
+"""Step time with host-resident Engram tables vs device tables, and bytes moved per step.
+
+    python benchmarks/bench_host_tables.py [--steps 30 --warmup 5 --worlds 1,2 --repeats 2]
+
+Workload: the debug Llama (dim 256, 4 layers) with Engram at layers 1 and 2, orders 2-3, 4 heads
+per order, 32 wide per head, vocab_size_per_ngram [200000, 200000] (~51 M table parameters),
+batch 8 x 128 tokens per step (global; split over the ranks), lazy_adam, fp32 on CPU (gloo ranks
+forked by tests/launcher.py, one thread each). Per world size the two locations run alternately
+`--repeats` times; each run's median step_time_s (metrics.jsonl, after `--warmup` steps) is
+taken, and the ratio host / device is the median over the pairs. On a CPU machine host and
+device memory are the same RAM: the host path's cost measured here is its extra work (host
+gather through the worker thread, staging, the async update's thread hand-off), not a PCIe copy.
+Bytes per step: rows gathered on the host and sent to the device (H2D) plus row gradients (and
+their int64 row ids) brought to the host (D2H), summed over ranks, averaged over steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def _raw(folder: str, name: str, world: int, location: str, steps: int) -> dict:
+    return {
+        "job": {"dump_folder": folder, "run_name": name, "device": "cpu", "seed": 0},
+        "model": {"name": "llama3", "flavor": "debug"},
+        "engram": {
+            "layer_ids": [1, 2],
+            "n_head_per_ngram": 4,
+            "vocab_size_per_ngram": [200000, 200000],
+            "n_embed_per_ngram": 128,
+            "table_location": location,
+        },
+        "training": {"seq_len": 128, "local_batch_size": 8 // world, "steps": steps},
+        "data": {"synthetic_num_entities": 256, "eval_batches": 0},
+        "optimizer": {"lr": 1e-3, "table_optimizer": "lazy_adam"},
+        "metrics": {"log_freq": 1, "enable_tensorboard": False},
+        "parallelism": {"dp_shard": world},
+    }
+
+
+def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
+    import parallelisms.host_tables as ht
+    from engram.config import config_from_dict
+    from engram.lazy_adam import RowSparseOptimizer
+    from recipes.train import train
+
+    moved = {"h2d": 0, "d2h": 0}
+    gather, row_grad = ht._gather, RowSparseOptimizer._row_grad
+
+    def counted_gather(host, local_idx, device):
+        out = gather(host, local_idx, device)
+        moved["h2d"] += out.numel() * out.element_size()
+        return out
+
+    def counted_row_grad(p):
+        rg = row_grad(p)
+        if rg is not None and getattr(p, "_engram_host_resident", False):
+            moved["d2h"] += sum(t.numel() * t.element_size() for t in rg)
+        return rg
+
+    ht._gather = counted_gather
+    RowSparseOptimizer._row_grad = staticmethod(counted_row_grad)
+    cfg = config_from_dict(raw)
+    train(cfg)
+    steps = raw["training"]["steps"]
+    times = []
+    if rank == 0:
+        for line in (cfg.run_folder / "metrics.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("step", 0) > warmup and "step_time_s" in rec:
+                times.append(rec["step_time_s"])
+    return {"times": times, "h2d": moved["h2d"] / steps, "d2h": moved["d2h"] / steps}
+
+
+def main() -> None:
+    from launcher import run_distributed
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--worlds", default="1,2")
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    print("| ranks | device step (s) | host step (s) | host / device | H2D MiB / step | D2H MiB / step |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in (int(w) for w in args.worlds.split(",")):
+            med = {"device": [], "host": []}
+            host_bytes = None
+            for rep in range(args.repeats):
+                for loc in ("device", "host"):
+                    raw = _raw(tmp, f"{loc}{world}_{rep}", world, loc, args.steps)
+                    res = run_distributed(_worker, world, raw, args.warmup)
+                    med[loc].append(statistics.median(res[0]["times"]))
+                    if loc == "host":
+                        host_bytes = (sum(r["h2d"] for r in res), sum(r["d2h"] for r in res))
+            ratio = statistics.median(h / d for h, d in zip(med["host"], med["device"]))
+            d, h = statistics.median(med["device"]), statistics.median(med["host"])
+            h2d, d2h = (b / 2**20 for b in host_bytes)
+            print(f"| {world} | {d:.3f} | {h:.3f} | {ratio:.3f} | {h2d:.2f} | {d2h:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
