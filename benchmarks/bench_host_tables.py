@@ -90,7 +90,9 @@ def main() -> None:
     ap.add_argument("--worlds", default="1,2")
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    print("| ranks | device step (s) | host step (s) | host / device | H2D MiB / step | D2H MiB / step |")
+    print(
+        "| ranks | device step (s) | host step (s) | host / device | H2D MiB / step | D2H MiB / step |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as tmp:
         for world in (int(w) for w in args.worlds.split(",")):
@@ -103,7 +105,9 @@ def main() -> None:
                     med[loc].append(statistics.median(res[0]["times"]))
                     if loc == "host":
                         host_bytes = (sum(r["h2d"] for r in res), sum(r["d2h"] for r in res))
-            ratio = statistics.median(h / d for h, d in zip(med["host"], med["device"]))
+            ratio = statistics.median(
+                h / d for h, d in zip(med["host"], med["device"], strict=True)
+            )
             d, h = statistics.median(med["device"]), statistics.median(med["host"])
             h2d, d2h = (b / 2**20 for b in host_bytes)
             print(f"| {world} | {d:.3f} | {h:.3f} | {ratio:.3f} | {h2d:.2f} | {d2h:.2f} |")

@@ -145,6 +145,10 @@ class Engram:
     the device, the row-sparse optimizer updates the shard on the host; needs
     optimizer.table_optimizer = lazy_adam or rowwise_adagrad). Bitwise equal to device on CPU;
     see docs/host_tables.md."""
+    host_memory_gib: float = 0.0
+    """With table_location = host: host memory per node the table shards, their optimizer state
+    and staging may use (GiB). 0: the node's MemAvailable (/proc/meminfo) at start. A run whose
+    host tables need more fails at start, before allocating them."""
 
     def __post_init__(self) -> None:
         _check(
@@ -187,6 +191,8 @@ class Engram:
         )
         _check_finite(self.table_init_std, "engram.table_init_std")
         _check(self.table_init_std > 0, "engram.table_init_std must be > 0")
+        _check_finite(self.host_memory_gib, "engram.host_memory_gib")
+        _check(self.host_memory_gib >= 0, "engram.host_memory_gib must be >= 0 (0: MemAvailable)")
         _check(
             self.table_location in TABLE_LOCATIONS,
             f"engram.table_location must be one of {', '.join(TABLE_LOCATIONS)}, "

@@ -12,6 +12,7 @@ model first and then parallelised) and one optimizer step is `forward_backward` 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +46,7 @@ from engram.optim import (
 from engram.profiling import maybe_profile
 from engram.table_check import warn_if_tables_collide
 from parallelisms.fsdp import defer_grad_sync
-from parallelisms.host_tables import prefetch_host_tables
+from parallelisms.host_tables import check_host_memory, prefetch_host_tables
 from parallelisms.parallel_dims import parallel_dims_from_config
 from parallelisms.parallelize import parallelize_model
 from parallelisms.pipeline import build_eval_schedule, build_schedule, split_stages
@@ -221,7 +222,15 @@ def train(cfg: JobConfig) -> TrainResult:
         logger.info(f"pipeline: stages {stage_ids} of {plan.layers} on this rank")
     for part in model_parts:
         parallelize_model(part, cfg, dims)
-        part.to_empty(device=device)
+    # Host tables (engram.table_location = host) must fit the node's memory: checked on meta.
+    check_host_memory(
+        model_parts,
+        cfg.optimizer.table_optimizer,
+        int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        cfg.engram.host_memory_gib,
+    )
+    for part in model_parts:
+        part.to_empty(device=device)  # host tables materialise on the host
         part.init_weights(seed=cfg.job.seed)
         apply_training_mode(part, cfg.training.mode)
     model = model_parts[0]

@@ -219,3 +219,11 @@ def test_shard_stays_on_host_and_adam_refused():
     for got in results:
         assert got["table"] == got["after_to"] == "cpu" and got["linear"] == "meta"
         assert "lazy_adam or rowwise_adagrad" in got["adam"]
+
+
+def test_host_memory_too_small_fails_at_start(tmp_path):
+    """The refusal names the bytes needed and available, before the tables are allocated."""
+    raw = _raw(str(tmp_path), "small", 1, "host", "lazy_adam")
+    raw["engram"]["host_memory_gib"] = 0.01  # 10 MiB: less than one 64 MiB staging buffer
+    with pytest.raises(RuntimeError, match=r"host Engram tables need 0\.07 GiB .* but 0\.01 GiB"):
+        run_distributed(_train, 1, raw)
