@@ -225,5 +225,5 @@ def test_host_memory_too_small_fails_at_start(tmp_path):
     """The refusal names the bytes needed and available, before the tables are allocated."""
     raw = _raw(str(tmp_path), "small", 1, "host", "lazy_adam")
     raw["engram"]["host_memory_gib"] = 0.01  # 10 MiB: less than one 64 MiB staging buffer
-    with pytest.raises(RuntimeError, match=r"host Engram tables need 0\.07 GiB .* but 0\.01 GiB"):
+    with pytest.raises(RuntimeError, match=r"host Engram tables need 0\.06 GiB .* but 0\.01 GiB"):
         run_distributed(_train, 1, raw)
