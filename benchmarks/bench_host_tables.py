@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
 
     def counted_gather(host, local_idx, device):
         out = gather(host, local_idx, device)
-        moved["h2d"] += out.numel() * out.element_size()
+        moved["h2d"] += out[0].numel() * out[0].element_size()
         return out
 
     def counted_row_grad(p):

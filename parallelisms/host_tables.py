@@ -56,32 +56,57 @@ STAGING_CHUNK_BYTES = 64 * 2**20
 
 def pin_staging(rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host staging buffer for `rows` rows: page-locked for an accelerator `device` (so the
-    copy to it can be asynchronous), plain on CPU. Sized to a power of two bytes <= 64 MiB; larger
-    gathers go through it in pieces (see _gather)."""
-    pinned = device.type != "cpu"
+    copy to it can be asynchronous), plain on CPU. Sized to a power of two bytes <= 64 MiB: the
+    allocator rounds nothing up and each page-locked piece stays under Ascend's 128 MB
+    registration limit; larger gathers go through it in pieces (see _gather)."""
+    pinned = device.type != "cpu"  # torch's pinned allocator of the accelerator (CUDA / NPU)
     row_bytes = dim * torch.empty((), dtype=dtype).element_size()
     nbytes = min(STAGING_CHUNK_BYTES, 1 << max(0, (rows * row_bytes - 1).bit_length()))
     return torch.empty(max(1, nbytes // row_bytes), dim, dtype=dtype, pin_memory=pinned)
 
 
+_SIDE_STREAMS: dict[torch.device, object] = {}
+
+
+def _side_stream(device: torch.device):
+    """(torch.cuda / torch.npu, this device's copy stream)."""
+    mod = getattr(torch, device.type)
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = mod.Stream(device=device)
+    return mod, _SIDE_STREAMS[device]
+
+
 @torch.no_grad()  # grad mode is per thread: the host worker needs its own
-def _gather(host: torch.Tensor, local_idx: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """host[local_idx] on `device`: a host-side gather (Ascend kernels cannot read host memory)
-    into page-locked staging, copied to the device. Runs on the host worker."""
+def _gather(host: torch.Tensor, local_idx: torch.Tensor, device: torch.device):
+    """(host[local_idx] on `device`, its copy's event or None). Runs on the host worker: a
+    host-side gather (Ascend kernels cannot read host memory) into page-locked staging, copied
+    to the device on a side stream; the lookup waits on the event (_on_device)."""
     idx = local_idx.to("cpu")
+    if device.type == "cpu":  # no copy to make: the gathered rows are the device's rows
+        return host.index_select(0, idx), None
     n, dim = idx.numel(), host.shape[1]
-    if device.type == "cpu":  # no staging copy to make: the gather is the host buffer
-        return host.index_select(0, idx)
-    out = torch.empty((n, dim), dtype=host.dtype, device=device)
     staging = pin_staging(n, dim, host.dtype, device)
-    step = staging.shape[0]
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        piece = staging[: hi - lo]
-        torch.index_select(host, 0, idx[lo:hi], out=piece)
-        # Synchronous per piece: the next piece reuses the buffer (exact on every backend).
-        out[lo:hi].copy_(piece)
-    return out
+    mod, stream = _side_stream(device)
+    with mod.stream(stream):
+        out = torch.empty((n, dim), dtype=host.dtype, device=device)
+        for lo in range(0, n, staging.shape[0]):
+            hi = min(n, lo + staging.shape[0])
+            torch.index_select(host, 0, idx[lo:hi], out=staging[: hi - lo])
+            out[lo:hi].copy_(staging[: hi - lo], non_blocking=True)
+            stream.synchronize()  # the next piece reuses the staging buffer
+        event = mod.Event()
+        event.record(stream)
+    return out, event
+
+
+def _on_device(gathered) -> torch.Tensor:
+    """The gathered rows, usable on the current stream (after the side stream's copy)."""
+    rows, event = gathered
+    if event is not None:
+        current = getattr(torch, rows.device.type).current_stream(rows.device)
+        current.wait_event(event)
+        rows.record_stream(current)  # allocated on the side stream, used on this one
+    return rows
 
 
 @dataclass
@@ -206,9 +231,10 @@ class HostShardedEngramTable(ShardedEngramTable):
                     "host Engram table: the lookup's ids differ from the next prefetched ids; "
                     "prefetch_host_tables must see the micro-batches in the order they run"
                 )
-            return staged.route, staged.rows.result()
+            return staged.route, _on_device(staged.rows.result())
         route = self._route(ids)
-        return route, HOST_WORKER.submit(_gather, host, route.local_idx, ids.device).result()
+        gathered = HOST_WORKER.submit(_gather, host, route.local_idx, ids.device).result()
+        return route, _on_device(gathered)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", host-resident"
