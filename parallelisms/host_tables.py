@@ -273,8 +273,8 @@ def host_table_modules(model: nn.Module) -> list[HostShardedEngramTable]:
 
 def host_table_bytes(model: nn.Module, table_optimizer: str) -> int:
     """Host bytes of this rank's host tables: shard + optimizer state (engram/lazy_adam.py
-    table_memory_bytes) + one staging buffer per table (<= STAGING_CHUNK_BYTES)."""
-    from engram.lazy_adam import table_memory_bytes
+    planner/tables.py) + one staging buffer per table (<= STAGING_CHUNK_BYTES)."""
+    from planner.tables import table_memory_bytes  # the planner states the bytes per optimizer
 
     total = 0
     for table in host_table_modules(model):

@@ -41,6 +41,25 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="model reduce-scatter after every micro-batch instead of the recipe's no-sync "
         "gradient accumulation",
     )
+    p.add_argument(
+        "--host_memory_gib",
+        type=float,
+        default=None,
+        help="host memory per node for host-resident Engram tables (default: "
+        "engram.host_memory_gib; 0: not checked)",
+    )
+    p.add_argument(
+        "--host_link_gbs",
+        type=float,
+        default=25.0,
+        help="assumed host <-> device GB/s per device for host tables' rows and row gradients",
+    )
+    p.add_argument(
+        "--table_locations",
+        default="",
+        help="with --compare: engram.table_location values to try per layout, e.g. device,host "
+        "(default: the config's)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     p.add_argument(
         "--compare",
@@ -113,9 +132,13 @@ def main(argv: list[str] | None = None) -> MemoryEstimate | list[Row]:
             opts.node_size,
             machine,
             [int(n) for n in opts.local_batch_sizes.split(",") if n] or None,
+            [loc for loc in opts.table_locations.split(",") if loc] or None,
             device_memory_gib=opts.device_memory_gib,
             fragmentation=opts.fragmentation,
             reserve_gib=opts.reserve_gib,
+            ranks_per_node=opts.node_size,
+            host_memory_gib=opts.host_memory_gib,
+            host_link_gbs=opts.host_link_gbs,
         )
         print(compare_markdown(cfg, opts.world_size, rows, opts.node_size, machine, opts.margin))
         return rows
@@ -127,6 +150,9 @@ def main(argv: list[str] | None = None) -> MemoryEstimate | list[Row]:
         opts.fragmentation,
         opts.reserve_gib,
         opts.sync_every_micro_batch,
+        ranks_per_node=opts.node_size,
+        host_memory_gib=opts.host_memory_gib,
+        host_link_gbs=opts.host_link_gbs,
     )
     print(json.dumps(est.to_dict(), indent=2) if opts.json else to_markdown(est))
     return est

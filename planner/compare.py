@@ -20,6 +20,7 @@ does not yet list as supported on Atlas A2 / A3: on job.device = "npu" those lay
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from engram.config import ConfigError, JobConfig
@@ -58,20 +59,23 @@ def compare(
     node: int = 8,
     machine: Machine | None = None,
     local_batch_sizes: list[int] | None = None,
+    table_locations: list[str] | None = None,
     **estimate_kwargs,
 ) -> list[Row]:
-    """One row per layout (and, without PP, per micro-batch size in `local_batch_sizes`)."""
+    """One row per layout (and, without PP, per micro-batch size in `local_batch_sizes`; per
+    engram.table_location in `table_locations`, default the config's)."""
     machine = machine or MACHINES.get(cfg.job.device, MACHINES["cuda"])
     rows = []
     runs = []
     for name in layouts or default_layouts(world, node):
         pipelined = "PP" in name.upper()
         for lbs in [0] if pipelined else local_batch_sizes or [0]:
-            runs.append((name, lbs))
-    for name, lbs in runs:
+            for loc in table_locations or [cfg.engram.table_location]:
+                runs.append((name, lbs, loc))
+    for name, lbs, loc in runs:
         try:
             layout = parse_layout(name)
-            lcfg = layout_config(cfg, layout, world, lbs)
+            lcfg = layout_config(with_table_location(cfg, loc), layout, world, lbs)
             stage_first = [c * (world // layout.pp) for c in range(layout.pp)]
             est = estimate(lcfg, world, ranks=stage_first, **estimate_kwargs)
             t = lcfg.training
@@ -91,6 +95,8 @@ def compare(
             compute_s, overlapped_s, exposed_s = step_seconds(
                 est, lcfg, layout, worst.comm, bubble, machine, node
             )
+            if len(table_locations or []) > 1:
+                micro += f", tables on {loc}"
             rows.append(
                 Row(
                     name,
@@ -106,6 +112,14 @@ def compare(
         except ConfigError as e:
             rows.append(Row(name, "", error=str(e)))
     return rows
+
+
+def with_table_location(cfg: JobConfig, location: str) -> JobConfig:
+    """The config with engram.table_location = `location` (checked like the TOML setting)."""
+    if location == cfg.engram.table_location:
+        return cfg
+    engram = dataclasses.replace(cfg.engram, table_location=location)
+    return dataclasses.replace(cfg, engram=engram)
 
 
 def pick(cfg: JobConfig, rows: list[Row], margin: float) -> Row | None:

@@ -116,6 +116,7 @@ def _measure_rank(
         cfg.parallelism.cpu_offload,
         cfg.optimizer.table_optimizer,
         async_checkpoint=cfg.checkpoint.enable and cfg.checkpoint.async_mode == "async",
+        table_location=cfg.engram.table_location if cfg.engram.enabled else "device",
     )
     mem.stages = stage_ids
     mem.stage_layers = (
@@ -138,7 +139,21 @@ def _measure_rank(
             float8_cast_bytes(part, mem.activations.microbatch_tokens, dims.tp) for part in parts
         )
     mem.comm = comm_per_step(cfg, dims, parts, table_params, mem, plan)
+    if mem.host_table_bytes:
+        _host_table_traffic(mem, cfg, dims.tp, n_micro)
     return mem, acts
+
+
+def _host_table_traffic(mem: RankMemory, cfg: JobConfig, tp: int, n_micro: int) -> None:
+    """Device bytes of one micro-batch's looked-up rows and host <-> device bytes per step of
+    host tables (parallelisms/host_tables.py), at most one row per lookup id: each TP rank looks
+    up its own tokens' ids (hash heads per Engram layer on this rank)."""
+    ids = mem.activations.microbatch_tokens // tp * cfg.engram.num_heads * len(mem.table_rows)
+    row_bytes = cfg.engram.head_dim * mem.table_param_bytes // max(1, mem.table_params)
+    mem.host_table_device_bytes = 2 * ids * row_bytes
+    per_micro = ids * row_bytes + ids * (cfg.engram.head_dim * 4 + 8)  # rows in, grads + ids out
+    mem.host_link_bytes = per_micro * n_micro * cfg.training.grad_accum_steps
+    mem.persistent_bytes += mem.host_table_device_bytes
 
 
 def _settle_peak(mem: RankMemory, fragmentation: float, reserve: int, device_bytes: int) -> None:
@@ -162,12 +177,18 @@ def estimate(
     fragmentation: float = 0.10,
     reserve_gib: float = 3.0,
     sync_every_micro_batch: bool = False,
+    ranks_per_node: int = 8,
+    host_memory_gib: float | None = None,
+    host_link_gbs: float = 25.0,
 ) -> MemoryEstimate:
     """Build the config's model for each rank in `ranks` under a fake process group of
     `world_size` and return exact per-rank bytes plus the labelled estimates.
 
     `sync_every_micro_batch` models a recipe that reduce-scatters after every micro-batch
-    instead of recipes/train.py's no-sync gradient accumulation."""
+    instead of recipes/train.py's no-sync gradient accumulation. Host tables
+    (engram.table_location = host): `ranks_per_node` ranks share a node's `host_memory_gib`
+    (default: engram.host_memory_gib; 0 / unset: not checked) and copy rows over a host link of
+    `host_link_gbs` GB/s per device (an assumption, printed)."""
     ranks = _checked_ranks(world_size, ranks)
     if device_memory_gib is None:
         device_memory_gib = DEVICE_MEMORY_GIB.get(cfg.job.device, 64.0)
@@ -256,4 +277,10 @@ def estimate(
         ranks=results,
         all_ranks=all_ranks,
         replicated_tables=baseline,
+        table_location=cfg.engram.table_location if cfg.engram.enabled else "device",
+        ranks_per_node=min(ranks_per_node, world_size),
+        host_memory_bytes=int(
+            (cfg.engram.host_memory_gib if host_memory_gib is None else host_memory_gib) * GIB
+        ),
+        host_link_gbs=host_link_gbs,
     )

@@ -15,6 +15,7 @@ from engram.data.tokenizer import load_tokenizer
 from engram.models.builder import build_model, flavor_args
 from engram.optim import apply_training_mode
 from parallelisms.fsdp import defer_grad_sync
+from parallelisms.host_tables import STAGING_CHUNK_BYTES
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_model
 from parallelisms.pipeline import StagePlan, split_stages
@@ -100,6 +101,7 @@ def measure_rank(
     cpu_offload: bool,
     table_optimizer: str = "adam",
     async_checkpoint: bool = False,
+    table_location: str = "device",
 ) -> RankMemory:
     """Exact bytes from the local shapes of this rank's parameters (all its pipeline stages)."""
     params = [p for part in parts for p in part.parameters()]
@@ -133,9 +135,13 @@ def measure_rank(
         optimizer_step_temp_bytes=max(dense_grad * on_device, table_grad),
         host_bytes=host,
     )
+    if table_location == "host":  # shards + row-sparse state in host memory, plus staging
+        mem.host_table_bytes = (
+            mem.table_param_bytes + table_opt + STAGING_CHUNK_BYTES * len(tables_trainable)
+        )
     mem.persistent_bytes = (
         mem.dense_param_bytes + mem.table_param_bytes + mem.grad_bytes + mem.optimizer_bytes
-        + mem.buffer_bytes - host
+        + mem.buffer_bytes - host - (mem.host_table_bytes and mem.table_param_bytes + table_opt)
     )  # fmt: skip
     if async_checkpoint:  # what a checkpoint holds: weights and optimizer state, not gradients
         mem.async_staging_bytes = (

@@ -101,7 +101,29 @@ def to_markdown(est: MemoryEstimate) -> str:
     row("buffers (RoPE cache), GiB", [_gib(m.buffer_bytes) for m in rs], "exact")
     if any(m.host_bytes for m in rs):
         row("- of which on the host (cpu_offload), GiB", [_gib(m.host_bytes) for m in rs], "exact")
+    if est.table_location == "host":
+        row(
+            "- of which host tables: rows of one micro-batch on device, GiB",
+            [_gib(m.host_table_device_bytes) for m in rs],
+            "estimate",
+        )
     row("**persistent on device**, GiB", [f"**{_gib(m.persistent_bytes)}**" for m in rs], "exact")
+    if est.table_location == "host":
+        row(
+            "host tables: shard + optimizer state + staging (host memory), GiB",
+            [_gib(m.host_table_bytes) for m in rs],
+            "exact",
+        )
+        row(
+            f"host <-> device bytes per step (s at {est.host_link_gbs:g} GB/s), GiB",
+            each(
+                lambda m: (
+                    f"{_gib(m.host_link_bytes)} "
+                    f"({m.host_link_bytes / (est.host_link_gbs * 1e9):.2f} s)"
+                )
+            ),
+            "estimate",
+        )
     if any(m.async_staging_bytes for m in rs):
         row(
             "async checkpoint staging copy (host memory, not device), GiB",
@@ -177,6 +199,18 @@ def to_markdown(est: MemoryEstimate) -> str:
             each(lambda m, k=key: _gib(getattr(m.comm, k))),
             "formula",
         )
+    if est.table_location == "host":
+        have = (
+            f"{_gib(est.host_memory_bytes)} GiB available per node"
+            if est.host_memory_bytes
+            else "host memory not stated (engram.host_memory_gib / --host_memory_gib)"
+        )
+        lines += [
+            "",
+            f"Host tables per node ({est.ranks_per_node} ranks x the largest reported rank): "
+            f"{_gib(est.host_table_bytes_per_node)} GiB of {have}: "
+            f"**{'fits' if est.host_fits else 'does NOT fit'}**.",
+        ]
     lines += ["", f"Fits: **{'yes' if est.fits else 'NO'}**."]
     if est.recipe_defers_grad_sync and not est.no_sync_accumulation:
         lines += [

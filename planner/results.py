@@ -69,6 +69,17 @@ class RankMemory:
     async_staging_bytes: int = 0
     """checkpoint.async_mode = "async": DCP async_save stages a host copy of this rank's model and
     optimizer state (host memory, not device); 0 when saves are synchronous."""
+    host_table_bytes: int = 0
+    """engram.table_location = host: this rank's table shards + row-sparse optimizer state +
+    staging buffers, in host memory (exact shapes; staging <= 64 MiB per table)."""
+    host_table_device_bytes: int = 0
+    """engram.table_location = host, estimate: device bytes of one micro-batch's looked-up rows
+    (the owner's gathered rows + the rows brought back, held until backward), all host tables:
+    2 x lookup ids x head_dim x param bytes."""
+    host_link_bytes: int = 0
+    """engram.table_location = host, estimate: host <-> device bytes per optimizer step (rows
+    gathered on the host to the device + fp32 row gradients and int64 row ids back), upper bound
+    of one row per lookup id."""
     stages: list[int] = field(default_factory=lambda: [0])
     """Pipeline stages this rank runs (stage 0 of 1 without PP)."""
     stage_layers: dict[int, list[int]] = field(default_factory=dict)
@@ -210,12 +221,31 @@ class MemoryEstimate:
     ranks: list[RankMemory]
     all_ranks: AllRanks
     replicated_tables: ReplicatedTableBaseline
+    table_location: str = "device"
+    ranks_per_node: int = 8
+    host_memory_bytes: int = 0
+    """Host memory per node the host tables may use (engram.host_memory_gib or --host_memory_gib;
+    0: not stated, not checked)."""
+    host_link_gbs: float = 0.0
+    """Assumed host <-> device GB/s per device (--host_link_gbs)."""
+
+    @property
+    def host_table_bytes_per_node(self) -> int:
+        return max((r.host_table_bytes for r in self.ranks), default=0) * self.ranks_per_node
+
+    @property
+    def host_fits(self) -> bool:
+        return (
+            not self.host_memory_bytes or self.host_table_bytes_per_node <= self.host_memory_bytes
+        )
 
     @property
     def fits(self) -> bool:
-        return all(r.peak_bytes <= self.device_memory_bytes for r in self.ranks)
+        device = all(r.peak_bytes <= self.device_memory_bytes for r in self.ranks)
+        return device and self.host_fits
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["fits"] = self.fits
+        out["host_table_bytes_per_node"] = self.host_table_bytes_per_node
         return out

@@ -227,3 +227,30 @@ def test_host_memory_too_small_fails_at_start(tmp_path):
     raw["engram"]["host_memory_gib"] = 0.01  # 10 MiB: less than one 64 MiB staging buffer
     with pytest.raises(RuntimeError, match=r"host Engram tables need 0\.06 GiB .* but 0\.01 GiB"):
         run_distributed(_train, 1, raw)
+
+
+def test_planner_models_host_tables():
+    """Host tables leave the device (only one micro-batch's rows stay), appear in host memory
+    per rank and per node, are refused when the node's memory is too small, and --compare tries
+    both locations."""
+    from planner.compare import compare
+    from planner.estimate import estimate
+
+    base = {
+        "model": {"flavor": "debug"},
+        "optimizer": {"table_optimizer": "lazy_adam"},
+        "training": {"local_batch_size": 2, "seq_len": 64},
+    }
+    device = estimate(config_from_dict(base), 2, ranks=[0])
+    host_raw = {**base, "engram": {"table_location": "host", "host_memory_gib": 64.0}}
+    host = estimate(config_from_dict(host_raw), 2, ranks=[0])
+    d, h = device.ranks[0], host.ranks[0]
+    table_state = h.table_param_bytes + 2 * h.table_param_bytes  # weight + lazy_adam moments
+    assert d.host_table_bytes == 0 and h.host_table_bytes == table_state + 64 * 2**20
+    assert h.persistent_bytes == d.persistent_bytes - table_state + h.host_table_device_bytes
+    assert 0 < h.host_link_bytes and host.fits
+    assert host.host_table_bytes_per_node == 2 * h.host_table_bytes  # 2 ranks on the node
+    small = estimate(config_from_dict(host_raw), 2, ranks=[0], host_memory_gib=0.01)
+    assert not small.host_fits and not small.fits
+    rows = compare(config_from_dict(base), 2, ["FSDP2"], table_locations=["device", "host"])
+    assert [r.estimate.table_location for r in rows] == ["device", "host"]
