@@ -304,6 +304,11 @@ def compare_markdown(
             note.append("TP: parallelize_module unvalidated on torch_npu A2/A3")
         if r.estimate.pp > 1:
             note.append(f"worst stage {worst.stages}")
+        if not r.estimate.host_fits:
+            note.append(
+                f"host tables {_g(r.estimate.host_table_bytes_per_node)} GiB per node > "
+                f"{_g(r.estimate.host_memory_bytes)}"
+            )
         out.append(
             f"| {r.layout} | {r.micro} | {r.bubble:.0%} | {_g(worst.peak_bytes)} | "
             f"{_g(worst.headroom_bytes)} | {'yes' if r.estimate.fits else 'NO'} | "
