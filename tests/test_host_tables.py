@@ -34,7 +34,8 @@ def _raw(tmp: str, name: str, world: int, location: str, opt: str, extra: dict |
         sections[key] = {**sections[key], **extra.get(key, {})}
     raw = small_job(tmp, f"{name}_{location}", world, 4, sections)
     accum = raw["training"].get("grad_accum_steps", 1)
-    dp = raw["parallelism"].get("dp_shard", world)
+    par = raw["parallelism"]
+    dp = par.get("dp_shard", world) * par.get("dp_replicate", 1)
     raw["training"]["local_batch_size"] = 8 // dp // accum
     return raw
 
@@ -109,6 +110,7 @@ def _pair(tmp, name, world, opt, extra=None, nan_steps=()):
     return runs["host"], runs["device"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_host_equals_device_lazy_adam(tmp_path, world):
     host, device = _pair(tmp_path, "lazy", world, "lazy_adam")
@@ -117,6 +119,7 @@ def test_host_equals_device_lazy_adam(tmp_path, world):
     assert host[0]["counts"] == {"route": 4, "gather": 4, "prefetch": 4}
 
 
+@pytest.mark.slow
 def test_host_tables_learn(tmp_path):
     """The compared runs update the tables (a frozen table would also compare equal)."""
     raw = _raw(str(tmp_path), "learn", 1, "host", "lazy_adam")
@@ -127,6 +130,7 @@ def test_host_tables_learn(tmp_path):
         assert not np.array_equal(t, four["tables"][n])
 
 
+@pytest.mark.slow
 def test_host_equals_device_rowwise_adagrad_accum_ac(tmp_path):
     """rowwise_adagrad, 2 ranks, 2 micro-batches per step, every layer checkpointed: the
     recompute replays the forward's rows (route / gather once per lookup, not twice)."""
@@ -139,6 +143,20 @@ def test_host_equals_device_rowwise_adagrad_accum_ac(tmp_path):
     assert host[0]["counts"] == {"route": 8, "gather": 8, "prefetch": 8}
 
 
+@pytest.mark.slow
+def test_host_equals_device_hsdp_compile_engram_only(tmp_path):
+    """HSDP 2x2, compiled blocks (aot_eager; the lookup stays eager), engram_only mode."""
+    extra = {
+        "parallelism": {"dp_replicate": 2, "dp_shard": 2},
+        "compile": {"enable": True, "backend": "aot_eager"},
+        "training": {"mode": "engram_only"},
+    }
+    host, device = _pair(tmp_path, "hsdp", 4, "lazy_adam", extra)
+    _assert_bitwise(host, device, "HSDP 2x2 + compile + engram_only")
+    assert host[0]["counts"] == {"route": 4, "gather": 4, "prefetch": 4}
+
+
+@pytest.mark.slow
 def test_host_equals_device_fsdp2_tp2_and_pp2(tmp_path):
     """FSDP2 x TP2 and PP2 (lookups gather when they run: no prefetch)."""
     layouts = {
@@ -155,6 +173,7 @@ def test_host_equals_device_fsdp2_tp2_and_pp2(tmp_path):
         assert host[0]["counts"]["prefetch"] == 0 and host[0]["counts"]["gather"] > 0
 
 
+@pytest.mark.slow
 def test_nonfinite_step_leaves_host_rows_alone(tmp_path):
     extra = {"training": {"max_nonfinite_steps": 2}}
     host, device = _pair(tmp_path, "nan", 2, "lazy_adam", extra, nan_steps=(2,))
@@ -169,7 +188,8 @@ def _ckpt_raw(tmp: str, world: int, location: str, load_step: int) -> dict:
     return raw
 
 
-@pytest.mark.parametrize("first,second", [("host", "device"), ("device", "host")])
+@pytest.mark.slow
+@pytest.mark.parametrize("first,second", [("host", "device"), ("device", "host"), ("host", "host")])
 def test_checkpoint_interchange_host_device(tmp_path, first, second):
     """Steps 1-2 with one location, resume steps 3-4 with the other: equal to 4 steps with the
     second location throughout (2 ranks)."""
@@ -213,6 +233,7 @@ def _shard_worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_shard_stays_on_host_and_adam_refused():
     results = run_distributed(_shard_worker, 2)
     assert [got["rows"] for got in results] == [51, 50]
@@ -221,6 +242,7 @@ def test_shard_stays_on_host_and_adam_refused():
         assert "lazy_adam or rowwise_adagrad" in got["adam"]
 
 
+@pytest.mark.slow
 def test_host_memory_too_small_fails_at_start(tmp_path):
     """The refusal names the bytes needed and available, before the tables are allocated."""
     raw = _raw(str(tmp_path), "small", 1, "host", "lazy_adam")
