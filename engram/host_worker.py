@@ -30,21 +30,33 @@ def is_host_resident(param: torch.Tensor) -> bool:
 
 
 class HostWorker:
-    """A single-thread FIFO executor that remembers its pending jobs (errors surface on wait)."""
+    """A single-thread FIFO executor that remembers its pending jobs. A failed job fails every
+    later one too (a gather after a failed update must not read stale rows); errors surface on
+    the job's result and on wait."""
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._pid = -1
         self._pending: list[Future] = []
+        self._failed: BaseException | None = None
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         if self._pool is None or self._pid != os.getpid():  # a forked child starts its own
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-host")
-            self._pid, self._pending = os.getpid(), []
+            self._pid, self._pending, self._failed = os.getpid(), [], None
         self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
-        future = self._pool.submit(fn, *args)
+        future = self._pool.submit(self._run, fn, *args)
         self._pending.append(future)
         return future
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._failed is not None:
+            raise RuntimeError("an earlier host-table job failed") from self._failed
+        try:
+            return fn(*args)
+        except BaseException as e:
+            self._failed = e
+            raise
 
     def wait(self) -> None:
         """Block until every queued job has run; re-raise the first job error."""

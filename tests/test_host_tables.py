@@ -276,3 +276,16 @@ def test_planner_models_host_tables():
     assert not small.host_fits and not small.fits
     rows = compare(config_from_dict(base), 2, ["FSDP2"], table_locations=["device", "host"])
     assert [r.estimate.table_location for r in rows] == ["device", "host"]
+
+
+def test_host_worker_failure_fails_later_jobs():
+    """A gather queued after a failed update must not run on stale rows."""
+    from engram.host_worker import HostWorker
+
+    worker = HostWorker()
+    worker.submit(lambda: 1 / 0)
+    later = worker.submit(lambda: "stale rows")
+    with pytest.raises(RuntimeError, match="earlier host-table job failed"):
+        later.result()
+    with pytest.raises(ZeroDivisionError):
+        worker.wait()
