@@ -13,6 +13,9 @@ explicit split sizes (the list form fails on gloo with uneven sizes).
 Gradient semantics: each rank's loss is the mean over its local batch, so the owners receive the
 sum over ranks; `grad_scale = 1 / W` turns that into the data-parallel mean exactly once. FSDP must
 not manage these parameters: pass the returned list to `fully_shard(..., ignored_params=...)`.
+
+The lookup's id half (`route_ids`) and restore (`restore_rows`) are shared with host-resident
+tables (parallelisms/host_tables.py), whose owners gather from host memory instead.
 """
 
 from __future__ import annotations

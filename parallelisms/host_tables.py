@@ -181,7 +181,7 @@ class HostShardedEngramTable(ShardedEngramTable):
         """Route `ids` now (collective) and queue the host gather of the owner's rows; the next
         lookup of these ids uses them. Every rank must prefetch the same number of lookups."""
         route = self._route(ids)
-        host = self.weight.to_local()
+        host = self.weight.to_local().detach()  # read on the worker, behind queued updates
         future = HOST_WORKER.submit(_gather, host, route.local_idx, ids.device)
         self._engram_prefetched.append(_Staged(ids, route, future))
 
@@ -272,8 +272,8 @@ def host_table_modules(model: nn.Module) -> list[HostShardedEngramTable]:
 
 
 def host_table_bytes(model: nn.Module, table_optimizer: str) -> int:
-    """Host bytes of this rank's host tables: shard + optimizer state (engram/lazy_adam.py
-    planner/tables.py) + one staging buffer per table (<= STAGING_CHUNK_BYTES)."""
+    """Host bytes of this rank's host tables: shard + optimizer state (planner/tables.py) + one
+    staging buffer per table (<= STAGING_CHUNK_BYTES)."""
     from planner.tables import table_memory_bytes  # the planner states the bytes per optimizer
 
     total = 0
