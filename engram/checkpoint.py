@@ -27,9 +27,11 @@ only; share weights as safetensors (scripts/export_hf.py).
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -46,6 +48,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -76,10 +82,108 @@ _HASH_CHUNK = 8 << 20
 # Flattened optimizer state ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") merges several
 # optimizers into one dict and survives a regrouping of parameters.
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_PARAM_GROUPS = "param_groups."
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used (or written); the message says why and how to fix it."""
+
+
+# ----------------------------------------------------------------------------- no pickles
+# A checkpoint holds tensors only (every scalar state is a 0-d tensor), so nothing in it needs
+# unpickling beyond DCP's own `.metadata`, which is read with an unpickler that builds only
+# DCP's metadata classes. Loading a crafted checkpoint therefore runs no code from it.
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+        "StorageMeta",
+        "MetadataIndex",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata`: DCP's metadata classes, torch dtypes / Size, paths only."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = name in _METADATA_CLASSES.get(module, ())
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(
+                f"{module}.{name} is not a DCP metadata class: refusing to unpickle it"
+            )
+        return super().find_class(module, name)
+
+
+class RestrictedFileSystemReader(FileSystemReader):
+    """DCP's FileSystemReader, reading `.metadata` with the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except (pickle.UnpicklingError, AttributeError, EOFError, TypeError) as e:
+                raise CheckpointError(f"{path} is not a DCP metadata file: {e}") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} is not a DCP metadata file ({type(metadata)})")
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
+    """Reads a non-tensor item (older checkpoints stored the schedule's step as a Python int)
+    with torch's weights-only unpickler: plain values load, anything else is refused."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(
+                f"checkpoint item {read_item.dest_index.fqn!r} is a pickled object this "
+                f"checkpointer never writes: refusing to load it ({e})"
+            ) from None
+        # Re-serialised from the weights-only result: DCP's own reader sees plain values only.
+        safe = io.BytesIO()
+        torch.save(obj, safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
+
+
+class TensorsOnlySavePlanner(DefaultSavePlanner):
+    """Refuses to save a non-tensor value (DCP would pickle it)."""
+
+    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+        super().set_up_planner(state_dict, *args, **kwargs)
+        pickled = sorted(k for k, v in self.state_dict.items() if not isinstance(v, torch.Tensor))
+        if pickled:
+            raise CheckpointError(
+                f"checkpoint items {pickled[:5]} are not tensors (DCP would pickle them): store "
+                "scalars as 0-d tensors"
+            )
+
+
+def dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
+    """dcp.load of checkpoint folder `path` without running pickled code from it."""
+    dcp.load(
+        state,
+        storage_reader=RestrictedFileSystemReader(path),
+        planner=TensorsOnlyLoadPlanner(),
+        no_dist=no_dist,
+    )
 
 
 # ----------------------------------------------------------------------------- stateful wrappers
@@ -135,14 +239,23 @@ class OptimizerState(Stateful):
         else:
             self.pairs = [(part, list(opts)) for part, opts in zip(model, optimizers, strict=True)]
 
-    def state_dict(self) -> dict[str, Any]:
+    def _flat(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         for part, opts in self.pairs:
             merged.update(get_optimizer_state_dict(part, opts, options=_OPTIM_OPTIONS))
         return merged
 
+    def state_dict(self) -> dict[str, Any]:
+        """The per-parameter state (moments, step counts: tensors) only. The param groups'
+        hyperparameters (lr, betas, eps, weight_decay, ...) are not saved: they come from the
+        config, so a resume with a changed value uses it from its first step."""
+        return {k: v for k, v in self._flat().items() if not k.startswith(_PARAM_GROUPS)}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Each part reads its own parameters' keys from the merged, flattened dict.
+        # This run's hyperparameters complete the loaded state (torch needs both); each part
+        # reads its own parameters' keys from the merged, flattened dict.
+        current = {k: v for k, v in self._flat().items() if k.startswith(_PARAM_GROUPS)}
+        state_dict = {**state_dict, **current}
         for part, opts in self.pairs:
             set_optimizer_state_dict(part, opts, state_dict, options=_OPTIM_OPTIONS)
 
@@ -488,10 +601,22 @@ class CheckpointManager:
     def should_save(self, step: int, last_step: bool = False) -> bool:
         return self.cfg.enable and step > 0 and (last_step or step % self.cfg.interval == 0)
 
-    def maybe_save(self, step: int, last_step: bool = False) -> bool:
+    def maybe_save(self, step: int, last_step: bool = False, finite: bool = True) -> bool:
         """Save at every `interval` steps and at the last step; True if a checkpoint was written
-        (or, with checkpoint.async_mode = "async", started; the last step's save is synchronous)."""
+        (or, with checkpoint.async_mode = "async", started; the last step's save is synchronous).
+
+        `finite=False` (the step's update was skipped as non-finite): no save, so a save never
+        prunes an older checkpoint because of such a step, and every checkpoint is one of a
+        finite step (what the error messages call the last good checkpoint)."""
         if not self.should_save(step, last_step):
+            return False
+        if not finite:
+            if self.rank == 0:
+                logger.warning(
+                    "step %d was skipped as non-finite: not saving a checkpoint at it (the older "
+                    "checkpoints are kept)",
+                    step,
+                )
             return False
         self.save(step, blocking=last_step or self.cfg.async_mode != "async")
         return True
@@ -581,14 +706,17 @@ class CheckpointManager:
         _raise_if_any(error)
         future = None
         if blocking:
-            dcp.save(self._dcp_state(), checkpoint_id=str(tmp))
+            dcp.save(self._dcp_state(), checkpoint_id=str(tmp), planner=TensorsOnlySavePlanner())
         else:
             if self._async_group is None and dist.is_initialized():
                 # Its own gloo group: the background thread's collectives must not interleave
                 # with the training loop's on the default group.
                 self._async_group = dist.new_group(backend="gloo")
             response = dcp.async_save(
-                self._dcp_state(), checkpoint_id=str(tmp), process_group=self._async_group
+                self._dcp_state(),
+                checkpoint_id=str(tmp),
+                process_group=self._async_group,
+                planner=TensorsOnlySavePlanner(),
             )
             future = getattr(response, "upload_completion", response)
         error = None
@@ -800,7 +928,7 @@ class CheckpointManager:
         meta = self._check_compatible(path)
         begin = time.perf_counter()
         try:
-            dcp.load(self._dcp_state(), checkpoint_id=str(path))
+            dcp_load(self._dcp_state(), path)
         except (Exception, CheckpointException) as e:  # name the checkpoint, not just DCP
             raise CheckpointError(
                 f"checkpoint {path} passed its manifest check but DCP could not load it into "
