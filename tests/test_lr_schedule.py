@@ -16,7 +16,7 @@ def test_warmup_then_decay_to_the_final_lr(decay, warmup, total):
     assert f[:warmup] == pytest.approx([(s + 1) / (warmup + 1) for s in range(warmup)])
     assert f[warmup] == 1.0  # the first step after warmup runs at the peak
     assert f[-1] == pytest.approx(0.1)  # the last step reaches min_lr_ratio x peak
-    assert all(a >= b for a, b in zip(f[warmup:], f[warmup + 1 :]))  # non-increasing
+    assert all(a >= b for a, b in zip(f[warmup:-1], f[warmup + 1 :], strict=True))  # decays
 
 
 def test_cosine_midpoint_and_single_decay_step():
