@@ -20,8 +20,9 @@ Model and optimizer state are DTensor-aware (FSDP2 shards, row-sharded Engram ta
 reload at another world size and layout. JSON states (`per_rank`: the data loader) are stored
 per rank; when every rank saved the same state (a global loader position) it loads at any
 world size, otherwise the world size must match. RNG states are restored only at the same world
-size. DCP itself pickles (.metadata, non-tensor values): load checkpoints from trusted sources
-only; share weights as safetensors (scripts/export_hf.py).
+size. Every saved item is a tensor (nothing pickled); `.metadata` is read with an unpickler
+restricted to DCP's metadata classes (dcp_load). The manifest's CRC-32 detects damage, not
+forgery: share weights as safetensors (scripts/export_hf.py).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -166,8 +167,10 @@ class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
 class TensorsOnlySavePlanner(DefaultSavePlanner):
     """Refuses to save a non-tensor value (DCP would pickle it)."""
 
-    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
-        super().set_up_planner(state_dict, *args, **kwargs)
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
         pickled = sorted(k for k, v in self.state_dict.items() if not isinstance(v, torch.Tensor))
         if pickled:
             raise CheckpointError(
