@@ -37,6 +37,7 @@ import random
 import re
 import shutil
 import time
+import warnings
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -516,6 +517,67 @@ def verify_checkpoint(path: Path, checksums: bool = True, collective: bool = Tru
     return problems
 
 
+# ----------------------------------------------------------------------------- one step folder
+
+
+def step_folders(folder: Path) -> list[int]:
+    """Steps of every `step-<N>` folder in checkpoint folder `folder` (intact or not), ascending."""
+    if not folder.is_dir():
+        return []
+    return sorted(
+        int(m.group(1)) for p in folder.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()
+    )
+
+
+def find_checkpoint(folder: Path, step: int = -1, on_damaged: str = "error") -> Path:
+    """The checkpoint to read in one process (generation, export; read-only): `step`, or (-1)
+    the newest, verified against its manifest (checksums) as a training resume verifies it.
+    A damaged newest one is an error unless `on_damaged = "previous"` (then the newest intact);
+    every error names the folder's steps and the damaged ones."""
+    steps = step_folders(folder)
+    if not steps:
+        raise CheckpointError(f"no checkpoint in {folder} (no step-<N> folder)")
+    if step >= 0 and step not in steps:
+        raise CheckpointError(f"{folder} has no step-{step}; its checkpoints: steps {steps}")
+    damaged: list[str] = []
+    for candidate in [step] if step >= 0 else steps[::-1]:
+        path = folder / f"step-{candidate}"
+        problems = verify_checkpoint(path, collective=False)
+        if not problems:
+            if damaged:
+                logger.error("DAMAGED CHECKPOINTS SKIPPED:\n  %s", "\n  ".join(damaged))
+            return path
+        damaged.append("\n    ".join(problems))
+        if on_damaged != "previous":
+            break
+    raise CheckpointError(
+        "refusing to read a damaged or incomplete checkpoint:\n  "
+        + "\n  ".join(damaged)
+        + f"\n{folder} holds steps {steps}. Fix: restore the files, or choose another step"
+        + ("" if step >= 0 else ' (or checkpoint.on_damaged = "previous": the newest intact)')
+    )
+
+
+def load_model_checkpoint(model: nn.Module, path: Path, fingerprint: dict[str, Any]) -> None:
+    """Load the model state of checkpoint folder `path` (from find_checkpoint) into an unsharded
+    `model`, in one process (no collectives; DCP reshards any saved layout). `fingerprint` is
+    this job's config_fingerprint; any difference is refused, as on a training resume."""
+    try:
+        saved = json.loads((path / _FINGERPRINT).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: {_FINGERPRINT} cannot be read: {e}") from None
+    diffs = fingerprint_mismatches(saved, fingerprint)
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {path} was written by a different configuration:\n  "
+            + "\n  ".join(diffs)
+            + "\nFix: pass the config file (and overrides) the run was trained with"
+        )
+    with warnings.catch_warnings():  # one process on purpose: DCP's warning says just that
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_load({"model": ModelState(model)}, path, no_dist=True)
+
+
 # ----------------------------------------------------------------------------- manager
 
 
@@ -569,14 +631,7 @@ class CheckpointManager:
         return self.folder / f"step-{step}"
 
     def _step_folders(self) -> list[int]:
-        """Steps of every `step-<N>` folder (intact or not), ascending."""
-        if not self.folder.is_dir():
-            return []
-        return sorted(
-            int(m.group(1))
-            for p in self.folder.iterdir()
-            if (m := _STEP_RE.match(p.name)) and p.is_dir()
-        )
+        return step_folders(self.folder)
 
     def complete_steps(self) -> list[int]:
         """Steps with a committed checkpoint (manifest present, files present with the listed
