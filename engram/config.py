@@ -63,6 +63,12 @@ class Job:
             f"job.device must be auto, cpu, cuda or npu, got {self.device!r}",
         )
         _check(bool(self.run_name), "job.run_name must not be empty")
+        _check(
+            not Path(self.run_name).is_absolute() and ".." not in Path(self.run_name).parts,
+            f"job.run_name = {self.run_name!r} must stay inside job.dump_folder: a relative "
+            "name without '..' (e.g. 'exp1' or 'sweeps/exp1'); move the output root with "
+            "job.dump_folder",
+        )
 
 
 @dataclass
@@ -230,6 +236,7 @@ class DataSource:
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "data.sources entries need a path (a prepared token folder)")
+        _check_finite(self.weight, f"data.sources weight (source {self.path!r})")
         _check(self.weight > 0, f"data.sources weight must be > 0, got {self.weight}")
 
 

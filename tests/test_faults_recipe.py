@@ -170,6 +170,9 @@ def test_too_many_nonfinite_steps_stop_with_the_last_good_checkpoint(tmp_path):
         ("training.max_norm", "inf"),
         ("training.max_nonfinite_steps", "0"),
         ("checkpoint.on_damaged", "ignore"),
+        ("job.run_name", "../escaped"),
+        ("job.run_name", "a/../../escaped"),
+        ("job.run_name", "/tmp/escaped"),
     ],
 )
 def test_bad_numbers_are_refused_by_name(key, value):
