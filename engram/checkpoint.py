@@ -401,6 +401,10 @@ def _is_no_space(exc: BaseException) -> bool:
     return "No space left" in text or "Disk quota exceeded" in text
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     """{"a": {"b": 1}} -> {"a.b": 1}, so a mismatch names the exact nested key."""
     if isinstance(obj, dict) and obj:
@@ -806,8 +810,36 @@ class CheckpointManager:
                 error = self._describe_save_error(step, tmp, e)
         _raise_if_any(error)
 
+    def _space_left(self) -> tuple[int | None, int | None]:
+        """(bytes free on the checkpoint folder's filesystem, bytes the newest committed
+        checkpoint takes: about what a save needs); None where unknown."""
+        where = self.folder if self.folder.is_dir() else self.folder.parent
+        try:
+            free: int | None = shutil.disk_usage(where).free
+        except OSError:
+            free = None
+        need = None
+        for step in reversed(self._step_folders()):
+            try:
+                need = sum(f["size"] for f in read_manifest(self.step_dir(step))["files"].values())
+                break
+            except (CheckpointError, KeyError, TypeError):
+                continue
+        return free, need
+
     def _describe_save_error(self, step: int, tmp: Path, e: BaseException) -> str:
-        what = "no space left on the device" if _is_no_space(e) else f"{type(e).__name__}: {e}"
+        # A full disk often surfaces as another error (torch's zip writer: "file write
+        # failed"): the free space decides, not only the exception's errno.
+        free, need = self._space_left()
+        full = free is not None and free < (need if need is not None else 1 << 20)
+        if _is_no_space(e) or full:
+            sizes = f"{_mib(free)} free" if free is not None else "free space unknown"
+            if need is not None:
+                sizes += f", the previous checkpoint took {_mib(need)}"
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            what = f"no space left on the device ({sizes}; {type(e).__name__}: {first})"
+        else:
+            what = f"{type(e).__name__}: {e}"
         return (
             f"saving checkpoint step-{step} into {tmp} failed: {what}. Previous checkpoints "
             f"in {self.folder} are untouched. Free space (or lower checkpoint.keep_latest_k), "
@@ -881,8 +913,31 @@ class CheckpointManager:
         if k <= 0:
             return
         for step in self.complete_steps()[:-k]:
-            shutil.rmtree(self.step_dir(step))
+            self._remove_checkpoint(self.step_dir(step))
             logger.info("pruned checkpoint %s (keep_latest_k=%d)", self.step_dir(step), k)
+
+    def _remove_checkpoint(self, path: Path) -> None:
+        """Delete the files the manifest of `path` lists, then the manifest. Anything else
+        (a file someone put there) is kept: the folder is renamed `step-<N>.pruned` so it no
+        longer looks like a checkpoint, with a warning naming what was kept."""
+        files = read_manifest(path)["files"]
+        for name in files:
+            (path / name).unlink(missing_ok=True)
+        (path / _MANIFEST).unlink()
+        kept = sorted(p.name for p in path.iterdir())
+        if not kept:
+            path.rmdir()
+            return
+        aside = path.with_name(f"{path.name}.pruned")
+        if aside.exists():
+            aside = path.with_name(f"{path.name}.pruned-{int(time.time())}")
+        os.rename(path, aside)
+        logger.warning(
+            "pruning %s: kept files the checkpointer did not write (%s) in %s",
+            path,
+            ", ".join(kept[:5]),
+            aside,
+        )
 
     # -- load
 

@@ -115,3 +115,43 @@ def test_malicious_item_runs_no_code_and_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="pickled object"):
         _manager(tmp_path, load_step=1).load()
     assert not marker.exists()
+
+
+def test_full_disk_reported_whatever_the_writer_says(tmp_path, monkeypatch):
+    """torch's zip writer reports a full disk as "file write failed", not ENOSPC: the message
+    still says so, with the free and the needed bytes, and keeps the previous checkpoint."""
+    import shutil
+    from collections import namedtuple
+
+    import engram.checkpoint as ckpt
+
+    manager = _manager(tmp_path)
+    manager.save(1)
+
+    def full(*args, **kwargs):
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(ckpt.dcp, "save", full)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 4096))
+    with pytest.raises(CheckpointError) as e:
+        manager.save(2)
+    msg = str(e.value)
+    assert "no space left on the device (0.0 MiB free, the previous checkpoint took" in msg, msg
+    assert "file write failed" in msg and "step-2.tmp" in msg
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["latest", "step-1"]
+
+
+def test_pruning_deletes_only_what_the_manifest_lists(tmp_path, caplog):
+    manager = _manager(tmp_path)
+    manager.cfg.keep_latest_k = 1
+    manager.save(1)
+    folder = tmp_path / "checkpoint"
+    (folder / "step-1" / "eval_results.json").write_text("{}")
+    with caplog.at_level("WARNING", logger="engram"):
+        manager.save(2)
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-1.pruned", "step-2"]
+    assert [p.name for p in (folder / "step-1.pruned").iterdir()] == ["eval_results.json"]
+    assert "eval_results.json" in caplog.text
+    manager.save(3)  # a clean checkpoint is removed entirely
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-1.pruned", "step-3"]
