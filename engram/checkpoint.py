@@ -602,8 +602,12 @@ class CheckpointManager:
         fingerprint: dict[str, Any],
         per_rank: Iterable[str] = ("dataloader",),
         save_rng: bool = True,
+        data_meta: dict[str, int] | None = None,
     ):
         self.cfg = cfg
+        # How the run consumes data ({"global_batch_samples": ..., "seq_len": ...}): stored in
+        # meta.json; a resume that changes it is warned about (_warn_data_changed).
+        self.data_meta = dict(data_meta or {})
         self.folder = Path(run_folder) / cfg.folder
         self.fingerprint = fingerprint
         self.per_rank = [k for k in per_rank if k in states]
@@ -864,6 +868,7 @@ class CheckpointManager:
             "states": sorted(self.states),
             "torch_version": torch.__version__,
             "time": time.time(),
+            "data": self.data_meta,
         }
         _write_json(tmp / _FINGERPRINT, self.fingerprint)
         _write_json(tmp / _META, meta)
@@ -1039,6 +1044,7 @@ class CheckpointManager:
                 "use another checkpoint.folder"
             )
         meta = self._check_compatible(path)
+        self._warn_data_changed(path, meta.get("data", {}))
         begin = time.perf_counter()
         try:
             dcp_load(self._dcp_state(), path)
@@ -1084,6 +1090,22 @@ class CheckpointManager:
                     f"per-rank position), so it cannot be resharded. Resume with {saved_world} "
                     "ranks, or use a loader whose state is global (the same on every rank)"
                 )
+
+    def _warn_data_changed(self, path: Path, saved: dict[str, Any]) -> None:
+        changed = {
+            k: (saved[k], v) for k, v in self.data_meta.items() if k in saved and saved[k] != v
+        }
+        if changed and self.rank == 0:
+            logger.warning(
+                "resuming %s with another data consumption per step: %s. The data continues "
+                "from the saved position, but every step from here takes the new amount, so "
+                "the steps do not see the samples the original run's steps would have, "
+                "tokens_seen counts the new size and the lr schedule (by step) spreads over a "
+                "different number of samples. Resume with the saved values to continue the "
+                "original data order",
+                path,
+                ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()),
+            )
 
     def _check_compatible(self, path: Path) -> dict[str, Any]:
         try:

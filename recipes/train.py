@@ -274,6 +274,12 @@ def train(cfg: JobConfig) -> TrainResult:
             "train_state": state,
         },
         fingerprint=config_fingerprint(cfg, tokenizer, hasher),
+        data_meta={
+            "global_batch_samples": cfg.training.local_batch_size
+            * cfg.training.grad_accum_steps
+            * dims.dp_size,
+            "seq_len": cfg.training.seq_len,
+        },
     )
     start_step = checkpointer.load()
     # Only now: a refused resume must leave the run folder's config record untouched.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -55,6 +56,10 @@ def _train(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) ->
             return loss * float("nan") if calls[0] in nan_steps else loss
 
         recipe.cross_entropy = poisoned
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("engram").addHandler(handler)
     try:
         result = recipe.train(config_from_dict(raw))
     except (CheckpointError, RuntimeError) as e:
@@ -62,7 +67,12 @@ def _train(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) ->
     weights = {
         n: p.detach().clone() for n, p in result.model.named_parameters() if "layers.0." in n
     }
-    return {"losses": result.losses, "start": result.start_step, "weights": weights}
+    return {
+        "losses": result.losses,
+        "start": result.start_step,
+        "weights": weights,
+        "warned": warned,
+    }
 
 
 def _files(folder: Path) -> dict[str, str]:
@@ -258,3 +268,13 @@ def test_a_run_ending_in_nonfinite_steps_keeps_the_last_good_checkpoint(tmp_path
     assert str(ckpt / "step-2") in out["error"]
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-2"]
     assert (ckpt / "latest").read_text().strip() == "2"
+
+
+def test_resume_with_another_global_batch_warns(tmp_path):
+    run_distributed(_train, 1, _raw(str(tmp_path), steps=2))
+    (same,) = run_distributed(_train, 1, _raw(str(tmp_path), steps=3))
+    assert same["start"] == 2 and not any("data consumption" in w for w in same["warned"])
+    bigger = {"training": {"seq_len": 16, "local_batch_size": 4, "steps": 4}}
+    (out,) = run_distributed(_train, 1, _raw(str(tmp_path), **bigger))
+    assert out["start"] == 3, out
+    assert any("global_batch_samples 2 -> 4" in w for w in out["warned"]), out["warned"]
