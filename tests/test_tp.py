@@ -9,9 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from launcher import run_distributed
-from test_parity import GLOBAL_BATCH, _assert_matches, _config, _initial_weights, _train, _with
+from test_parity import (
+    GLOBAL_BATCH,
+    _assert_losses_and_norms_match,
+    _assert_matches,
+    _config,
+    _initial_weights,
+    _train,
+    _with,
+)
 from torch.distributed.tensor import DTensor
 
 from engram.config import ConfigError, config_from_dict
@@ -109,17 +116,7 @@ def test_tp_matches_over_10_steps_without_the_engram_gate(tmp_path):
         if name == "no_engram":
             _assert_matches(got, ref, init, where)
             continue
-        close = torch.testing.assert_close
-        close(
-            torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0, msg=where
-        )
-        close(
-            torch.tensor(got["grad_norms"]),
-            torch.tensor(ref["grad_norms"]),
-            rtol=1e-3,
-            atol=0,
-            msg=where,
-        )
+        _assert_losses_and_norms_match(got, ref, where)
 
 
 def _train_argv(rank: int, world: int, argv: list[str]) -> dict:
