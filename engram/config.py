@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
 import sys
@@ -16,6 +17,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from engram.table_optimizers import TABLE_OPTIMIZERS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -288,7 +291,6 @@ class Data:
         return list(self.sources) if self.sources else [DataSource(self.path, 1.0)]
 
 
-TABLE_OPTIMIZERS = ("adam", "lazy_adam", "rowwise_adagrad")
 
 
 @dataclass
@@ -396,9 +398,10 @@ class Parallelism:
     """FSDP2 compute dtype of parameters: float32 | bfloat16."""
     mixed_precision_reduce: str = "float32"
     """FSDP2 gradient reduction dtype: float32 | bfloat16."""
-    # --- tensor parallelism (issue 7); degrees are checked by parallelisms/parallel_dims.py
+    # --- tensor parallelism; degrees are checked by parallelisms/parallel_dims.py
     tp_sequence_parallel: bool = True
-    """Under TP, shard norms and the residual stream (and Engram blocks) along the sequence."""
+    """Under TP, shard norms and the residual stream along the sequence (Engram blocks run
+    sequence-sharded either way)."""
     tp_loss_parallel: bool = True
     """Under TP, keep logits vocabulary-sharded and compute the loss under loss_parallel()."""
 
@@ -419,7 +422,7 @@ class Parallelism:
         )
 
 
-# --- pipeline parallelism (issue 9); parallelisms/pipeline.py checks the split against the model
+# --- pipeline parallelism; parallelisms/pipeline.py checks the split against the model
 PIPELINE_SCHEDULES = (
     "GPipe",
     "1F1B",
@@ -731,11 +734,15 @@ def config_from_dict(raw: dict[str, dict[str, Any]]) -> JobConfig:
 
 def to_toml(cfg: JobConfig) -> str:
     """Serialise a JobConfig to TOML (round-trips through load_config)."""
+    return sections_to_toml(cfg.to_dict())
+
+
+def sections_to_toml(sections: dict[str, dict[str, Any]]) -> str:
+    """Sections of scalars / lists / inline tables (the JobConfig shape) as TOML."""
     lines = []
-    for section, values in cfg.to_dict().items():
+    for section, values in sections.items():
         lines.append(f"[{section}]")
-        for key, value in values.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
         lines.append("")
     return "\n".join(lines)
 
@@ -744,8 +751,8 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
+        return json.dumps(value)  # a JSON string literal is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):  # inline table (entries of a list of tables)
         return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"

@@ -23,8 +23,10 @@ from torch import nn
 
 from engram.checkpoint import fingerprint_mismatches
 from engram.models.args import ModelArgs
+from engram.models.engram import is_engram_param
 from engram.models.hf_adapter import ENGRAM_PREFIX, to_hf_state_dict
 from engram.models.init import local_view
+from engram.models.transformer import clean_fqn
 
 logger = logging.getLogger("engram")
 
@@ -203,8 +205,8 @@ def load_engram_safetensors(
             )
     params = {}
     for raw, p in model.named_parameters():
-        name = raw.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        if ".engram." in f".{name}":
+        name = clean_fqn(raw)
+        if is_engram_param(name):
             params[name] = p
     with safe_open(str(file), framework="pt", device="cpu") as f:
         stored = {k[len(ENGRAM_PREFIX) :]: k for k in f.keys()}
