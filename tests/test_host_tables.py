@@ -219,7 +219,10 @@ def _shard_worker(rank: int, world: int) -> dict:
 
     with torch.device("meta"):
         model = nn.ModuleList([EngramTable(101, 4), nn.Linear(4, 4)])
-    params = apply_engram_table_sharding(model, init_device_mesh("cpu", (world,)), location="host")
+    mesh = init_device_mesh("cpu", (world,))
+    params = apply_engram_table_sharding(
+        model, mesh, grad_scale=1.0 / world, row_sparse=True, location="host"
+    )
     model.to_empty(device=torch.device("meta"))  # everything else to meta: the shard stays
     local = model[0].weight.to_local()
     model.to(torch.device("meta"))
