@@ -255,14 +255,14 @@ def prefetch_host_tables(model: nn.Module, hash_ids: torch.Tensor) -> int:
     micro-batch of a step, in order, after the previous step's optimizer step, and only where
     every table sees hash_ids[:, :, slot] (no tensor / pipeline parallelism: there the lookups
     gather when they run)."""
-    from engram.models.transformer import _unwrap
+    from engram.models.transformer import unwrap_block
 
     queued = 0
     for layer in model.layers.values():
-        block = getattr(_unwrap(layer), "engram", None)
+        block = getattr(unwrap_block(layer), "engram", None)
         table = getattr(block, "table", None)
         if isinstance(table, HostShardedEngramTable):
-            table.prefetch(hash_ids[:, :, model._engram_slot[_unwrap(layer).layer_id]])
+            table.prefetch(hash_ids[:, :, model._engram_slot[unwrap_block(layer).layer_id]])
             queued += 1
     return queued
 

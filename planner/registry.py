@@ -55,6 +55,8 @@ MODELLED = {  # setting -> where the planner models it
     ),
     "optimizer.name": "measure (AdamW: two fp32 moments)",
     "optimizer.table_optimizer": "tables (engram/table_optimizers.py)",
+    "engram.table_location": "measure (host_table_bytes), estimate (rows on device, host link)",
+    "engram.host_memory_gib": "results (host_fits: host tables per node)",
     **dict.fromkeys(
         (
             "parallelism.dp_replicate",
