@@ -46,7 +46,8 @@ from engram.optim import (
 from engram.profiling import maybe_profile
 from engram.table_check import warn_if_tables_collide
 from parallelisms.fsdp import defer_grad_sync
-from parallelisms.host_tables import check_host_memory, prefetch_host_tables
+from parallelisms.host_memory import check_host_memory
+from parallelisms.host_tables import prefetch_host_tables
 from parallelisms.parallel_dims import parallel_dims_from_config
 from parallelisms.parallelize import parallelize_model
 from parallelisms.pipeline import build_eval_schedule, build_schedule, split_stages
