@@ -64,7 +64,7 @@ def main() -> None:
     print(
         f"llama3/{a.flavor} + Engram, context {a.context}, {a.new} new tokens, {a.threads} threads"
     )
-    print("| path | s per generation (best of %d) | tokens/s |" % a.rounds)
+    print(f"| path | s per generation (best of {a.rounds}) | tokens/s |")
     print("|---|---:|---:|")
     for cached, name in ((False, "uncached (full recompute)"), (True, "KV cache")):
         print(f"| {name} | {best[cached]:.2f} | {a.new / best[cached]:.1f} |")

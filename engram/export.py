@@ -1,4 +1,4 @@
-"""Safetensors export: the safe way to share weights (DCP checkpoints are pickle-based).
+"""Safetensors export: the way to share weights (a safetensors file holds no code).
 
 (a) a self-contained Hugging Face folder that transformers loads as the full model:
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 import subprocess
 from importlib import metadata
@@ -35,10 +36,27 @@ from torch import nn
 
 from engram.checkpoint import fingerprint_mismatches
 from engram.models.args import ModelArgs
+from engram.models.engram import is_engram_param
 from engram.models.hf_adapter import ENGRAM_PREFIX, HASH_LOOKUP, to_hf_state_dict
 from engram.models.init import local_view
+from engram.models.transformer import clean_fqn
+
+logger = logging.getLogger("engram")
 
 ENGRAM_FILE = "engram.safetensors"
+# Files of an HF model folder: what an export writes or another export / download left there.
+_MODEL_FILE_PATTERNS = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.bin",
+    "*.bin.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "modeling_engram.py",
+)
 ENGRAM_FORMAT = "engram-safetensors/1"
 MODELING_FILE = Path(__file__).parent / "hf_remote" / "modeling_engram.py"
 # model.name -> (plain architecture, model_type, Engram architecture, Engram model_type)
@@ -253,6 +271,33 @@ def export(
     return written + [out / n for n in names]
 
 
+def prepare_output_folder(out: str | Path, overwrite: bool) -> None:
+    """Refuse a non-empty export folder (a new export beside an old one's files mixes two
+    models) unless `overwrite`; then remove the model files an export writes or replaces (any
+    safetensors, index, config and tokenizer files) and keep, with a warning, anything else."""
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file, not a folder")
+    present = sorted(p.name for p in out.iterdir())
+    if not present:
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f"--out {out} is not empty ({', '.join(present[:6])}{', ...' if len(present) > 6 else ''}"
+            "): an export beside an earlier one's files mixes two models. Choose an empty or "
+            "new folder, or pass --overwrite to replace its model files"
+        )
+    replaced = sorted({p for pat in _MODEL_FILE_PATTERNS for p in out.glob(pat) if p.is_file()})
+    for p in replaced:
+        p.unlink()
+    kept = sorted(set(present) - {p.name for p in replaced})
+    logger.warning("--overwrite: removed %s from %s", [p.name for p in replaced], out)
+    if kept:
+        logger.warning("--overwrite: kept files an export does not write: %s", kept)
+
+
 def read_engram_header(file: str | Path) -> dict[str, Any]:
     """The Engram config and fingerprint stored in an engram.safetensors header."""
     with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -286,8 +331,8 @@ def load_engram_safetensors(
             )
     params = {}
     for raw, p in model.named_parameters():
-        name = raw.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        if ".engram." in f".{name}":
+        name = clean_fqn(raw)
+        if is_engram_param(name):
             params[name] = p
     with safe_open(str(file), framework="pt", device="cpu") as f:
         stored = {k[len(ENGRAM_PREFIX) :]: k for k in f.keys()}

@@ -238,15 +238,22 @@ def _train(rank: int, world: int, raw: dict) -> None:
 
 def _resave_at_one_rank(raw2: dict, raw1: dict) -> None:
     """Load the 2-rank checkpoint into the unsharded model and save it as a 1-rank run would."""
-    from engram.checkpoint import CheckpointManager, ModelState
-    from recipes.generate import load_checkpoint
+    from engram.checkpoint import (
+        CheckpointManager,
+        ModelState,
+        find_checkpoint,
+        load_model_checkpoint,
+    )
 
     cfg2, cfg1 = config_from_dict(raw2), config_from_dict(raw1)
     model, tok, hasher = build_for_generation(cfg2, 16)
-    load_checkpoint(model, cfg2, 2)
+    fingerprint = config_fingerprint(cfg2, tok, hasher)
+    load_model_checkpoint(
+        model, find_checkpoint(cfg2.run_folder / cfg2.checkpoint.folder, 2), fingerprint
+    )
     manager = CheckpointManager(
-        cfg1.checkpoint, cfg1.run_folder, {"model": ModelState(model)},
-        config_fingerprint(cfg1, tok, hasher), per_rank=(), save_rng=False,
+        cfg1.checkpoint, cfg1.run_folder, {"model": ModelState(model)}, fingerprint,
+        per_rank=(), save_rng=False,
     )  # fmt: skip
     manager.save(2)
 
