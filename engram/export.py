@@ -77,6 +77,14 @@ def hf_config(args: ModelArgs, family: str) -> dict[str, Any]:
         raise EngramExportError(
             f"model.name {family!r} has no Hugging Face export: supported {', '.join(_ARCH)}"
         )
+    # What transformers' class of the family computes: anything else would load silently wrong.
+    want = {"llama3": (False, False), "qwen2": (True, False), "qwen3": (False, True)}[family]
+    if (args.qkv_bias, args.qk_norm) != want:
+        raise EngramExportError(
+            f"a {family} model with qkv_bias = {args.qkv_bias}, qk_norm = {args.qk_norm} has no "
+            f"transformers class (its {_ARCH[family][0]} computes qkv_bias = {want[0]}, qk_norm = "
+            f"{want[1]}): export a shape of the family"
+        )
     arch, model_type = _ARCH[family][:2]
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling is not None:

@@ -211,6 +211,12 @@ def test_export_folder_contents_and_refusals(exported, tmp_path):
     with pytest.raises(EngramExportError, match="non-finite"):
         export(model, "qwen3", {}, {}, tmp_path / "nan", tokenizer=tok, hasher=hasher)
     assert not (tmp_path / "nan").exists()
+    # A shape the family's transformers class does not compute is refused.
+    with torch.no_grad():
+        model.layers["1"].engram.table.weight[3, 0] = 0.0
+    model.args = model.args.replace(qk_norm=False)
+    with pytest.raises(EngramExportError, match="qk_norm = False has no transformers class"):
+        export(model, "qwen3", {}, {}, tmp_path / "shape", tokenizer=tok, hasher=hasher)
 
 
 # --------------------------------------------------------------------- resharded checkpoints
