@@ -66,6 +66,12 @@ class Job:
             f"job.device must be auto, cpu, cuda or npu, got {self.device!r}",
         )
         _check(bool(self.run_name), "job.run_name must not be empty")
+        _check(
+            not Path(self.run_name).is_absolute() and ".." not in Path(self.run_name).parts,
+            f"job.run_name = {self.run_name!r} must stay inside job.dump_folder: a relative "
+            "name without '..' (e.g. 'exp1' or 'sweeps/exp1'); move the output root with "
+            "job.dump_folder",
+        )
 
 
 @dataclass
@@ -233,6 +239,7 @@ class DataSource:
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "data.sources entries need a path (a prepared token folder)")
+        _check_finite(self.weight, f"data.sources weight (source {self.path!r})")
         _check(self.weight > 0, f"data.sources weight must be > 0, got {self.weight}")
 
 
@@ -350,10 +357,14 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = 10
+    """Linear warmup: step s <= W = warmup_steps runs at peak x s / (W + 1)."""
     decay_type: str = "cosine"
-    """cosine | linear | constant (after warmup)."""
+    """cosine | linear | constant after warmup. Step s > W (of T = training.steps) runs at
+    peak x (r + (1 - r) g(p)), r = min_lr_ratio, p = (s - W - 1) / (T - W - 1), g(p) =
+    (1 + cos(pi p)) / 2 (cosine), 1 - p (linear), 1 (constant): step W + 1 at the peak, step T
+    at r x peak (engram/optim.py lr_lambda)."""
     min_lr_ratio: float = 0.1
-    """Final lr as a fraction of the peak lr."""
+    """lr of the last step as a fraction of the peak lr (cosine / linear)."""
 
     def __post_init__(self) -> None:
         _check(self.warmup_steps >= 0, "lr_scheduler.warmup_steps must be >= 0")

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from engram.export import ENGRAM_FILE
 from engram.models.args import ModelArgs
 from engram.models.engram import is_engram_param
 from engram.models.hf_adapter import from_hf_state_dict
@@ -127,6 +128,18 @@ def _tensor_files(folder: Path) -> dict[str, str]:
             raise HFLoadError(
                 f"{index} names shard files that are not in {folder}: {absent}. The download is "
                 "incomplete: fetch the missing files"
+            )
+        listed = set(weight_map.values())
+        stray = sorted(
+            p.name
+            for p in folder.glob("*.safetensors")
+            if p.name not in listed and p.name != ENGRAM_FILE
+        )
+        if stray:
+            raise HFLoadError(
+                f"{folder} holds {stray} beside {INDEX_FILE}, which does not list them: files of "
+                "two models are mixed (an export into a used folder?). Remove the stray files or "
+                "the stale index and its shards (re-export with --overwrite)"
             )
         return {str(k): str(v) for k, v in weight_map.items()}
     files = sorted(p.name for p in folder.glob("*.safetensors"))

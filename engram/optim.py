@@ -124,13 +124,20 @@ def _fused_adam_ok(params: list[torch.Tensor]) -> bool:
 def lr_lambda(
     step: int, warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float
 ) -> float:
-    """Multiplier on the peak lr for optimizer step `step` (0-based)."""
+    """Multiplier on the peak lr for optimizer step `step` (0-based; the recipe's step s is s-1).
+
+    warmup (step < W):  (step + 1) / (W + 1)           first step lr / (W + 1), never 0
+    decay (step >= W):  r + (1 - r) * f(p),  p = min(1, (step - W) / (T - W - 1))
+                        f = 1 - p (linear), (1 + cos(pi p)) / 2 (cosine), 1 (constant)
+    with W = warmup_steps, T = total_steps, r = min_lr_ratio: the first step after warmup runs at
+    the peak lr and the last step (T - 1) at r x peak. With a single step after warmup
+    (T - W = 1) that step runs at the peak lr."""
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
     if decay_type == "constant":
         return 1.0
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    decay_steps = total_steps - warmup_steps - 1
+    progress = min(1.0, (step - warmup_steps) / decay_steps) if decay_steps > 0 else 0.0
     if decay_type == "linear":
         frac = 1.0 - progress
     else:
@@ -152,16 +159,17 @@ def build_lr_schedulers(optimizers: list[torch.optim.Optimizer], cfg: JobConfig)
 
 class SchedulersState:
     """Stateful view over the lr schedulers (one per optimizer, stepped together), saved as the
-    step count alone: every schedule is a function of the step (lr_lambda), so the state restores
+    step count alone (an int64 tensor: nothing pickled). Every schedule is a function of the
+    step and of the config's peak lr (lr_lambda), so a resume follows the config's schedule,
     at any layout, including pipeline stages whose optimizers hold other param groups."""
 
     def __init__(self, schedulers: list[LambdaLR]) -> None:
         self.schedulers = schedulers
 
-    def state_dict(self) -> dict[str, int]:
-        return {"last_epoch": self.schedulers[0].last_epoch}
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"last_epoch": torch.tensor(self.schedulers[0].last_epoch, dtype=torch.int64)}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for s in self.schedulers:
             s.last_epoch = int(state["last_epoch"])
             lrs = [b * f(s.last_epoch) for b, f in zip(s.base_lrs, s.lr_lambdas, strict=True)]

@@ -284,6 +284,16 @@ def test_bad_folder(tmp_path):
     _expect_error(target, tmp_path, "no *.safetensors")
 
 
+def test_single_file_beside_an_index_that_does_not_list_it(tmp_path):
+    """An export into a folder with an older sharded export: two models mixed, refused."""
+    source, _ = _init(_raw(), SEED_A)
+    export_hf(source, tmp_path)
+    sd = {n: t.detach() for n, t in source.state_dict().items() if not _is_engram(n)}
+    save_file(to_hf_state_dict(sd, source.args), str(tmp_path / "model.safetensors"))
+    target, _ = _init(_raw(), SEED_B)
+    _expect_error(target, tmp_path, "model.safetensors", "does not list", "--overwrite")
+
+
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
