@@ -409,7 +409,10 @@ class CheckpointManager:
     `states` maps names to Stateful objects (model, optimizer, lr_scheduler, dataloader,
     train_state, ...). Names in `per_rank` are stored as plain JSON per rank (their state_dict()
     must be JSON-serialisable: the data loader); this process's RNG state is added the same way
-    when `save_rng` is set. Every method is collective: call it on all ranks.
+    when `save_rng` is set. `folder_states` maps names to objects that write and read their own
+    files (`save(folder)` / `load(folder)`, collective) in sub-folder `<name>/` of the step folder
+    (a DeepSpeed engine's checkpoint): listed in the same manifest and committed with the DCP
+    shards. Every method is collective: call it on all ranks.
     """
 
     def __init__(
@@ -420,6 +423,7 @@ class CheckpointManager:
         fingerprint: dict[str, Any],
         per_rank: Iterable[str] = ("dataloader",),
         save_rng: bool = True,
+        folder_states: dict[str, Any] | None = None,
     ):
         self.cfg = cfg
         self.folder = Path(run_folder) / cfg.folder
@@ -438,6 +442,10 @@ class CheckpointManager:
                     f"checkpoint state name {name!r} is reserved or not [A-Za-z0-9_]+; rename it"
                 )
         self.states = dict(states)
+        self.folder_states = dict(folder_states or {})
+        for name in self.folder_states:
+            if name in self.states or not re.fullmatch(r"[A-Za-z0-9_]+", name):
+                raise ValueError(f"folder state name {name!r} is taken or not [A-Za-z0-9_]+")
         self.save_rng = save_rng
         self.rank = _rank()
         self.world_size = _world_size()
@@ -591,6 +599,8 @@ class CheckpointManager:
                 self._dcp_state(), checkpoint_id=str(tmp), process_group=self._async_group
             )
             future = getattr(response, "upload_completion", response)
+        for name, obj in self.folder_states.items():
+            obj.save(tmp / name)
         error = None
         try:
             for name in self._json_names():
@@ -609,7 +619,9 @@ class CheckpointManager:
 
     def _commit_collective(self, step: int, tmp: Path, final: Path) -> None:
         names = _broadcast_from_rank0(
-            sorted(p.name for p in tmp.iterdir()) if self.rank == 0 else None
+            sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+            if self.rank == 0
+            else None
         )
         checksums = _collective_checksums(tmp, names)
         error = None
@@ -643,7 +655,7 @@ class CheckpointManager:
             "step": step,
             "world_size": self.world_size,
             "json_states": self._json_names(),
-            "states": sorted(self.states),
+            "states": sorted([*self.states, *self.folder_states]),
             "torch_version": torch.__version__,
             "time": time.time(),
         }
@@ -703,7 +715,10 @@ class CheckpointManager:
     def _remove_own_tmp(self, path: Path) -> None:
         """Remove a `step-<N>.tmp` folder only if every file in it has one of our names."""
         foreign = [
-            p.name for p in path.iterdir() if not (p.is_file() and _OWN_FILE_RE.match(p.name))
+            p.name
+            for p in path.iterdir()
+            if not (p.is_file() and _OWN_FILE_RE.match(p.name))
+            and not (p.is_dir() and p.name in self.folder_states)
         ]
         if foreign:
             raise CheckpointError(
@@ -799,6 +814,8 @@ class CheckpointManager:
             )
         meta = self._check_compatible(path)
         begin = time.perf_counter()
+        for name, obj in self.folder_states.items():  # first: they refuse what they cannot load
+            obj.load(path / name)
         try:
             dcp.load(self._dcp_state(), checkpoint_id=str(path))
         except (Exception, CheckpointException) as e:  # name the checkpoint, not just DCP
@@ -866,7 +883,7 @@ class CheckpointManager:
                 + "\n  ".join(diffs)
                 + f"\n{fix}"
             )
-        missing = sorted(set(self.states) - set(meta["states"]))
+        missing = sorted((set(self.states) | set(self.folder_states)) - set(meta["states"]))
         if missing:
             raise CheckpointError(
                 f"checkpoint {path} has no state for {missing} (it holds {meta['states']}). {fix}"
