@@ -312,3 +312,41 @@ class EngineCheckpoint:
         )
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load the engine checkpoint {folder / tag}")
+
+
+def is_deepspeed_step(step_dir: Path) -> bool:
+    """`step_dir` was written by recipes/train_deepspeed.py (it holds an engine checkpoint)."""
+    return (Path(step_dir) / "engine" / ENGINE_TAG).is_dir()
+
+
+def load_deepspeed_weights(model: nn.Module, step_dir: Path) -> None:
+    """Fill an unsharded model (export, generation) from a step folder of train_deepspeed.py,
+    in one process: the engine's fp32 master weights consolidated by DeepSpeed's zero_to_fp32
+    (any ZeRO stage, any saved world size) and the Engram tables from their DCP shards."""
+    import torch.distributed.checkpoint as dcp
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from engram.checkpoint import ModelState
+    from engram.models.engram import EngramTable
+    from engram.models.transformer import clean_fqn
+
+    step_dir = Path(step_dir)
+    dense = get_fp32_state_dict_from_zero_checkpoint(str(step_dir / "engine"), tag=ENGINE_TAG)
+    dense = {clean_fqn(k): v for k, v in dense.items()}
+    tables = nn.Module()
+    for fqn, table in model.named_modules():
+        if isinstance(table, EngramTable):
+            _mirror(tables, clean_fqn(fqn), table)
+    table_keys = {f"{clean_fqn(n)}" for n, _ in tables.named_parameters()}
+    missing, unexpected = model.load_state_dict(dense, strict=False)
+    missing = {clean_fqn(k) for k in missing} - table_keys
+    if missing or unexpected:
+        raise CheckpointError(
+            f"the engine checkpoint in {step_dir} does not fit this model: missing "
+            f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}. Fix: pass the config "
+            "file the run was trained with"
+        )
+    if table_keys:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"tables": ModelState(tables)}, checkpoint_id=str(step_dir), no_dist=True)

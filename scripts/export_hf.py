@@ -10,7 +10,8 @@
 (b) --engram-only: engram.safetensors alone (engram.export.load_engram_safetensors reads it).
 
 The checkpoint is the run's newest intact one (or --step), verified against its manifest first.
-It runs in one process (no GPU needed); DCP reshards whatever layout the run was saved with.
+It runs in one process (no GPU needed); DCP reshards whatever layout the run was saved with. A
+checkpoint of recipes/train_deepspeed.py is read with DeepSpeed's zero_to_fp32 (docs/deepspeed.md).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from engram.checkpoint import CheckpointError, verify_checkpoint  # noqa: E402
 from engram.config import load_config  # noqa: E402
 from engram.export import export  # noqa: E402
 from engram.fingerprint import config_fingerprint  # noqa: E402
+from parallelisms.deepspeed_engine import is_deepspeed_step, load_deepspeed_weights  # noqa: E402
 from recipes.generate import build_for_generation, checkpoint_steps, load_checkpoint  # noqa: E402
 
 
@@ -47,7 +49,10 @@ def main(argv: list[str] | None = None) -> list[Path]:
     if problems:
         raise CheckpointError("not exporting a damaged checkpoint:\n  " + "\n  ".join(problems))
     model, tokenizer, hasher = build_for_generation(cfg, cfg.training.seq_len)
-    load_checkpoint(model, cfg, step)
+    if is_deepspeed_step(path):  # written by recipes/train_deepspeed.py
+        load_deepspeed_weights(model, path)
+    else:
+        load_checkpoint(model, cfg, step)
     files = export(
         model,
         cfg.model.name,

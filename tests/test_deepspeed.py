@@ -22,21 +22,25 @@ engine file is named.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from launcher import run_distributed
+from launcher import free_port, run_distributed
 from torch.distributed.tensor import DTensor
 
 from engram.checkpoint import CheckpointError
 from engram.config import ConfigError, config_from_dict
 from engram.models.transformer import clean_fqn
+from parallelisms.deepspeed_engine import load_deepspeed_weights
 
 pytest.importorskip("deepspeed")
+ROOT = Path(__file__).resolve().parents[1]
 
 GLOBAL_BATCH = 8
 STEPS = 5
@@ -142,8 +146,7 @@ def _parity_and_resume(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def _initial_weights(raw: dict) -> dict[str, np.ndarray]:
-    """The weights every layout starts from (init is layout-independent)."""
+def _unsharded_model(raw: dict) -> torch.nn.Module:
     from engram.data.tokenizer import load_tokenizer
     from engram.models.builder import build_from_config
 
@@ -151,7 +154,12 @@ def _initial_weights(raw: dict) -> dict[str, np.ndarray]:
     model, _ = build_from_config(cfg, load_tokenizer(""))
     model.to_empty(device="cpu")
     model.init_weights(seed=cfg.job.seed)
-    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    return model
+
+
+def _initial_weights(raw: dict) -> dict[str, np.ndarray]:
+    """The weights every layout starts from (init is layout-independent)."""
+    return {n: p.detach().numpy().copy() for n, p in _unsharded_model(raw).named_parameters()}
 
 
 def _refusals(rank: int, world: int, root: str, saved: str) -> dict:
@@ -208,6 +216,13 @@ def test_zero_stages_match_fsdp2_and_resume_exactly(tmp_path):
         assert resumed["grad_norms"] == full["grad_norms"][3:], label
         for name, w in full["weights"].items():
             assert np.array_equal(resumed["weights"][name], w), f"{label} resumed: {name}"
+
+    # The export path (scripts/export_hf.py): one process, zero_to_fp32 + the tables' DCP shards.
+    for label in ("zero2_lazy_adam", "zero3_adam"):
+        model = _unsharded_model(_config(str(tmp_path), 1, "adam"))
+        load_deepspeed_weights(model, tmp_path / label / "run" / "checkpoint" / "step-5")
+        for name, p in model.named_parameters():
+            assert np.array_equal(p.detach().numpy(), got[label]["weights"][name]), (label, name)
 
     saved = str(tmp_path / "zero3_adam" / "run" / "checkpoint")
     (errors,) = run_distributed(_refusals, 1, str(tmp_path / "one"), saved)
@@ -319,3 +334,44 @@ def test_missing_deepspeed_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     with pytest.raises(ImportError, match=r'pip install -e "\.\[deepspeed\]"'):
         import_deepspeed("cpu")
+
+
+@pytest.mark.slow
+def test_run_train_sh_zero3_trains_and_exports(tmp_path):
+    """The README-style command of docs/deepspeed.md on this CPU machine, then the export."""
+    env = {
+        **os.environ,
+        "NGPU": "2",
+        "TRAIN_SCRIPT": "recipes/train_deepspeed.py",
+        "CONFIG_FILE": "train_configs/debug_model.toml",
+        "MASTER_PORT": str(free_port()),
+    }
+    args = [f"--job.dump_folder={tmp_path}", "--training.steps=6", "--checkpoint.enable=true"]
+    proc = subprocess.run(
+        ["./run_train.sh", "--deepspeed.zero_stage=3", "--metrics.log_freq=1", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [
+        json.loads(x) for x in (tmp_path / "debug" / "metrics.jsonl").read_text().splitlines()
+    ]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    step = tmp_path / "debug" / "checkpoint" / "step-6"
+    assert (step / "engine" / "model").is_dir() and (step / "manifest.json").is_file()
+    out = tmp_path / "hf"
+    export = subprocess.run(
+        [sys.executable, "scripts/export_hf.py", "--out", str(out), "--job.config_file",
+         "train_configs/debug_model.toml", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert export.returncode == 0, export.stdout[-3000:] + export.stderr[-3000:]
+    assert (out / "model.safetensors").is_file() and (out / "engram.safetensors").is_file()
