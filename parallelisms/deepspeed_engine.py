@@ -225,6 +225,28 @@ def detach_tables(model: nn.Module) -> nn.Module:
     return tables
 
 
+def materialize_into_partitions(
+    model: nn.Module, tables: nn.Module, device: torch.device, seed: int, ds_config: dict
+) -> None:
+    """ZeRO-3: materialise and initialise a meta-built model one top-level block at a time
+    (embedding, each decoder layer, final norm, output), handing each block to
+    `deepspeed.zero.Init(module=block)` before the next: the peak is one block plus the
+    partitions, not the whole model. `tables` (detached, row-sharded) are materialised after.
+    The weights equal those of `to_empty` + `init_weights` (the init is per parameter and layout
+    independent; meta and already-partitioned parameters are skipped by it)."""
+    import deepspeed
+
+    blocks = [model.tok_embeddings, *model.layers.values(), model.norm]
+    if not model.args.tie_embeddings:  # tied: the output shares the embedding weight
+        blocks.append(model.output)
+    for block in blocks:
+        block.to_empty(device=device)
+        model.init_weights(seed=seed, buffer_device=device)
+        deepspeed.zero.Init(module=block, config_dict_or_path=ds_config, mem_efficient_linear=False)
+    tables.to_empty(device=device)
+    model.init_weights(seed=seed, buffer_device=device)  # the tables; the rest is partitioned
+
+
 # ----------------------------------------------------------------------------- gradients
 
 

@@ -53,6 +53,7 @@ from parallelisms.deepspeed_engine import (  # noqa: E402
     clip_engine_and_tables_,
     detach_tables,
     import_deepspeed,
+    materialize_into_partitions,
 )
 from parallelisms.engram_tables import apply_engram_table_sharding  # noqa: E402
 from parallelisms.fsdp import DTYPES  # noqa: E402
@@ -95,7 +96,7 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
         logger.info(f"Engram hashing: {hasher}")
         warn_if_tables_collide(hasher)
 
-    # --- tables row-sharded as in train.py; AC; materialise, init, HF weights -----------------
+    # --- tables row-sharded as in train.py; AC; training mode ----------------------------------
     dims.check_model(model.args, cfg.training.seq_len, engram_halo(cfg))
     apply_engram_table_sharding(
         model,
@@ -105,21 +106,25 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
         wire_dtype=DTYPES.get(cfg.parallelism.engram_a2a_dtype),
     )
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
-    model.to_empty(device=device)
-    model.init_weights(seed=cfg.job.seed)
     apply_training_mode(model, cfg.training.mode)
-    if cfg.model.hf_checkpoint:  # before ZeRO partitions the weights; a resume overwrites them
-        load_hf_backbone(model, cfg.model.hf_checkpoint, model.args)
+    ds_config = build_ds_config(cfg, world_size)
+    # The tables leave the module tree (ZeRO-3 would partition them); the rest becomes the engine.
+    if cfg.deepspeed.zero_stage == 3 and not cfg.model.hf_checkpoint:
+        tables = detach_tables(model)  # then each block straight into its ZeRO-3 partitions
+        materialize_into_partitions(model, tables, device, cfg.job.seed, ds_config)
+    else:  # whole weights (+ the HF backbone), partitioned by deepspeed.initialize under ZeRO-3
+        model.to_empty(device=device)
+        model.init_weights(seed=cfg.job.seed)
+        if cfg.model.hf_checkpoint:  # a resumed run overwrites them with the checkpoint
+            load_hf_backbone(model, cfg.model.hf_checkpoint, model.args)
+        tables = detach_tables(model)
 
-    # --- the tables leave the module tree; the rest becomes the engine -------------------------
-    tables = detach_tables(model)
+    # --- optimizers (a torch AdamW for the engine, the tables' own), engine, data -------------
     table_params = list(tables.parameters())
     (dense_optimizer,) = build_optimizers(model, cfg)
     table_optimizers = build_optimizers(tables, cfg) if table_params else []
     schedulers = build_lr_schedulers([dense_optimizer, *table_optimizers], cfg)
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=dense_optimizer, config=build_ds_config(cfg, world_size)
-    )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=dense_optimizer, config=ds_config)
     train_loader = build_dataloader(cfg, tokenizer, hasher, dp_rank, dims.dp_size, split="train")
 
     def make_eval_loader():

@@ -143,7 +143,29 @@ def _parity_and_resume(rank: int, world: int, root: str) -> dict:
             raw["checkpoint"]["load_step"] = 3
             resumed = _run_deepspeed(raw)
             out[f"{label}_resumed"] = resumed
+    # model.hf_checkpoint: the ZeRO-3 run's weights as an HF folder, loaded by FSDP2 and ZeRO-3.
+    hf = f"{root}/hf"
+    if rank == 0:
+        _export_hf(f"{root}/zero3_adam/run/checkpoint/step-5", hf)
+    torch.distributed.barrier()
+    for label, run, sections in (
+        ("hf_fsdp", _run_fsdp, {"parallelism": {"dp_shard": world}}),
+        ("hf_zero3", _run_deepspeed, {"deepspeed": {"zero_stage": 3}}),
+    ):
+        raw = _config(f"{root}/{label}", world, "adam", **sections)
+        raw["model"]["hf_checkpoint"] = hf
+        raw["training"]["steps"] = 2
+        out[label] = run(raw)
     return out
+
+
+def _export_hf(step_dir: str, out: str) -> None:
+    from engram.export import export
+
+    raw = _config("unused", 1, "adam")
+    model = _unsharded_model(raw)
+    load_deepspeed_weights(model, Path(step_dir))
+    export(model, "llama3", raw["engram"], {}, out)
 
 
 def _unsharded_model(raw: dict) -> torch.nn.Module:
@@ -217,6 +239,12 @@ def test_zero_stages_match_fsdp2_and_resume_exactly(tmp_path):
         for name, w in full["weights"].items():
             assert np.array_equal(resumed["weights"][name], w), f"{label} resumed: {name}"
 
+    # HF backbone load: ZeRO-3 (loaded, then partitioned) starts where FSDP2 does, from the
+    # trained weights (a lower loss than a fresh init).
+    hf_fsdp, hf_zero3 = got["hf_fsdp"], got["hf_zero3"]
+    close(torch.tensor(hf_zero3["losses"]), torch.tensor(hf_fsdp["losses"]), rtol=1e-5, atol=0)
+    close(hf_zero3["grad_norms"][0], hf_fsdp["grad_norms"][0], rtol=1e-6, atol=0)
+    assert hf_fsdp["losses"][0] < got["zero3_adam"]["losses"][-1] + 0.05, hf_fsdp["losses"]
     # The export path (scripts/export_hf.py): one process, zero_to_fp32 + the tables' DCP shards.
     for label in ("zero2_lazy_adam", "zero3_adam"):
         model = _unsharded_model(_config(str(tmp_path), 1, "adam"))
