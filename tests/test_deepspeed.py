@@ -35,7 +35,7 @@ from launcher import free_port, run_distributed
 from torch.distributed.tensor import DTensor
 
 from engram.checkpoint import CheckpointError
-from engram.config import ConfigError, config_from_dict
+from engram.config import ConfigError, config_from_dict, load_config
 from engram.models.transformer import clean_fqn
 from parallelisms.deepspeed_engine import load_deepspeed_weights
 
@@ -403,3 +403,19 @@ def test_run_train_sh_zero3_trains_and_exports(tmp_path):
     )  # fmt: skip
     assert export.returncode == 0, export.stdout[-3000:] + export.stderr[-3000:]
     assert (out / "model.safetensors").is_file() and (out / "engram.safetensors").is_file()
+
+
+def test_shipped_32b_deepspeed_config_builds_its_ds_config():
+    from parallelisms.deepspeed_engine import build_ds_config, check_layout
+
+    cfg = load_config([f"--job.config_file={ROOT / 'train_configs/32b_npu_deepspeed.toml'}"])
+    check_layout(cfg)
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # config_json is relative to the repository root, where run_train.sh runs
+    try:
+        ds = build_ds_config(cfg, world_size=64)
+    finally:
+        os.chdir(cwd)
+    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"] is True
+    assert ds["train_batch_size"] == 2 * 2 * 64 and ds["communication_data_type"] == "fp32"
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 50_000_000
