@@ -55,10 +55,8 @@ from parallelisms.deepspeed_engine import (  # noqa: E402
     import_deepspeed,
     materialize_into_partitions,
 )
-from parallelisms.engram_tables import apply_engram_table_sharding  # noqa: E402
-from parallelisms.fsdp import DTYPES  # noqa: E402
 from parallelisms.parallel_dims import parallel_dims_from_config  # noqa: E402
-from parallelisms.parallelize import engram_halo  # noqa: E402
+from parallelisms.parallelize import engram_halo, shard_engram_tables  # noqa: E402
 from recipes.train import TrainResult, cross_entropy, dp_mean, evaluate, to_device  # noqa: E402
 
 
@@ -77,6 +75,7 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
     dev.import_device_backend(device_type)
     dev.apply_device_env(device_type, cfg.job.deterministic)
     rank, local_rank, world_size = init_distributed(device_type)
+    deepspeed.init_distributed(dist_backend=dev.dist_backend(device_type))  # joins that group
     device = dev.local_device(device_type, local_rank)
     init_logger(rank)
     dims = parallel_dims_from_config(cfg, world_size)
@@ -98,13 +97,7 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
 
     # --- tables row-sharded as in train.py; AC; training mode ----------------------------------
     dims.check_model(model.args, cfg.training.seq_len, engram_halo(cfg))
-    apply_engram_table_sharding(
-        model,
-        dims.mesh("engram"),
-        dedup=cfg.parallelism.engram_table_dedup,
-        grad_scale=1.0 / dims.dp_size,
-        wire_dtype=DTYPES.get(cfg.parallelism.engram_a2a_dtype),
-    )
+    shard_engram_tables(model, cfg, dims)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     apply_training_mode(model, cfg.training.mode)
     ds_config = build_ds_config(cfg, world_size)

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 from launcher import free_port, run_distributed
+from test_parity import _config as parity_config
 from torch.distributed.tensor import DTensor
 
 from engram.checkpoint import CheckpointError
@@ -42,39 +43,14 @@ from parallelisms.deepspeed_engine import load_deepspeed_weights
 pytest.importorskip("deepspeed")
 ROOT = Path(__file__).resolve().parents[1]
 
-GLOBAL_BATCH = 8
-STEPS = 5
-LR = 1e-3
-TABLE_LR_MULT = 5.0
-
 
 def _config(folder: str, world: int, table_optimizer: str, **sections) -> dict:
-    raw = {
-        "job": {"dump_folder": folder, "run_name": "run", "device": "cpu", "seed": 3},
-        "model": {"name": "llama3", "flavor": "debug"},
-        "engram": {
-            "layer_ids": [0, 2],
-            "n_head_per_ngram": 2,
-            "vocab_size_per_ngram": [1009, 997],
-            "n_embed_per_ngram": 32,
-            "init": "paper",
-        },
-        "training": {
-            "seq_len": 32,
-            "local_batch_size": GLOBAL_BATCH // world,
-            "steps": STEPS,
-            "max_norm": 1.0,
-        },
-        "data": {"synthetic_num_entities": 64, "eval_batches": 0},
-        "optimizer": {
-            "lr": LR,
-            "eps": 1e-6,
-            "table_lr_mult": TABLE_LR_MULT,
-            "table_optimizer": table_optimizer,
-        },
-        "lr_scheduler": {"warmup_steps": 2},
-        "metrics": {"log_freq": 1, "enable_tensorboard": False},
-    }
+    """test_parity.py's job (debug model, Engram at layers 0 and 2, global batch 8, lr 1e-3, eps
+    1e-6, 5 steps, max_norm 1.0) with the given table optimizer and sections."""
+    raw = parity_config(folder, world, "full", {})
+    raw["job"]["run_name"] = "run"
+    raw["data"]["eval_batches"] = 0
+    raw["optimizer"]["table_optimizer"] = table_optimizer
     for name, values in sections.items():
         raw[name] = {**raw.get(name, {}), **values}
     return raw
