@@ -1,7 +1,7 @@
 """recipes/train_deepspeed.py: DeepSpeed ZeRO-1/2/3 with the Engram tables outside the engine.
 
 Parity: on 2 real gloo ranks, ZeRO-1, ZeRO-2 and ZeRO-3 (and ZeRO-2 with 2 accumulation
-steps) reproduce the main recipe's FSDP2 run (same global batch of 8, fp32, lr 1e-3 / tables
+steps, ZeRO-2 with optimizer offload, ZeRO-3 with optimizer + parameter offload) reproduce the main recipe's FSDP2 run (same global batch of 8, fp32, lr 1e-3 / tables
 5e-3, 5 steps, clipping at 1.0 engaged from step 1) with `adam` and `lazy_adam` tables:
 
 - per-step losses to rtol 1e-5 (measured worst 6.3e-6, lazy_adam; adam 1.4e-7);
@@ -90,6 +90,16 @@ VARIANTS = {
     "zero1_lazy_adam": (1, "lazy_adam", {}),
     "zero2_lazy_adam": (2, "lazy_adam", {}),
     "zero3_lazy_adam": (3, "lazy_adam", {}),
+    "zero2_adam_offload_optimizer": (
+        2,
+        "adam",
+        {"deepspeed": {"zero_stage": 2, "offload_optimizer": "cpu"}},
+    ),
+    "zero3_adam_offload_param": (
+        3,
+        "adam",
+        {"deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}},
+    ),
     "zero2_adam_grad_accum": (
         2,
         "adam",
@@ -110,9 +120,8 @@ def _parity_and_resume(rank: int, world: int, root: str) -> dict:
             f"{root}/{label}",
             world,
             opt,
-            deepspeed={"zero_stage": stage},
             checkpoint={"enable": True, "interval": 3, "keep_latest_k": 0},
-            **extra,
+            **{"deepspeed": {"zero_stage": stage}, **extra},
         )
         out[label] = _run_deepspeed(raw)
         if label in RESUMED:
