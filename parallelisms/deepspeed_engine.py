@@ -239,9 +239,12 @@ def materialize_into_partitions(
     blocks = [model.tok_embeddings, *model.layers.values(), model.norm]
     if not model.args.tie_embeddings:  # tied: the output shares the embedding weight
         blocks.append(model.output)
+    bf16 = ds_config["bf16"]["enabled"]
     for block in blocks:
         block.to_empty(device=device)
         model.init_weights(seed=seed, buffer_device=device)
+        if bf16:  # what deepspeed.initialize does to a whole module (zero.Init does not cast)
+            block.bfloat16()
         deepspeed.zero.Init(module=block, config_dict_or_path=ds_config, mem_efficient_linear=False)
     tables.to_empty(device=device)
     model.init_weights(seed=seed, buffer_device=device)  # the tables; the rest is partitioned

@@ -1,7 +1,8 @@
 """recipes/train_deepspeed.py: DeepSpeed ZeRO-1/2/3 with the Engram tables outside the engine.
 
 Parity: on 2 real gloo ranks, ZeRO-1, ZeRO-2 and ZeRO-3 (and ZeRO-2 with 2 accumulation
-steps, ZeRO-2 with optimizer offload, ZeRO-3 with optimizer + parameter offload) reproduce the main recipe's FSDP2 run (same global batch of 8, fp32, lr 1e-3 / tables
+steps, ZeRO-2 with optimizer offload, ZeRO-3 with optimizer + parameter offload, ZeRO-3 with
+full activation checkpointing) reproduce the main recipe's FSDP2 run (same global batch of 8, fp32, lr 1e-3 / tables
 5e-3, 5 steps, clipping at 1.0 engaged from step 1) with `adam` and `lazy_adam` tables:
 
 - per-step losses to rtol 1e-5 (measured worst 6.3e-6, lazy_adam; adam 1.4e-7);
@@ -12,6 +13,8 @@ steps, ZeRO-2 with optimizer offload, ZeRO-3 with optimizer + parameter offload)
   another order (flat ZeRO buckets vs FSDP2's per-parameter reduce-scatter); Adam turns that
   fp32 noise in near-zero gradient entries into a fraction of a step, and lazy Adam, which steps
   every touched row by ~lr whatever its gradient's size, more so (test_parity.py's reasoning).
+
+bf16 weights (ZeRO-2 and ZeRO-3) change the losses and track fp32 to rtol 2e-3.
 
 Resume from step 3 replays steps 4-5 bit-exactly (losses, norms, weights) for ZeRO-1 / adam,
 ZeRO-2 / lazy_adam and ZeRO-3 / adam. One 2-rank launch runs all of it; a second, one-rank
@@ -100,6 +103,7 @@ VARIANTS = {
         "adam",
         {"deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}},
     ),
+    "zero3_adam_activation_checkpoint": (3, "adam", {"activation_checkpoint": {"mode": "full"}}),
     "zero2_adam_grad_accum": (
         2,
         "adam",
@@ -128,6 +132,17 @@ def _parity_and_resume(rank: int, world: int, root: str) -> dict:
             raw["checkpoint"]["load_step"] = 3
             resumed = _run_deepspeed(raw)
             out[f"{label}_resumed"] = resumed
+    # bf16 weights (the accelerator setting): ZeRO-2 (cast by deepspeed.initialize) and ZeRO-3
+    # (cast per block before partitioning) hold the same bf16 weights.
+    for stage in (2, 3):
+        raw = _config(
+            f"{root}/bf16_zero{stage}",
+            world,
+            "adam",
+            deepspeed={"zero_stage": stage},
+            parallelism={"mixed_precision_param": "bfloat16"},
+        )
+        out[f"bf16_zero{stage}"] = _run_deepspeed(raw)
     # model.hf_checkpoint: the ZeRO-3 run's weights as an HF folder, loaded by FSDP2 and ZeRO-3.
     hf = f"{root}/hf"
     if rank == 0:
@@ -224,6 +239,12 @@ def test_zero_stages_match_fsdp2_and_resume_exactly(tmp_path):
         for name, w in full["weights"].items():
             assert np.array_equal(resumed["weights"][name], w), f"{label} resumed: {name}"
 
+    fp32 = got["zero3_adam"]["losses"]
+    for stage in (2, 3):
+        bf16 = got[f"bf16_zero{stage}"]["losses"]
+        assert bf16[0] != fp32[0], f"ZeRO-{stage}: bf16 had no effect"
+        close(torch.tensor(bf16), torch.tensor(fp32), rtol=2e-3, atol=0)
+    close(got["bf16_zero3"]["losses"][0], got["bf16_zero2"]["losses"][0], rtol=1e-6, atol=0)
     # HF backbone load: ZeRO-3 (loaded, then partitioned) starts where FSDP2 does, from the
     # trained weights (a lower loss than a fresh init).
     hf_fsdp, hf_zero3 = got["hf_fsdp"], got["hf_zero3"]
