@@ -18,8 +18,8 @@ bf16 weights (ZeRO-2 and ZeRO-3) change the losses and track fp32 to rtol 2e-3.
 
 Resume from step 3 replays steps 4-5 bit-exactly (losses, norms, weights) for ZeRO-1 / adam,
 ZeRO-2 / lazy_adam and ZeRO-3 / adam. One 2-rank launch runs all of it; a second, one-rank
-launch checks that a 2-rank checkpoint is refused (with the conversion steps) and that a damaged
-engine file is named.
+launch checks that a 2-rank checkpoint is refused (with the conversion steps), that a damaged
+engine file is named, and that NaN steps are skipped by both the tables and the engine.
 """
 
 from __future__ import annotations
@@ -207,7 +207,38 @@ def _refusals(rank: int, world: int, root: str, saved: str) -> dict:
     except CheckpointError as e:
         errors["damaged"] = str(e)
     errors["victim"] = victim.name
+    errors["nonfinite"] = _nonfinite(f"{root}/nonfinite", world)
     return errors
+
+
+def _nonfinite(folder: str, world: int) -> dict:
+    """Steps 2 and 3 with a NaN loss (so NaN gradients): both updates skipped, engine and tables."""
+    import recipes.train_deepspeed as recipe
+
+    real, calls = recipe.cross_entropy, [0]
+
+    def poisoned(logits, labels):
+        calls[0] += 1
+        return real(logits, labels) * (float("nan") if calls[0] in (2, 3) else 1.0)
+
+    recipe.cross_entropy = poisoned
+    try:
+        raw = _config(folder, world, "lazy_adam", deepspeed={"zero_stage": 2})
+        raw["training"]["steps"] = 4
+        result = recipe.train(config_from_dict(raw))
+    finally:
+        recipe.cross_entropy = real
+    params = [*result.engine.module.parameters(), *result.tables.parameters()]
+    finite = all(bool(torch.isfinite(_full_tensor(p)).all()) for p in params)
+    return {
+        "losses": result.losses,
+        "finite": finite,
+        "engine_skipped": result.engine.skipped_steps,
+    }
+
+
+def _full_tensor(p: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(_full(p))
 
 
 @pytest.mark.slow
@@ -263,6 +294,11 @@ def test_zero_stages_match_fsdp2_and_resume_exactly(tmp_path):
     assert "written by 2 ranks, this run has 1" in errors["resize"], errors
     assert "ds_to_universal" in errors["resize"], errors
     assert "damaged" in errors["damaged"] and errors["victim"] in errors["damaged"], errors
+    nonfinite = errors["nonfinite"]
+    losses = nonfinite["losses"]
+    assert np.isfinite(losses[0]) and np.isnan(losses[1]) and np.isnan(losses[2]), losses
+    assert np.isfinite(losses[3]) and nonfinite["finite"], nonfinite
+    assert nonfinite["engine_skipped"] == 2, nonfinite
 
 
 # ----------------------------------------------------------------------------- bad input
