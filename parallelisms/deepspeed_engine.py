@@ -36,8 +36,9 @@ from torch.distributed.tensor import DTensor
 
 from engram.checkpoint import CheckpointError
 from engram.config import ConfigError, JobConfig
-from engram.table_grad import scale_row_grads_
-from parallelisms.engram_tables import ShardedEngramTable, table_grad_norm_sq
+from engram.models.transformer import clean_fqn
+from engram.table_grad import row_grad, scale_row_grads_
+from parallelisms.engram_tables import ShardedEngramTable
 
 INSTALL = 'pip install -e ".[deepspeed]"'
 ENGINE_TAG = "model"  # engine checkpoint: <step folder>/engine/model/ (+ engine/latest)
@@ -221,7 +222,7 @@ def detach_tables(model: nn.Module) -> nn.Module:
         parent = model.get_submodule(parent_name)
         del parent._modules[attr]
         object.__setattr__(parent, attr, table)  # an attribute, not a registered submodule
-        _mirror(tables, fqn, table)
+        _mirror(tables, clean_fqn(fqn), table)  # without activation-checkpoint wrapper names
     return tables
 
 
@@ -267,6 +268,22 @@ def engine_grad_norm(engine: Any) -> torch.Tensor:
     return norm.float() / float(opt.loss_scale)
 
 
+def _table_grad_norm_sq(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    """Squared gradient norm of the row-sharded tables (dense or row-sparse gradients), each
+    shard once: all-reduced over the tables' mesh on every rank, even one without gradients."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            total += g.float().pow(2).sum().to(device)
+        rg = row_grad(p)
+        if rg is not None:
+            total += rg[1].float().pow(2).sum().to(device)
+    if params and params[0].device_mesh.size() > 1:
+        dist.all_reduce(total, group=params[0].device_mesh.get_group())
+    return total
+
+
 @torch.no_grad()
 def clip_engine_and_tables_(
     engine: Any, table_params: list[nn.Parameter], max_norm: float
@@ -277,8 +294,7 @@ def clip_engine_and_tables_(
     threshold is set so that DeepSpeed's own factor, (engine norm + 1e-6) / threshold, is the
     same global factor. Collective: call on every rank before `engine.step()` at the boundary."""
     engine_norm = engine_grad_norm(engine)
-    table_sq = table_grad_norm_sq(table_params)  # every shard once; zero without tables
-    total = (engine_norm.pow(2) + table_sq.to(engine_norm.device)).sqrt()
+    total = (engine_norm.pow(2) + _table_grad_norm_sq(table_params, engine_norm.device)).sqrt()
     opt = engine.optimizer
     opt.clip_grad = 0.0
     if max_norm > 0 and torch.isfinite(total) and total + 1e-6 > max_norm:
@@ -344,18 +360,30 @@ def is_deepspeed_step(step_dir: Path) -> bool:
     return (Path(step_dir) / "engine" / ENGINE_TAG).is_dir()
 
 
-def load_deepspeed_weights(model: nn.Module, step_dir: Path) -> None:
+def load_deepspeed_weights(
+    model: nn.Module, step_dir: Path, fingerprint: dict[str, Any] | None = None
+) -> None:
     """Fill an unsharded model (export, generation) from a step folder of train_deepspeed.py,
     in one process: the engine's fp32 master weights consolidated by DeepSpeed's zero_to_fp32
-    (any ZeRO stage, any saved world size) and the Engram tables from their DCP shards."""
+    (any ZeRO stage, any saved world size) and the Engram tables from their DCP shards.
+    `fingerprint` (this job's config_fingerprint): any difference but the engine is refused."""
     import torch.distributed.checkpoint as dcp
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from engram.checkpoint import ModelState
+    from engram.checkpoint import ModelState, fingerprint_mismatches
     from engram.models.engram import EngramTable
-    from engram.models.transformer import clean_fqn
 
     step_dir = Path(step_dir)
+    if fingerprint is not None:
+        saved = json.loads((step_dir / "fingerprint.json").read_text())
+        saved.pop("engine", None)
+        diffs = fingerprint_mismatches(saved, fingerprint)
+        if diffs:
+            raise CheckpointError(
+                f"checkpoint {step_dir} was written by a different configuration:\n  "
+                + "\n  ".join(diffs)
+                + "\nFix: pass the config file (and overrides) the run was trained with"
+            )
     dense = get_fp32_state_dict_from_zero_checkpoint(str(step_dir / "engine"), tag=ENGINE_TAG)
     dense = {clean_fqn(k): v for k, v in dense.items()}
     tables = nn.Module()

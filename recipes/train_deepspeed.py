@@ -140,6 +140,12 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
         cfg.run_folder,
         states=states,
         fingerprint=fingerprint,
+        data_meta={
+            "global_batch_samples": cfg.training.local_batch_size
+            * cfg.training.grad_accum_steps
+            * dims.dp_size,
+            "seq_len": cfg.training.seq_len,
+        },
         folder_states={"engine": EngineCheckpoint(engine)},
     )
     start_step = checkpointer.load()
@@ -149,16 +155,20 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
         start_step=start_step, model=model, model_parts=[model], engine=engine, tables=tables
     )
 
-    # --- the loop -----------------------------------------------------------------------------
+    # --- the loop (host reads on log steps only, plus the guard's one check: as train.py) ------
     gas = cfg.training.grad_accum_steps
     tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len * gas
     data_iter = iter(train_loader)
+    step_losses: list[torch.Tensor] = []
+    step_grad_norms: list[torch.Tensor] = []
     dev.reset_peak_memory(device)
+    window_start, window_steps = time.perf_counter(), 0
     with maybe_profile(
         cfg.profiling, cfg.run_folder, rank, device_type=device_type, start_step=start_step
     ) as profiler:
         for step in range(start_step + 1, cfg.training.steps + 1):
-            t0 = time.perf_counter()
+            last_step = step == cfg.training.steps
+            log_step = step % cfg.metrics.log_freq == 0 or last_step
             loss_sum = torch.zeros((), device=device)
             for micro in range(gas):
                 batch = to_device(next(data_iter), device)
@@ -169,8 +179,10 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
                 if micro < gas - 1:
                     engine.step()  # between boundaries DeepSpeed only counts the micro-batch
             grad_norm = clip_engine_and_tables_(engine, table_params, cfg.training.max_norm)
-            loss_value = dp_mean(loss_sum / gas, dp_group)
-            skip = guard.skip(step, loss_value, grad_norm.item())  # before any update
+            loss = dp_mean(loss_sum / gas, dp_group)
+            grad_norm = grad_norm.detach().float().to(loss.device)
+            skip = guard.skip(step, torch.stack([loss, grad_norm]))  # before any update
+            applied_lr = schedulers[0].get_last_lr()[0]
             # DeepSpeed skips the engine's update itself when its gradients are not finite.
             engine.step()
             if skip and engine.was_step_applied():
@@ -188,17 +200,18 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
             profiler.step()
             state.step = step
             state.tokens_seen += tokens_per_step * dims.dp_size
-            result.losses.append(loss_value)
-            result.grad_norms.append(grad_norm.item())
-            dev.synchronize(device)
-            dt = time.perf_counter() - t0
-            if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
+            step_losses.append(loss)
+            step_grad_norms.append(grad_norm)
+            window_steps += 1
+            if log_step:
+                dev.synchronize(device)
+                dt = (time.perf_counter() - window_start) / window_steps
                 mem = dev.memory_stats(device)
                 metrics.log(
                     step,
                     {
-                        "loss": loss_value,
-                        "lr": schedulers[0].get_last_lr()[0],
+                        "loss": loss.item(),
+                        "lr": applied_lr,
                         "grad_norm": grad_norm.item(),
                         "tokens_per_s": tokens_per_step * dims.dp_size / dt,
                         "step_time_s": dt,
@@ -212,16 +225,20 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
                     },
                 )
             if cfg.data.eval_batches > 0 and (
-                (cfg.data.eval_every and step % cfg.data.eval_every == 0)
-                or step == cfg.training.steps
+                (cfg.data.eval_every and step % cfg.data.eval_every == 0) or last_step
             ):
                 eval_loss = evaluate(
                     [engine], make_eval_loader(), cfg.data.eval_batches, device, dp_group, False
                 )
                 result.eval_losses[step] = eval_loss
                 metrics.log(step, {"eval_loss": eval_loss})
-            checkpointer.maybe_save(step, last_step=step == cfg.training.steps)
+            checkpointer.maybe_save(step, last_step=last_step, finite=not skip)
+            if log_step:
+                window_start, window_steps = time.perf_counter(), 0
+    result.losses = torch.stack(step_losses).tolist() if step_losses else []
+    result.grad_norms = torch.stack(step_grad_norms).tolist() if step_grad_norms else []
     metrics.close()
+    guard.check_finished(cfg.training.steps)
     return result
 
 
