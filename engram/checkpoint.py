@@ -562,14 +562,14 @@ def find_checkpoint(folder: Path, step: int = -1, on_damaged: str = "error") -> 
     )
 
 
-def load_model_checkpoint(model: nn.Module, path: Path, fingerprint: dict[str, Any]) -> None:
-    """Load the model state of checkpoint folder `path` (from find_checkpoint) into an unsharded
-    `model`, in one process (no collectives; DCP reshards any saved layout). `fingerprint` is
-    this job's config_fingerprint; any difference is refused, as on a training resume."""
+def check_fingerprint(path: Path, fingerprint: dict[str, Any], ignore: Sequence[str] = ()) -> None:
+    """Refuse checkpoint folder `path` if its fingerprint differs from this job's (keys in
+    `ignore` aside), naming every difference."""
     try:
         saved = json.loads((path / _FINGERPRINT).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: {_FINGERPRINT} cannot be read: {e}") from None
+    saved = {k: v for k, v in saved.items() if k not in ignore}
     diffs = fingerprint_mismatches(saved, fingerprint)
     if diffs:
         raise CheckpointError(
@@ -577,6 +577,13 @@ def load_model_checkpoint(model: nn.Module, path: Path, fingerprint: dict[str, A
             + "\n  ".join(diffs)
             + "\nFix: pass the config file (and overrides) the run was trained with"
         )
+
+
+def load_model_checkpoint(model: nn.Module, path: Path, fingerprint: dict[str, Any]) -> None:
+    """Load the model state of checkpoint folder `path` (from find_checkpoint) into an unsharded
+    `model`, in one process (no collectives; DCP reshards any saved layout). `fingerprint` is
+    this job's config_fingerprint; any difference is refused, as on a training resume."""
+    check_fingerprint(path, fingerprint)
     with warnings.catch_warnings():  # one process on purpose: DCP's warning says just that
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp_load({"model": ModelState(model)}, path, no_dist=True)

@@ -370,20 +370,12 @@ def load_deepspeed_weights(
     import torch.distributed.checkpoint as dcp
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from engram.checkpoint import ModelState, fingerprint_mismatches
+    from engram.checkpoint import ModelState, check_fingerprint
     from engram.models.engram import EngramTable
 
     step_dir = Path(step_dir)
     if fingerprint is not None:
-        saved = json.loads((step_dir / "fingerprint.json").read_text())
-        saved.pop("engine", None)
-        diffs = fingerprint_mismatches(saved, fingerprint)
-        if diffs:
-            raise CheckpointError(
-                f"checkpoint {step_dir} was written by a different configuration:\n  "
-                + "\n  ".join(diffs)
-                + "\nFix: pass the config file (and overrides) the run was trained with"
-            )
+        check_fingerprint(step_dir, fingerprint, ignore=("engine",))
     dense = get_fp32_state_dict_from_zero_checkpoint(str(step_dir / "engine"), tag=ENGINE_TAG)
     dense = {clean_fqn(k): v for k, v in dense.items()}
     tables = nn.Module()
