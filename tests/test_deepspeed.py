@@ -160,12 +160,16 @@ def _parity_and_resume(rank: int, world: int, root: str) -> dict:
 
 
 def _export_hf(step_dir: str, out: str) -> None:
+    from engram.data.tokenizer import load_tokenizer
     from engram.export import export
+    from engram.models.builder import build_hasher
 
     raw = _config("unused", 1, "adam")
     model = _unsharded_model(raw)
     load_deepspeed_weights(model, Path(step_dir))
-    export(model, "llama3", raw["engram"], {}, out)
+    tokenizer = load_tokenizer("")
+    hasher = build_hasher(config_from_dict(raw), tokenizer)
+    export(model, "llama3", raw["engram"], {}, out, tokenizer=tokenizer, hasher=hasher)
 
 
 def _unsharded_model(raw: dict) -> torch.nn.Module:
@@ -444,7 +448,7 @@ def test_run_train_sh_zero3_trains_and_exports(tmp_path):
         timeout=300,
     )  # fmt: skip
     assert export.returncode == 0, export.stdout[-3000:] + export.stderr[-3000:]
-    assert (out / "model.safetensors").is_file() and (out / "engram.safetensors").is_file()
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
 
 
 def test_shipped_32b_deepspeed_config_builds_its_ds_config():
