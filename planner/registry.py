@@ -25,6 +25,7 @@ STEPS = {  # parallelize_model step -> where its memory is modelled
     "apply_activation_checkpointing": "activations (is_checkpointed)",
     "apply_compile": "estimated as eager (inductor saves activation memory, never adds much)",
     "apply_fsdp": "measure (shards), fsdp_buffers, comm",
+    "apply_training_mode": "measure (frozen parameters hold no gradient or optimizer state)",
 }
 
 MODELLED = {  # setting -> where the planner models it
@@ -121,6 +122,10 @@ NO_MEMORY_EFFECT = frozenset(
         # host memory only
         *("profiling.enable_profiling", "profiling.profile_freq", "profiling.traces_folder"),
         "profiling.memory_snapshot",
+        # Read only by recipes/train_deepspeed.py; the planner models recipes/train.py, whose
+        # FSDP-over-all-ranks estimate docs/deepspeed.md uses for ZeRO-3 (not modelled itself).
+        *("deepspeed.zero_stage", "deepspeed.offload_optimizer", "deepspeed.offload_param"),
+        "deepspeed.config_json",
     }
 )
 

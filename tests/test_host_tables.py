@@ -292,3 +292,11 @@ def test_host_worker_failure_fails_later_jobs():
         later.result()
     with pytest.raises(ZeroDivisionError):
         worker.wait()
+
+
+def test_deepspeed_recipe_refuses_host_tables():
+    from parallelisms.deepspeed_engine import check_layout
+
+    raw = {"engram": {"table_location": "host"}, "optimizer": {"table_optimizer": "lazy_adam"}}
+    with pytest.raises(ConfigError, match='table_location = "host" is not supported'):
+        check_layout(config_from_dict(raw))
