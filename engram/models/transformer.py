@@ -184,6 +184,9 @@ class Transformer(nn.Module):
         # A later pipeline stage under TP sequence parallel receives its input sharded along the
         # sequence (T / tp per rank); parallelize_model sets this to tp there.
         self.input_seq_shards = 1
+        # True when the loss applies the output head itself (engram/loss.py, chunked): the
+        # forward then returns the final hidden states (after the norm).
+        self.return_hidden = False
 
     # ------------------------------------------------------------------ tied embeddings
 
@@ -234,7 +237,7 @@ class Transformer(nn.Module):
         """input_ids [B, T] (or hidden states [B, T, D] on a later pipeline stage);
         hash_ids (keyword-only: a pipeline schedule forwards keyword arguments to every stage)
         [B, T, L, H] with L = len(engram_layer_order) -> logits [B, T, V] (or hidden
-        states when this stage has no output head)."""
+        states [B, T, D] when this stage has no output head, or `return_hidden` is set)."""
         b, t = input_ids.shape[0], input_ids.shape[1] * self.input_seq_shards
         if t > self.args.max_seq_len:
             raise ValueError(
@@ -250,7 +253,7 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, ids)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        return self.output(h) if self.output is not None and not self.return_hidden else h
 
     def _check_hash_ids(self, hash_ids: torch.Tensor | None, b: int, t: int) -> None:
         if not self.engram_layer_order:
