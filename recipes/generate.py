@@ -231,7 +231,7 @@ def generate(
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
         hash_ids = None if hasher is None else hasher.hash_torch(ids).to(device)
-        logits = model(ids, hash_ids=hash_ids)[:, -1]
+        logits = model(ids, hash_ids=hash_ids, last_positions=1)[:, -1]  # head on one position
         if vocab_size is not None:
             logits[:, vocab_size:] = float("-inf")
         nxt = sample_next(logits, temperature, top_k, generator)

@@ -264,3 +264,18 @@ def test_recipe_runs_match_unchunked(tmp_path, label):
         assert ref["losses"][-1] < ref["losses"][0], "reference run did not learn"
         for chunks, got in zip((4, 3), runs, strict=True):
             _assert_same_run(got, ref, f"{label}, rank {rank}, loss_chunks={chunks}")
+
+
+def test_generation_runs_the_head_on_the_sampled_position_only():
+    import recipes.generate as gen
+
+    model = _model()
+    ids, _ = _batch(model.args.vocab_size)
+    seen = []
+    model.output.register_forward_hook(lambda _m, inp, _out: seen.append(inp[0].shape[1]))
+    with torch.no_grad():
+        full = model(ids)
+        torch.testing.assert_close(model(ids, last_positions=1), full[:, -1:], rtol=1e-5, atol=1e-6)
+        seen.clear()
+        gen.generate(model, ids, None, max_new_tokens=2)
+    assert seen == [1, 1]

@@ -232,12 +232,18 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(
-        self, input_ids: torch.Tensor, *, hash_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        *,
+        hash_ids: torch.Tensor | None = None,
+        last_positions: int | None = None,
     ) -> torch.Tensor:
         """input_ids [B, T] (or hidden states [B, T, D] on a later pipeline stage);
         hash_ids (keyword-only: a pipeline schedule forwards keyword arguments to every stage)
         [B, T, L, H] with L = len(engram_layer_order) -> logits [B, T, V] (or hidden
-        states [B, T, D] when this stage has no output head, or `return_hidden` is set)."""
+        states [B, T, D] when this stage has no output head, or `return_hidden` is set).
+        `last_positions`: logits of only the last positions [B, n, V] (generation samples from
+        the last one; unsharded models only)."""
         b, t = input_ids.shape[0], input_ids.shape[1] * self.input_seq_shards
         if t > self.args.max_seq_len:
             raise ValueError(
@@ -251,6 +257,8 @@ class Transformer(nn.Module):
             slot = self._engram_slot.get(_unwrap(layer).layer_id)
             ids = hash_ids[:, :, slot] if slot is not None and hash_ids is not None else None
             h = layer(h, cos, sin, ids)
+        if last_positions is not None:
+            h = h[:, -last_positions:]
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None and not self.return_hidden else h
