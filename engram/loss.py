@@ -11,7 +11,8 @@ computed in fp32.
 to at most n sequence chunks of ceil(T / n) positions, one at a time: chunk -> head -> fp32
 logits -> summed cross-entropy / valid tokens of the micro-batch -> autograd.grad into the chunk's
 slice of the hidden-state gradient and into the head's parameter gradients (summed over chunks
-in fp32). Only one chunk's logits exist at a time. The chunk loop runs inside one
+in the parameter's dtype; a plain bias-free nn.Linear head gets two matmuls per chunk and an
+in-place weight-gradient sum instead of autograd). Only one chunk's logits exist at a time. The chunk loop runs inside one
 autograd.Function whose inputs are the hidden states and the head's parameters: its forward
 runs the loop and keeps the two gradients, its backward hands them out times the incoming
 gradient. Hence:
@@ -116,9 +117,26 @@ class LanguageModelLoss:
         total = torch.zeros((), dtype=torch.float32, device=labels.device)
         grad_h = _ChunkGrads(h) if need_grad and hidden.requires_grad else None
         grad_p: list[torch.Tensor | None] = [None] * len(params)
+        linear = _plain_linear(head)
         for start in range(0, t, size):
+            labels_c = labels[:, start : start + size]
+            if linear is not None:  # same math as below, without a [V, D] temporary per chunk
+                chunk = h[:, start : start + size]
+                logits = F.linear(chunk, linear).requires_grad_(need_grad)
+                loss = summed_cross_entropy(logits, labels_c) / n_valid
+                total += loss.detach()
+                if not need_grad:
+                    continue
+                (dlogits,) = torch.autograd.grad(loss, [logits])
+                if grad_h is not None:
+                    grad_h.put(start, dlogits @ linear)
+                if params:
+                    if grad_p[0] is None:
+                        grad_p[0] = torch.zeros_like(linear)
+                    grad_p[0].addmm_(dlogits.flatten(0, 1).T, chunk.flatten(0, 1))
+                continue
             chunk = h[:, start : start + size].detach().requires_grad_(grad_h is not None)
-            loss = summed_cross_entropy(head(chunk), labels[:, start : start + size]) / n_valid
+            loss = summed_cross_entropy(head(chunk), labels_c) / n_valid
             total += local_value(loss)
             if not need_grad:
                 continue
@@ -127,9 +145,23 @@ class LanguageModelLoss:
             if grad_h is not None:
                 grad_h.put(start, grads.pop(0))
             for i, g in enumerate(grads):
-                grad_p[i] = g.float() if grad_p[i] is None else grad_p[i].add_(g)
+                grad_p[i] = g if grad_p[i] is None else grad_p[i].add_(g)
         grad_hidden = grad_h.result(hidden) if grad_h is not None else None
         return total, [grad_hidden, *grad_p]
+
+
+def _plain_linear(head: nn.Module) -> torch.Tensor | None:
+    """The detached weight of a bias-free nn.Linear head with plain (not DTensor) weights and no
+    hooks, whose chunk gradients the loop computes with two matmuls, accumulating the weight
+    gradient in place; None for any other head (TP, adapters, float8), which goes through
+    autograd."""
+    plain = (
+        type(head) is nn.Linear
+        and head.bias is None
+        and not isinstance(head.weight, DTensor)
+        and not (head._forward_hooks or head._forward_pre_hooks)
+    )
+    return head.weight.detach() if plain else None
 
 
 class _ChunkGrads:

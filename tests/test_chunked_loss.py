@@ -69,11 +69,14 @@ def test_chunked_matches_unchunked_loss_and_gradients(flavor, name):
         loss, got = _loss_and_grads(model, ids, labels, chunks)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
         for n, g in ref.items():
-            torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-8, msg=f"{chunks}: {n}")
+            # fp32 noise: elementwise 1e-5, or 1e-6 of the tensor's largest entry
+            atol = 1e-6 * g.abs().max().item()
+            torch.testing.assert_close(got[n], g, rtol=1e-5, atol=atol, msg=f"{chunks}: {n}")
     # The backward's incoming gradient (a loss scale) multiplies both gradients.
     _, half = _loss_and_grads(model, ids, labels, 4, scale=0.5)
     for n, g in ref.items():
-        torch.testing.assert_close(half[n], g * 0.5, rtol=1e-5, atol=1e-8, msg=n)
+        atol = 1e-6 * g.abs().max().item()
+        torch.testing.assert_close(half[n], g * 0.5, rtol=1e-5, atol=atol, msg=n)
 
 
 def test_forward_only_chunks_and_frozen_head():
@@ -89,7 +92,8 @@ def test_forward_only_chunks_and_frozen_head():
     loss_fn(model(ids), labels).backward()
     assert model.output.weight.grad is None
     w = model.layers["0"].attention.wq.weight
-    torch.testing.assert_close(w.grad, ref["layers.0.attention.wq.weight"], rtol=1e-5, atol=1e-8)
+    ref_w = ref["layers.0.attention.wq.weight"]
+    torch.testing.assert_close(w.grad, ref_w, rtol=1e-5, atol=1e-6 * ref_w.abs().max().item())
 
 
 def test_loss_chunks_below_one_or_above_seq_len_is_a_config_error():
@@ -142,7 +146,8 @@ def test_fsdp2_gradients_and_one_reduce_scatter_per_unit():
         got = run_distributed(_fsdp_grads_and_reduce_scatters, 2, chunks)[0]
         assert got["reduce_scatters"] == ref["reduce_scatters"], chunks
         for n, g in ref["grads"].items():
-            np.testing.assert_allclose(got["grads"][n], g, rtol=1e-5, atol=1e-8, err_msg=n)
+            atol = 1e-6 * np.abs(g).max()
+            np.testing.assert_allclose(got["grads"][n], g, rtol=1e-5, atol=atol, err_msg=n)
 
 
 # ------------------------------------------------------------------------------ run level
@@ -220,9 +225,15 @@ RUN_LAYOUTS = {
         },
     ),
     "FSDP2": (2, {}),
-    "FSDP2 reshard always": (
+    "FSDP2 reshard always + CPU offload": (
         2,
-        {"parallelism": {"dp_shard": 2, "fsdp_reshard_after_forward": "always"}},
+        {
+            "parallelism": {
+                "dp_shard": 2,
+                "fsdp_reshard_after_forward": "always",
+                "cpu_offload": True,
+            }
+        },
     ),
     "TP2 loss parallel": (
         2,
@@ -279,3 +290,43 @@ def test_generation_runs_the_head_on_the_sampled_position_only():
         seen.clear()
         gen.generate(model, ids, None, max_new_tokens=2)
     assert seen == [1, 1]
+
+
+# ------------------------------------------------------------------------------ planner
+
+NPU_32K = "train_configs/32b_npu_32k.toml"
+
+
+def test_planner_counts_one_chunk_of_logits():
+    from engram.config import load_config
+    from engram.models.builder import flavor_args
+    from planner.activations import loss_bytes
+
+    cfg = load_config(["--job.config_file", NPU_32K])
+    args = flavor_args(cfg.model)
+    tokens, a, v, d = 32768, 2, args.vocab_size, args.dim
+    unchunked = load_config(["--job.config_file", NPU_32K, "--training.loss_chunks=1"])
+    assert loss_bytes(unchunked, args, a, 1, tokens) == 12 * v * tokens
+    # 8 chunks: one chunk's logits, the gathered hidden states and their gradient, the head's
+    # gradient sum and one chunk's gradient.
+    assert cfg.training.loss_chunks == 8
+    expected = 12 * v * 4096 + 2 * a * d * tokens + 2 * a * v * d
+    assert loss_bytes(cfg, args, a, 1, tokens) == expected
+    assert loss_bytes(cfg, args, a, 2, tokens) < expected  # vocabulary-parallel under TP
+
+
+@pytest.mark.slow
+def test_planner_fits_32b_at_32k_on_64_npus_without_tp():
+    from launcher import run_isolated
+
+    from engram.config import load_config
+    from planner.estimate import estimate
+
+    cfg = load_config(["--job.config_file", NPU_32K])
+    assert cfg.training.seq_len == 32768 and cfg.parallelism.tp == 1 and cfg.parallelism.pp == 1
+    est = run_isolated(estimate, cfg, 64, ranks=[0])
+    assert est.fits and est.device_memory_bytes == 64 * 2**30
+    unchunked = load_config(["--job.config_file", NPU_32K, "--training.loss_chunks=1"])
+    no_chunks = run_isolated(estimate, unchunked, 64, ranks=[0])
+    assert not no_chunks.fits
+    assert no_chunks.ranks[0].activations.loss_bytes > 55 * 2**30
