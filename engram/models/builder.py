@@ -132,13 +132,13 @@ def build_from_config(
     return model, hasher
 
 
-def model_fingerprint(cfg: JobConfig, model: Transformer) -> dict:
-    """What a checkpoint's model state must match: shape, vocabulary, Engram layers and tables."""
-    blocks = model.engram_blocks()
-    return {
-        "model": f"{cfg.model.name}/{cfg.model.flavor}",
-        "vocab_size": model.args.vocab_size,
-        "engram_layers": sorted(blocks),
-        "engram_table_rows": [blocks[i].table.weight.shape[0] for i in sorted(blocks)],
-        "engram_head_dim": cfg.engram.head_dim if blocks else 0,
-    }
+def build_for_inference(
+    cfg: JobConfig, tokenizer, max_seq_len: int, device: torch.device | str = "cpu"
+) -> tuple[Transformer, NgramHasher | None]:
+    """The training recipe's model, unsharded on `device`, initialised with job.seed, in eval
+    mode (generation, export). `max_seq_len` sizes the RoPE table."""
+    model, hasher = build_from_config(cfg, tokenizer, max_seq_len=max_seq_len)
+    model.to_empty(device=device)
+    model.init_weights(seed=cfg.job.seed)
+    model.eval()
+    return model, hasher
