@@ -20,6 +20,7 @@ import pytest
 import torch
 from launcher import run_distributed
 from small_job import small_job
+from test_parity import _assert_losses_and_norms_match
 from torch.distributed.tensor import DTensor
 
 from engram.config import ConfigError, config_from_dict
@@ -193,18 +194,11 @@ def _train_all(rank: int, world: int, raws: list[dict]) -> list[dict]:
 
 
 def _assert_same_run(got: dict, ref: dict, where: str) -> None:
-    """Step 1 (identical weights) to fp32 noise; later steps as tests/test_parity.py bounds
-    them: Adam turns summation-order noise in near-zero gradient entries into up to a step."""
+    """Losses and grad norms as tests/test_parity.py bounds them (step 1 on identical weights to
+    fp32 rounding; later steps 1e-3: Adam turns summation-order noise in near-zero gradient
+    entries into up to a step), eval losses, and updated weights within half an Adam step."""
+    _assert_losses_and_norms_match(got, ref, where)
     close = torch.testing.assert_close
-    close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0, msg=where)
-    close(got["grad_norms"][0], ref["grad_norms"][0], rtol=1e-5, atol=0, msg=where)
-    close(
-        torch.tensor(got["grad_norms"]),
-        torch.tensor(ref["grad_norms"]),
-        rtol=1e-3,
-        atol=0,
-        msg=where,
-    )
     for step, value in ref["eval"].items():
         close(got["eval"][step], value, rtol=1e-5, atol=0, msg=where)
     assert got["weights"].keys() == ref["weights"].keys(), where
