@@ -7,10 +7,10 @@ loss scale reaches the gradients; forward-only chunks give the same value; tied 
 both contributions; FSDP2 reduce-scatters as many times chunked as unchunked.
 
 Run level (the recipe): 3 steps of the debug job with loss_chunks 4 and 3 against 1 at 1 rank
-(plus compile + activation checkpointing, gradient accumulation, evaluation), FSDP2 (reshard
-after forward default and "always"), TP2 with loss parallel (with and without sequence parallel)
-and PP2 (1F1B, and the zero-bubble ZBVZeroBubble): per-step losses and gradient norms, and the
-updated weights.
+(plus compile + activation checkpointing, gradient accumulation, evaluation), FSDP2 (with
+float8; reshard after forward "always" with CPU offload), TP2 with loss parallel (with and
+without sequence parallel) and PP2 (1F1B, and the zero-bubble ZBVZeroBubble): per-step losses
+and gradient norms, eval losses, and the updated weights.
 """
 
 from __future__ import annotations
@@ -218,7 +218,10 @@ RUN_LAYOUTS = {
             "data": {"eval_batches": 2},
         },
     ),
-    "FSDP2": (2, {}),
+    "FSDP2 + float8 (emulated; the head stays high precision)": (
+        2,
+        {"float8": {"enable": True, "emulate": True}},
+    ),
     "FSDP2 reshard always + CPU offload": (
         2,
         {
