@@ -301,8 +301,6 @@ class Data:
         return list(self.sources) if self.sources else [DataSource(self.path, 1.0)]
 
 
-
-
 @dataclass
 class Optimizer:
     name: str = "AdamW"

@@ -25,6 +25,7 @@ STEPS = {  # parallelize_model step -> where its memory is modelled
     "apply_activation_checkpointing": "activations (is_checkpointed)",
     "apply_compile": "estimated as eager (inductor saves activation memory, never adds much)",
     "apply_fsdp": "measure (shards), fsdp_buffers, comm",
+    "apply_training_mode": "measure (frozen parameters hold no gradient or optimizer state)",
 }
 
 MODELLED = {  # setting -> where the planner models it
