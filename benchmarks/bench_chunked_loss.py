@@ -102,7 +102,9 @@ def main() -> None:
     print(
         f"seq {a.seq}, vocab {VOCAB}, dim 256, 2 layers, {a.threads} thread(s), {a.rounds} rounds"
     )
-    print("| loss_chunks | step peak (GiB) | loss-path peak (GiB) | vs 1 | step CPU time (s) | vs 1 |")
+    print(
+        "| loss_chunks | step peak (GiB) | loss-path peak (GiB) | vs 1 | step CPU time (s) | vs 1 |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for m in modes[1:]:
         peak = min(r["peak"] for r in runs[m])
