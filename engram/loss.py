@@ -12,10 +12,10 @@ to at most n sequence chunks of ceil(T / n) positions, one at a time: chunk -> h
 logits -> summed cross-entropy / valid tokens of the micro-batch -> autograd.grad into the chunk's
 slice of the hidden-state gradient and into the head's parameter gradients (summed over chunks
 in the parameter's dtype; a plain bias-free nn.Linear head gets two matmuls per chunk and an
-in-place weight-gradient sum instead of autograd). Only one chunk's logits exist at a time. The chunk loop runs inside one
-autograd.Function whose inputs are the hidden states and the head's parameters: its forward
-runs the loop and keeps the two gradients, its backward hands them out times the incoming
-gradient. Hence:
+in-place weight-gradient sum instead of autograd). Only one chunk's logits exist at a time.
+The chunk loop runs inside one autograd.Function whose inputs are the hidden states and the
+head's parameters: its forward runs the loop and keeps the two gradients, its backward hands
+them out times the incoming gradient. Hence:
 - loss and gradients equal the unchunked ones up to fp32 summation order;
 - a loss scale (gradient accumulation, pipeline micro-batches) applies in the backward as for
   any loss, and the gradients reach the model in the ordinary backward pass;
