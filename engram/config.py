@@ -577,6 +577,40 @@ class Compile:
 
 
 @dataclass
+class DeepSpeed:
+    """Read by recipes/train_deepspeed.py only (the main recipe does not use DeepSpeed)."""
+
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage of the dense model: 1 (optimizer state sharded), 2 (+ gradients),
+    3 (+ parameters). The Engram tables stay outside the engine, row-sharded as in train.py."""
+    offload_optimizer: str = "none"
+    """none | cpu: ZeRO-Offload of the optimizer state (and its step) to host memory."""
+    offload_param: str = "none"
+    """none | cpu: ZeRO-3 parameter offload to host memory (zero_stage = 3 only)."""
+    config_json: str = ""
+    """Path to an existing ds_config.json merged into the generated one; a setting it shares
+    with this TOML must agree (docs/deepspeed.md lists the mapping)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.zero_stage in (1, 2, 3),
+            f"deepspeed.zero_stage must be 1, 2 or 3, got {self.zero_stage} (stage 0 is plain "
+            "data parallel: use recipes/train.py)",
+        )
+        for name in ("offload_optimizer", "offload_param"):
+            _check(
+                getattr(self, name) in ("none", "cpu"),
+                f"deepspeed.{name} must be none or cpu, got {getattr(self, name)!r} (NVMe "
+                "offload is not wired in this recipe)",
+            )
+        _check(
+            self.offload_param == "none" or self.zero_stage == 3,
+            f"deepspeed.offload_param = {self.offload_param!r} needs deepspeed.zero_stage = 3 "
+            f"(got {self.zero_stage}): only ZeRO-3 partitions parameters",
+        )
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -593,6 +627,7 @@ class JobConfig:
     pipeline: Pipeline = field(default_factory=Pipeline)
     float8: Float8 = field(default_factory=Float8)
     compile: Compile = field(default_factory=Compile)
+    deepspeed: DeepSpeed = field(default_factory=DeepSpeed)
 
     @property
     def run_folder(self) -> Path:

@@ -121,6 +121,10 @@ NO_MEMORY_EFFECT = frozenset(
         # host memory only
         *("profiling.enable_profiling", "profiling.profile_freq", "profiling.traces_folder"),
         "profiling.memory_snapshot",
+        # Read only by recipes/train_deepspeed.py; the planner models recipes/train.py, whose
+        # FSDP-over-all-ranks estimate docs/deepspeed.md uses for ZeRO-3 (not modelled itself).
+        *("deepspeed.zero_stage", "deepspeed.offload_optimizer", "deepspeed.offload_param"),
+        "deepspeed.config_json",
     }
 )
 

@@ -14,7 +14,8 @@ The checkpoint is the run's newest one (or --step), verified against its manifes
 fingerprint first (engram/checkpoint.py find_checkpoint / load_model_checkpoint, as generation).
 --out must be new or empty; --overwrite removes its model files first (an export beside an
 earlier one's shards and index would mix two models). It runs in one process (no GPU needed);
-DCP reshards whatever layout the run was saved with.
+DCP reshards whatever layout the run was saved with. A checkpoint of recipes/train_deepspeed.py is
+read with DeepSpeed's zero_to_fp32 (docs/deepspeed.md).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from engram.export import export, prepare_output_folder  # noqa: E402
 from engram.fingerprint import config_fingerprint  # noqa: E402
 from engram.metrics import init_logger  # noqa: E402
 from engram.models.builder import build_for_inference  # noqa: E402
+from parallelisms.deepspeed_engine import is_deepspeed_step, load_deepspeed_weights  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -54,7 +56,10 @@ def main(argv: list[str] | None = None) -> list[Path]:
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     model, hasher = build_for_inference(cfg, tokenizer, cfg.training.seq_len)
     fingerprint = config_fingerprint(cfg, tokenizer, hasher)
-    load_model_checkpoint(model, path, fingerprint)
+    if is_deepspeed_step(path):  # written by recipes/train_deepspeed.py
+        load_deepspeed_weights(model, path, fingerprint)
+    else:
+        load_model_checkpoint(model, path, fingerprint)
     prepare_output_folder(ns.out, ns.overwrite)
     files = export(
         model,
