@@ -234,6 +234,11 @@ class Training:
     max_nonfinite_steps: int = 3
     """A step with a non-finite loss or gradient norm is skipped (no optimizer update); this
     many in a row stop the run with an error naming the last good checkpoint."""
+    loss_chunks: int = 1
+    """Chunked output head + cross-entropy (engram/loss.py): the loss applies the output head to
+    at most this many sequence chunks of ceil(seq_len / loss_chunks) positions, one at a time,
+    so only one chunk's fp32 logits exist (long sequences, large vocabularies). 1: the whole
+    sequence at once. Same loss and gradients either way."""
 
     def __post_init__(self) -> None:
         _check(
@@ -245,6 +250,11 @@ class Training:
                 getattr(self, name) > 0, f"training.{name} must be > 0, got {getattr(self, name)}"
             )
         _check(self.max_nonfinite_steps > 0, "training.max_nonfinite_steps must be > 0")
+        _check(
+            1 <= self.loss_chunks <= self.seq_len,
+            f"training.loss_chunks must be between 1 (no chunking) and training.seq_len="
+            f"{self.seq_len}, got {self.loss_chunks}",
+        )
         _check_finite(self.max_norm, "training.max_norm", "(use 0 to disable clipping)")
 
 

@@ -95,6 +95,9 @@ def check_layout(cfg: JobConfig) -> None:
         (cfg.engram.enabled and cfg.engram.table_location == "host",
          'engram.table_location = "host"', "host tables' prefetch and host-update waits are "
          "wired into recipes/train.py only; use it, or table_location = \"device\""),
+        (cfg.training.loss_chunks > 1, f"training.loss_chunks = {cfg.training.loss_chunks}",
+         "the chunked loss applies the output head outside the model's forward, where ZeRO-3 "
+         "has not gathered it; set it to 1 or use recipes/train.py"),
     ]  # fmt: skip
     for bad, setting, why in refusals:
         if bad:

@@ -34,6 +34,7 @@ from engram.data.tokenizer import load_tokenizer  # noqa: E402
 from engram.distributed import destroy_distributed, init_distributed  # noqa: E402
 from engram.fingerprint import config_fingerprint  # noqa: E402
 from engram.hf_load import load_hf_backbone  # noqa: E402
+from engram.loss import LanguageModelLoss, cross_entropy  # noqa: E402
 from engram.metrics import MetricsLogger, init_logger, logger  # noqa: E402
 from engram.models.builder import build_hasher, build_model_from_config  # noqa: E402
 from engram.nonfinite import NonFiniteGuard  # noqa: E402
@@ -57,7 +58,7 @@ from parallelisms.deepspeed_engine import (  # noqa: E402
 )
 from parallelisms.parallel_dims import parallel_dims_from_config  # noqa: E402
 from parallelisms.parallelize import engram_halo, shard_engram_tables  # noqa: E402
-from recipes.train import TrainResult, cross_entropy, dp_mean, evaluate, to_device  # noqa: E402
+from recipes.train import TrainResult, dp_mean, evaluate, to_device  # noqa: E402
 
 
 @dataclass
@@ -228,7 +229,12 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
                 (cfg.data.eval_every and step % cfg.data.eval_every == 0) or last_step
             ):
                 eval_loss = evaluate(
-                    [engine], make_eval_loader(), cfg.data.eval_batches, device, dp_group, False
+                    [engine],
+                    make_eval_loader(),
+                    cfg.data.eval_batches,
+                    device,
+                    dp_group,
+                    LanguageModelLoss(1, None, sharded_logits=False),
                 )
                 result.eval_losses[step] = eval_loss
                 metrics.log(step, {"eval_loss": eval_loss})

@@ -393,6 +393,7 @@ def test_deepspeed_section_checks(tmp_path, section, match):
         ({"parallelism": {"pp": 2}}, r"parallelism.pp = 2 .*pipeline"),
         ({"parallelism": {"tp": 2}}, r"parallelism.tp = 2 .*tensor parallel"),
         ({"parallelism": {"dp_replicate": 2}}, r"parallelism.dp_replicate = 2"),
+        ({"training": {"loss_chunks": 4}}, r"training.loss_chunks = 4 .*ZeRO-3"),
     ],
 )
 def test_layouts_this_variant_refuses(tmp_path, sections, match):
