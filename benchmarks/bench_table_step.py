@@ -36,7 +36,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-TABLE_OPTIMIZERS = ("adam", "lazy_adam", "rowwise_adagrad")
+from engram.table_optimizers import TABLE_OPTIMIZERS  # noqa: E402
+
 VOCAB = 8192
 BATCH, SEQ = 8, 256
 

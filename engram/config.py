@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
 import sys
@@ -16,6 +17,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from engram.table_optimizers import TABLE_OPTIMIZERS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -211,6 +214,11 @@ class Training:
     max_nonfinite_steps: int = 3
     """A step with a non-finite loss or gradient norm is skipped (no optimizer update); this
     many in a row stop the run with an error naming the last good checkpoint."""
+    loss_chunks: int = 1
+    """Chunked output head + cross-entropy (engram/loss.py): the loss applies the output head to
+    at most this many sequence chunks of ceil(seq_len / loss_chunks) positions, one at a time,
+    so only one chunk's fp32 logits exist (long sequences, large vocabularies). 1: the whole
+    sequence at once. Same loss and gradients either way."""
 
     def __post_init__(self) -> None:
         _check(
@@ -222,6 +230,11 @@ class Training:
                 getattr(self, name) > 0, f"training.{name} must be > 0, got {getattr(self, name)}"
             )
         _check(self.max_nonfinite_steps > 0, "training.max_nonfinite_steps must be > 0")
+        _check(
+            1 <= self.loss_chunks <= self.seq_len,
+            f"training.loss_chunks must be between 1 (no chunking) and training.seq_len="
+            f"{self.seq_len}, got {self.loss_chunks}",
+        )
         _check_finite(self.max_norm, "training.max_norm", "(use 0 to disable clipping)")
 
 
@@ -286,9 +299,6 @@ class Data:
     def token_sources(self) -> list[DataSource]:
         """The mixture of a tokens dataset: data.sources, or data.path with weight 1."""
         return list(self.sources) if self.sources else [DataSource(self.path, 1.0)]
-
-
-TABLE_OPTIMIZERS = ("adam", "lazy_adam", "rowwise_adagrad")
 
 
 @dataclass
@@ -396,9 +406,10 @@ class Parallelism:
     """FSDP2 compute dtype of parameters: float32 | bfloat16."""
     mixed_precision_reduce: str = "float32"
     """FSDP2 gradient reduction dtype: float32 | bfloat16."""
-    # --- tensor parallelism (issue 7); degrees are checked by parallelisms/parallel_dims.py
+    # --- tensor parallelism; degrees are checked by parallelisms/parallel_dims.py
     tp_sequence_parallel: bool = True
-    """Under TP, shard norms and the residual stream (and Engram blocks) along the sequence."""
+    """Under TP, shard norms and the residual stream along the sequence (Engram blocks run
+    sequence-sharded either way)."""
     tp_loss_parallel: bool = True
     """Under TP, keep logits vocabulary-sharded and compute the loss under loss_parallel()."""
 
@@ -419,7 +430,7 @@ class Parallelism:
         )
 
 
-# --- pipeline parallelism (issue 9); parallelisms/pipeline.py checks the split against the model
+# --- pipeline parallelism; parallelisms/pipeline.py checks the split against the model
 PIPELINE_SCHEDULES = (
     "GPipe",
     "1F1B",
@@ -566,6 +577,40 @@ class Compile:
 
 
 @dataclass
+class DeepSpeed:
+    """Read by recipes/train_deepspeed.py only (the main recipe does not use DeepSpeed)."""
+
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage of the dense model: 1 (optimizer state sharded), 2 (+ gradients),
+    3 (+ parameters). The Engram tables stay outside the engine, row-sharded as in train.py."""
+    offload_optimizer: str = "none"
+    """none | cpu: ZeRO-Offload of the optimizer state (and its step) to host memory."""
+    offload_param: str = "none"
+    """none | cpu: ZeRO-3 parameter offload to host memory (zero_stage = 3 only)."""
+    config_json: str = ""
+    """Path to an existing ds_config.json merged into the generated one; a setting it shares
+    with this TOML must agree (docs/deepspeed.md lists the mapping)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.zero_stage in (1, 2, 3),
+            f"deepspeed.zero_stage must be 1, 2 or 3, got {self.zero_stage} (stage 0 is plain "
+            "data parallel: use recipes/train.py)",
+        )
+        for name in ("offload_optimizer", "offload_param"):
+            _check(
+                getattr(self, name) in ("none", "cpu"),
+                f"deepspeed.{name} must be none or cpu, got {getattr(self, name)!r} (NVMe "
+                "offload is not wired in this recipe)",
+            )
+        _check(
+            self.offload_param == "none" or self.zero_stage == 3,
+            f"deepspeed.offload_param = {self.offload_param!r} needs deepspeed.zero_stage = 3 "
+            f"(got {self.zero_stage}): only ZeRO-3 partitions parameters",
+        )
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -582,6 +627,7 @@ class JobConfig:
     pipeline: Pipeline = field(default_factory=Pipeline)
     float8: Float8 = field(default_factory=Float8)
     compile: Compile = field(default_factory=Compile)
+    deepspeed: DeepSpeed = field(default_factory=DeepSpeed)
 
     @property
     def run_folder(self) -> Path:
@@ -731,11 +777,15 @@ def config_from_dict(raw: dict[str, dict[str, Any]]) -> JobConfig:
 
 def to_toml(cfg: JobConfig) -> str:
     """Serialise a JobConfig to TOML (round-trips through load_config)."""
+    return sections_to_toml(cfg.to_dict())
+
+
+def sections_to_toml(sections: dict[str, dict[str, Any]]) -> str:
+    """Sections of scalars / lists / inline tables (the JobConfig shape) as TOML."""
     lines = []
-    for section, values in cfg.to_dict().items():
+    for section, values in sections.items():
         lines.append(f"[{section}]")
-        for key, value in values.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
         lines.append("")
     return "\n".join(lines)
 
@@ -744,8 +794,8 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
+        return json.dumps(value)  # a JSON string literal is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):  # inline table (entries of a list of tables)
         return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"

@@ -7,8 +7,8 @@ Call it after `to_empty()` + `init_weights()`: parameters may then be FSDP2 / HS
 Each rank reads only the block of every tensor that it holds (safetensors slices of a memory-mapped
 file), so a 32B checkpoint is never materialised in full on any rank. Names are mapped by
 engram/models/hf_adapter.py (Llama / Qwen2 / Qwen3). Engram parameters are not part of an HF
-checkpoint and keep their init; a folder that does carry them (under the adapter's `engram.`
-prefix) loads them too. Values are cast to the parameter dtype. A tied model (one Parameter for
+checkpoint and keep their init; a folder that does carry them (engram/export.py's
+`model.layers.<i>.engram.*`, or the adapter's `engram.` prefix) loads them too. Values are cast to the parameter dtype. A tied model (one Parameter for
 the embedding and the head) takes model.embed_tokens.weight and needs no lm_head.weight.
 """
 
@@ -27,6 +27,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from engram.export import ENGRAM_FILE
 from engram.models.args import ModelArgs
+from engram.models.engram import is_engram_param
 from engram.models.hf_adapter import from_hf_state_dict
 from engram.models.hf_config import CONFIG_FILE, HFConfigError, args_from_hf_config, read_hf_config
 from engram.models.init import local_view
@@ -202,10 +203,6 @@ def _check_hf_config(folder: Path, args: ModelArgs) -> None:
 # ----------------------------------------------------------------------------- plan and checks
 
 
-def _is_engram(name: str) -> bool:
-    return ".engram." in f".{name}"
-
-
 def _parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Wrapper-free name -> parameter; a tied weight appears once (under tok_embeddings)."""
     params: dict[str, torch.Tensor] = {}
@@ -260,8 +257,8 @@ def _plan(
                 unexpected.append(
                     f"{hf_name} (in {file}): maps to {ours}, which this model does not have"
                 )
-    backbone = [n for n in params if not _is_engram(n)]
-    engram = [n for n in params if _is_engram(n)]
+    backbone = [n for n in params if not is_engram_param(n)]
+    engram = [n for n in params if is_engram_param(n)]
     missing = [n for n in backbone if n not in plan]
     engram_found = [n for n in engram if n in plan]
     if engram_found:  # a folder that carries Engram weights must carry all of them

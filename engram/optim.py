@@ -23,16 +23,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.lr_scheduler import LambdaLR
 
 from engram.config import JobConfig
-from engram.lazy_adam import LazyAdam, RowwiseAdagrad
+from engram.models.engram import is_engram_param, is_table_param
 from engram.table_grad import row_grad_norm_sq, scale_row_grads_
-
-
-def is_engram_param(name: str) -> bool:
-    return ".engram." in f".{name}"
-
-
-def is_table_param(name: str) -> bool:
-    return is_engram_param(name) and ".table." in f".{name}"
+from engram.table_optimizers import table_optimizer_spec
 
 
 def apply_training_mode(model: nn.Module, mode: str) -> None:
@@ -48,12 +41,13 @@ def build_optimizers(model: nn.Module, cfg: JobConfig) -> list[torch.optim.Optim
     for name, p in model.named_parameters():  # module order: identical on every rank
         if not p.requires_grad:
             continue
+        ndim = len(getattr(p, "ds_shape", p.shape))  # DeepSpeed ZeRO-3 keeps it in ds_shape
         if is_table_param(name):
             tables.append(p)
         elif is_engram_param(name):
-            (engram_decay if p.ndim >= 2 else engram_no_decay).append(p)
+            (engram_decay if ndim >= 2 else engram_no_decay).append(p)
         else:
-            (backbone_decay if p.ndim >= 2 else backbone_no_decay).append(p)
+            (backbone_decay if ndim >= 2 else backbone_no_decay).append(p)
     groups = [
         {"params": backbone_decay, "lr": o.lr, "weight_decay": o.weight_decay, "name": "backbone"},
         {"params": backbone_no_decay, "lr": o.lr, "weight_decay": 0.0, "name": "backbone_no_decay"},
@@ -95,22 +89,22 @@ def build_optimizers(model: nn.Module, cfg: JobConfig) -> list[torch.optim.Optim
 def build_table_optimizer(
     name: str, groups: list[dict], betas: tuple[float, float], eps: float
 ) -> torch.optim.Optimizer:
-    """The tables' optimizer (optimizer.table_optimizer); lr / weight_decay come from `groups`.
+    """The tables' optimizer (optimizer.table_optimizer, engram/table_optimizers.py); lr /
+    weight_decay come from `groups`.
 
-    lazy_adam and rowwise_adagrad mark their tables row-sparse: from then on the lookups' backward
-    leaves (rows, row grads) on the parameters and `.grad` stays None (engram/table_grad.py).
+    A row-sparse optimizer (lazy_adam, rowwise_adagrad) reads the (rows, row grads) that the
+    lookups of tables sharded with `row_sparse=True` leave on the parameters, or the touched rows
+    of a dense `.grad` otherwise (engram/table_grad.py).
     """
-    if name == "adam":
+    spec = table_optimizer_spec(name)
+    kwargs = {"eps": eps, **({"betas": betas} if spec.takes_betas else {})}
+    if not spec.row_sparse:
         # AdamW with weight_decay 0 is exactly Adam; decoupled decay if table_weight_decay > 0.
         # Fused where torch has the kernel: one pass over each table instead of ~10 (the default
         # on CPU is the per-op loop: 7x slower on a 400k x 32 table).
         params = [p for g in groups for p in g["params"]]
-        return torch.optim.AdamW(groups, betas=betas, eps=eps, fused=_fused_adam_ok(params) or None)
-    if name == "lazy_adam":
-        return LazyAdam(groups, betas=betas, eps=eps)
-    if name == "rowwise_adagrad":
-        return RowwiseAdagrad(groups, eps=eps)
-    raise ValueError(f"unknown table optimizer {name!r}: use adam, lazy_adam or rowwise_adagrad")
+        kwargs["fused"] = _fused_adam_ok(params) or None
+    return spec.cls(groups, **kwargs)
 
 
 def _fused_adam_ok(params: list[torch.Tensor]) -> bool:

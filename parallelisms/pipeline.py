@@ -38,6 +38,7 @@ from torch.distributed.pipelining.schedules import (
 
 from engram.config import ConfigError, JobConfig
 from engram.config import Pipeline as PipelineConfig
+from engram.table_optimizers import table_optimizer_spec
 from parallelisms.parallel_dims import ParallelDims
 
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -45,7 +46,6 @@ V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 # Schedules that split backward into input gradients (I) and weight gradients (W); W asks
 # autograd for each parameter's gradient.
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-ROW_SPARSE_TABLE_OPTIMIZERS = ("lazy_adam", "rowwise_adagrad")
 
 
 @dataclass
@@ -184,7 +184,7 @@ def split_stages(
     model: nn.Module, cfg: JobConfig, dims: ParallelDims
 ) -> tuple[StagePlan, list[int], list[nn.Module]]:
     """The plan, this rank's stage indices and their (meta, unparallelised) modules."""
-    sparse = cfg.optimizer.table_optimizer in ROW_SPARSE_TABLE_OPTIMIZERS
+    sparse = table_optimizer_spec(cfg.optimizer.table_optimizer).row_sparse
     if cfg.pipeline.schedule in SPLIT_BACKWARD and cfg.engram.enabled and sparse:
         # The row-sparse lookup returns no weight gradient (engram/table_grad.py), and the
         # weight-gradient step of these schedules asks autograd for one: torch fails there.
@@ -213,11 +213,12 @@ def build_schedule(
     dims: ParallelDims,
     device: torch.device,
     loss_fn,
+    n_micro: int,
 ) -> _PipelineSchedule:
-    """The torch schedule over this rank's stages. `loss_fn(output, labels)` runs on the last
-    stage per micro-batch; grads are not rescaled by torch (scale_grads=False): the loss_fn
-    carries the 1 / (micro-batches x accumulation steps) factor itself."""
-    n_micro = check_schedule(cfg.pipeline, dims.pp, cfg.training.local_batch_size)
+    """The torch schedule over this rank's stages, `n_micro` micro-batches per step (from
+    check_schedule). `loss_fn(output, labels)` runs on the last stage per micro-batch; grads are
+    not rescaled by torch (scale_grads=False): the loss_fn carries the
+    1 / (micro-batches x accumulation steps) factor itself."""
     pp_mesh = dims.mesh("pp")
 
     def get_mesh(names, _layout):  # DTensor activations (TP) between stages: the stage's meshes
@@ -243,6 +244,7 @@ def build_eval_schedule(
     device: torch.device,
     loss_fn,
     train_schedule: _PipelineSchedule,
+    n_micro: int,
 ) -> _PipelineSchedule:
     """A forward-only schedule for the held-out loss (call its .eval()).
 
@@ -260,7 +262,7 @@ def build_eval_schedule(
         for part, s in zip(parts, stage_ids, strict=True)
     ]
     schedule = type(train_schedule)(
-        stages, n_microbatches=train_schedule._n_microbatches, loss_fn=loss_fn, scale_grads=False
+        stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False
     )
     keep = {
         _ComputationType.FORWARD,

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.utils.stateless import _reparametrize_module
 
 from engram.models.engram import EngramBlock, ShortConv
-from engram.models.transformer import Transformer, _unwrap
+from engram.models.transformer import Transformer, unwrap_block
 
 
 def apply_tp(
@@ -72,11 +72,12 @@ def apply_tp(
         model.tok_embeddings.register_forward_hook(_stream_own_storage)
 
     for layer in model.layers.values():
-        block = _unwrap(layer)
+        block = unwrap_block(layer)
         plan = {
             "attention": PrepareModuleInput(
-                input_layouts=(stream, None, None),
-                desired_input_layouts=(Replicate(), None, None),
+                # (x, cos, sin, decode cache): Attention.forward's positional inputs
+                input_layouts=(stream, None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None),
                 use_local_output=True,
             ),
             "attention.wq": ColwiseParallel(),
@@ -161,7 +162,9 @@ class SequenceShardedEngram(nn.Module):
     _tp_mesh: DeviceMesh
     _tp_sequence_parallel: bool
 
-    def forward(self, hidden: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, hash_ids: torch.Tensor, cache=None) -> torch.Tensor:
+        if cache is not None:
+            raise ValueError("incremental decoding (a decode cache) runs on an unsharded model")
         mesh = self._tp_mesh
         if not self._tp_sequence_parallel:
             hidden = _split_sequence(hidden, mesh)
@@ -192,8 +195,8 @@ class HaloShortConv(nn.Module):
 
     _tp_mesh: DeviceMesh
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert isinstance(self, ShortConv)
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        assert isinstance(self, ShortConv) and cache is None  # no decode cache under TP
         b, t, g, d = x.shape
         reach = (self.kernel_size - 1) * self.dilation
         normed = torch.cat([self.norms[i](x[:, :, i, :]) for i in range(g)], dim=-1)  # [B, t, C]

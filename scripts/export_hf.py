@@ -3,17 +3,19 @@
     PYTHONPATH=. python scripts/export_hf.py --job.config_file train_configs/debug_model.toml \
         --out exported/ [--step N] [--engram-only] [--overwrite] [--section.key=value ...]
 
-(a) default: a Hugging Face folder (config.json, model.safetensors with the backbone in HF
-    Llama/Qwen names, tokenizer.json) plus engram.safetensors (Engram weights, with the Engram
-    config and the checkpoint fingerprint as JSON in its header). Load it into any layout with
-    model.hf_checkpoint = <folder> (engram/hf_load.py reads the Engram tensors too).
+(a) default: a self-contained Hugging Face folder (engram/export.py): transformers loads it as
+    the full Engram model with AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    (modeling_engram.py beside config.json) and AutoTokenizer.from_pretrained(out); this repo
+    loads it into any layout with model.hf_checkpoint = <folder>. config.json states the repo
+    version, the checkpoint fingerprint and the training config it came from.
 (b) --engram-only: engram.safetensors alone (engram.export.load_engram_safetensors reads it).
 
 The checkpoint is the run's newest one (or --step), verified against its manifest and its
 fingerprint first (engram/checkpoint.py find_checkpoint / load_model_checkpoint, as generation).
 --out must be new or empty; --overwrite removes its model files first (an export beside an
 earlier one's shards and index would mix two models). It runs in one process (no GPU needed);
-DCP reshards whatever layout the run was saved with.
+DCP reshards whatever layout the run was saved with. A checkpoint of recipes/train_deepspeed.py is
+read with DeepSpeed's zero_to_fp32 (docs/deepspeed.md).
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engram.checkpoint import find_checkpoint, load_model_checkpoint  # noqa: E402
-from engram.config import load_config  # noqa: E402
+from engram.config import load_config, to_toml  # noqa: E402
 from engram.data.tokenizer import load_tokenizer  # noqa: E402
 from engram.export import export, prepare_output_folder  # noqa: E402
 from engram.fingerprint import config_fingerprint  # noqa: E402
 from engram.metrics import init_logger  # noqa: E402
 from engram.models.builder import build_for_inference  # noqa: E402
+from parallelisms.deepspeed_engine import is_deepspeed_step, load_deepspeed_weights  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -53,7 +56,10 @@ def main(argv: list[str] | None = None) -> list[Path]:
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     model, hasher = build_for_inference(cfg, tokenizer, cfg.training.seq_len)
     fingerprint = config_fingerprint(cfg, tokenizer, hasher)
-    load_model_checkpoint(model, path, fingerprint)
+    if is_deepspeed_step(path):  # written by recipes/train_deepspeed.py
+        load_deepspeed_weights(model, path, fingerprint)
+    else:
+        load_model_checkpoint(model, path, fingerprint)
     prepare_output_folder(ns.out, ns.overwrite)
     files = export(
         model,
@@ -62,7 +68,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
         fingerprint,
         ns.out,
         engram_only=ns.engram_only,
-        tokenizer_file=tokenizer.source or None,
+        tokenizer=tokenizer,
+        hasher=hasher,
+        config_toml=to_toml(cfg),
     )
     for f in files:
         print(f"wrote {f}")

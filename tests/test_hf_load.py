@@ -199,7 +199,7 @@ def _load_sharded(rank: int, world: int, folder: str, layout: dict) -> dict[str,
         world_size=world,
     )  # fmt: skip
     dims.build_mesh("cpu")
-    tables = apply_engram_table_sharding(model, dims.mesh("engram"))
+    tables = apply_engram_table_sharding(model, dims.mesh("engram"), grad_scale=1.0 / dims.dp_size)
     apply_fsdp(model, dims, Parallelism(**layout), ignored_params=tables)
     model.to_empty(device="cpu")
     model.init_weights(seed=SEED_B)

@@ -102,7 +102,10 @@ def build_model(
 
 
 def build_model_from_config(
-    cfg: JobConfig, vocab_size: int, device: torch.device | str = "meta", max_seq_len: int | None = None
+    cfg: JobConfig,
+    vocab_size: int,
+    device: torch.device | str = "meta",
+    max_seq_len: int | None = None,
 ) -> Transformer:
     """The job's model (on `device`, uninitialised). It needs only the Engram table sizes, from
     the config (`engram_table_rows`: the hasher's prime search without a tokenizer), never the
