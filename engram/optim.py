@@ -24,6 +24,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from engram.config import JobConfig
 from engram.lazy_adam import LazyAdam, RowwiseAdagrad
+from engram.models.lora import is_lora_param
 from engram.table_grad import row_grad_norm_sq, scale_row_grads_
 
 
@@ -35,10 +36,18 @@ def is_table_param(name: str) -> bool:
     return is_engram_param(name) and ".table." in f".{name}"
 
 
+def is_trainable(name: str, mode: str) -> bool:
+    """Whether parameter `name` trains in training.mode `mode` (the one statement of the rule):
+    full trains everything, engram_only the Engram parameters, lora those and the adapters."""
+    return (
+        mode == "full" or is_engram_param(name) or (mode == "lora" and is_lora_param(name))
+    )
+
+
 def apply_training_mode(model: nn.Module, mode: str) -> None:
-    """engram_only freezes every non-Engram parameter; full trains everything."""
+    """Set requires_grad of every parameter by `is_trainable`."""
     for name, p in model.named_parameters():
-        p.requires_grad_(mode == "full" or is_engram_param(name))
+        p.requires_grad_(is_trainable(name, mode))
 
 
 def build_optimizers(model: nn.Module, cfg: JobConfig) -> list[torch.optim.Optimizer]:

@@ -36,7 +36,6 @@ from engram.models.builder import build_hasher, build_model_from_config
 from engram.nonfinite import NonFiniteGuard
 from engram.optim import (
     SchedulersState,
-    apply_training_mode,
     build_lr_schedulers,
     build_optimizers,
     clip_grad_norm_,
@@ -220,8 +219,7 @@ def train(cfg: JobConfig) -> TrainResult:
     for part in model_parts:
         parallelize_model(part, cfg, dims)
         part.to_empty(device=device)
-        part.init_weights(seed=cfg.job.seed)
-        apply_training_mode(part, cfg.training.mode)
+        part.init_weights(seed=cfg.job.seed)  # requires_grad: set by parallelize_model
     model = model_parts[0]
     sharded_logits = dims.tp_enabled and cfg.parallelism.tp_loss_parallel  # see tensor_parallel.py
     n_params = sum(local_numel(p) for part in model_parts for p in part.parameters())
