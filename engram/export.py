@@ -24,6 +24,7 @@ from engram.checkpoint import fingerprint_mismatches
 from engram.models.args import ModelArgs
 from engram.models.hf_adapter import ENGRAM_PREFIX, to_hf_state_dict
 from engram.models.init import local_view
+from engram.models.lora import is_lora_param
 
 ENGRAM_FILE = "engram.safetensors"
 ENGRAM_FORMAT = "engram-safetensors/1"
@@ -65,7 +66,8 @@ def hf_config(args: ModelArgs, family: str) -> dict[str, Any]:
     return config
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_cpu(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a (DTensor) parameter, detached, on the CPU (collective for a DTensor)."""
     full = t.full_tensor() if hasattr(t, "full_tensor") else t
     return full.detach().to("cpu").contiguous()
 
@@ -84,7 +86,14 @@ def export(
     `model` must hold full (unsharded) tensors or DTensors (gathered here: collective then)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    sd = {name: _full(p) for name, p in model.state_dict().items()}
+    sd = {name: full_cpu(p) for name, p in model.state_dict().items()}
+    adapters = [name for name in sd if is_lora_param(name)]
+    if adapters and not engram_only:
+        raise ValueError(
+            f"the model has LoRA adapters ({adapters[0]}, ...): write them with "
+            "engram.export_peft.export_peft, or fold them in first (engram.models.lora.merge_lora_)"
+        )
+    sd = {name: t for name, t in sd.items() if not is_lora_param(name)}
     hf = to_hf_state_dict(sd, model.args)
     engram = {k: v for k, v in hf.items() if k.startswith(ENGRAM_PREFIX)}
     backbone = {k: v for k, v in hf.items() if not k.startswith(ENGRAM_PREFIX)}

@@ -48,6 +48,7 @@ from engram.hf_load import load_hf_backbone
 from engram.metrics import init_logger
 from engram.models.builder import build_from_config, model_fingerprint
 from engram.models.transformer import Transformer
+from parallelisms.lora import apply_lora
 
 logger = logging.getLogger("engram")
 
@@ -104,12 +105,15 @@ def build_for_generation(
     device: torch.device | str = "cpu",
     tokenizer: Tokenizer | None = None,
 ) -> tuple[Transformer, Tokenizer, NgramHasher | None]:
-    """The training recipe's model, unsharded on `device`, initialised with job.seed.
+    """The training recipe's model (LoRA adapters in lora mode), unsharded on `device`,
+    initialised with job.seed.
 
     `max_seq_len` sizes the RoPE table (the prompt plus the new tokens may exceed seq_len)."""
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     model, hasher = build_from_config(cfg, tokenizer, max_seq_len=max_seq_len)
+    if cfg.training.mode == "lora":  # the adapters the checkpoint holds
+        apply_lora(model, cfg.lora)
     model.to_empty(device=device)
     model.init_weights(seed=cfg.job.seed)
     model.eval()

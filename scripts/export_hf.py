@@ -8,6 +8,10 @@
     config and the checkpoint fingerprint as JSON in its header). Load it into any layout with
     model.hf_checkpoint = <folder> (engram/hf_load.py reads the Engram tensors too).
 (b) --engram-only: engram.safetensors alone (engram.export.load_engram_safetensors reads it).
+(c) training.mode = "lora": a PEFT adapter folder (adapter_config.json, adapter_model.safetensors
+    in PEFT's key names: `PeftModel.from_pretrained(base, folder)` on the transformers base model)
+    plus engram.safetensors; with --merged instead the HF folder of (a) with the adapters folded
+    into the base weights (W + alpha / r * B A).
 
 The checkpoint is the run's newest intact one (or --step), verified against its manifest first.
 It runs in one process (no GPU needed); DCP reshards whatever layout the run was saved with.
@@ -25,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engram.checkpoint import CheckpointError, verify_checkpoint  # noqa: E402
 from engram.config import load_config  # noqa: E402
 from engram.export import export  # noqa: E402
+from engram.export_peft import export_peft  # noqa: E402
 from engram.fingerprint import config_fingerprint  # noqa: E402
+from engram.models.lora import merge_lora_  # noqa: E402
 from recipes.generate import build_for_generation, checkpoint_steps, load_checkpoint  # noqa: E402
 
 
@@ -36,6 +42,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--step", type=int, default=-1, help="checkpoint step (-1: newest)")
     parser.add_argument("--engram-only", action="store_true", help="write engram.safetensors only")
+    parser.add_argument(
+        "--merged",
+        action="store_true",
+        help="lora mode: fold the adapters into the base weights and write the HF folder",
+    )
     ns, rest = parser.parse_known_args(argv)
     cfg = load_config(rest)
     steps = checkpoint_steps(cfg)
@@ -48,15 +59,23 @@ def main(argv: list[str] | None = None) -> list[Path]:
         raise CheckpointError("not exporting a damaged checkpoint:\n  " + "\n  ".join(problems))
     model, tokenizer, hasher = build_for_generation(cfg, cfg.training.seq_len)
     load_checkpoint(model, cfg, step)
-    files = export(
-        model,
-        cfg.model.name,
-        dataclasses.asdict(cfg.engram),
-        config_fingerprint(cfg, tokenizer, hasher),
-        ns.out,
-        engram_only=ns.engram_only,
-        tokenizer_file=tokenizer.source or None,
-    )
+    engram_config = dataclasses.asdict(cfg.engram)
+    fingerprint = config_fingerprint(cfg, tokenizer, hasher)
+    if ns.merged and cfg.training.mode != "lora":
+        raise SystemExit("--merged folds LoRA adapters: the run's training.mode is not lora")
+    if cfg.training.mode == "lora" and not (ns.merged or ns.engram_only):
+        files = export_peft(model, cfg, engram_config, fingerprint, ns.out)
+    else:
+        merge_lora_(model)
+        files = export(
+            model,
+            cfg.model.name,
+            engram_config,
+            fingerprint,
+            ns.out,
+            engram_only=ns.engram_only,
+            tokenizer_file=tokenizer.source or None,
+        )
     for f in files:
         print(f"wrote {f}")
     return files

@@ -82,3 +82,15 @@ def add_lora(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> nn.L
     linear.lora_scaling = alpha / rank
     linear.lora_dropout = float(dropout)
     return linear
+
+
+@torch.no_grad()
+def merge_lora_(model: nn.Module) -> int:
+    """Fold every adapter into its base weight (W += scaling * B A) and turn the module back into
+    its base class, in place; on full (unsharded) tensors. Returns how many were merged."""
+    merged = [m for m in model.modules() if isinstance(m, LoRAMixin)]
+    for module in merged:
+        module.weight.add_(module.delta_weight().to(module.weight.dtype))
+        del module.lora_A, module.lora_B
+        module.__class__ = type(module).__bases__[1]
+    return len(merged)
