@@ -81,7 +81,5 @@ def export_peft(
     (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg), indent=2) + "\n")
     written = [out / ADAPTER_CONFIG, out / ADAPTER_WEIGHTS]
     if any(".engram." in f".{n}" for n, _ in model.named_parameters()):
-        written += export(
-            model, cfg.model.name, engram_config, fingerprint, out, engram_only=True
-        )
+        written += export(model, cfg.model.name, engram_config, fingerprint, out, engram_only=True)
     return written

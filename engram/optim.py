@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -39,9 +39,15 @@ def is_table_param(name: str) -> bool:
 def is_trainable(name: str, mode: str) -> bool:
     """Whether parameter `name` trains in training.mode `mode` (the one statement of the rule):
     full trains everything, engram_only the Engram parameters, lora those and the adapters."""
-    return (
-        mode == "full" or is_engram_param(name) or (mode == "lora" and is_lora_param(name))
-    )
+    return mode == "full" or is_engram_param(name) or (mode == "lora" and is_lora_param(name))
+
+
+def saved_params(cfg: JobConfig) -> Callable[[str], bool] | None:
+    """What a checkpoint holds of the model: everything (None), or with checkpoint.trainable_only
+    the parameters training.mode trains (the frozen backbone comes from the HF folder / seed)."""
+    if not cfg.checkpoint.trainable_only:
+        return None
+    return functools.partial(is_trainable, mode=cfg.training.mode)
 
 
 def apply_training_mode(model: nn.Module, mode: str) -> None:

@@ -48,6 +48,7 @@ from engram.hf_load import load_hf_backbone
 from engram.metrics import init_logger
 from engram.models.builder import build_from_config, model_fingerprint
 from engram.models.transformer import Transformer
+from engram.optim import saved_params
 from parallelisms.lora import apply_lora
 
 logger = logging.getLogger("engram")
@@ -129,7 +130,8 @@ def checkpoint_steps(cfg: JobConfig) -> list[int]:
 
 
 def load_checkpoint(model: Transformer, cfg: JobConfig, step: int) -> Path:
-    """Load the model state of checkpoint `step` of the run (optimizer etc. are not read)."""
+    """Load the model state of checkpoint `step` of the run (optimizer etc. are not read); a
+    trainable-only checkpoint on top of model.hf_checkpoint (or the job.seed init)."""
     folder = cfg.run_folder / cfg.checkpoint.folder
     path = folder / f"step-{step}"
     saved = json.loads((path / "fingerprint.json").read_text())
@@ -145,7 +147,10 @@ def load_checkpoint(model: Transformer, cfg: JobConfig, step: int) -> Path:
     # distributed job: no collectives). Its warning says just that.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": ModelState(model)}, checkpoint_id=str(path), no_dist=True)
+        if cfg.checkpoint.trainable_only and cfg.model.hf_checkpoint:  # the frozen backbone
+            load_hf_backbone(model, cfg.model.hf_checkpoint, model.args)
+        state = ModelState(model, keep=saved_params(cfg))
+        dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
     return path
 
 

@@ -39,6 +39,7 @@ from engram.optim import (
     build_lr_schedulers,
     build_optimizers,
     clip_grad_norm_,
+    saved_params,
 )
 from engram.profiling import maybe_profile
 from engram.table_check import warn_if_tables_collide
@@ -265,7 +266,7 @@ def train(cfg: JobConfig) -> TrainResult:
         cfg.checkpoint,
         cfg.run_folder,
         states={
-            "model": ModelState(model_parts),
+            "model": ModelState(model_parts, keep=saved_params(cfg)),
             "optimizer": OptimizerState(model_parts, part_optimizers),
             "lr_scheduler": SchedulersState(schedulers),
             "dataloader": train_loader,
@@ -273,6 +274,12 @@ def train(cfg: JobConfig) -> TrainResult:
         },
         fingerprint=config_fingerprint(cfg, tokenizer, hasher),
     )
+    # A trainable-only checkpoint holds no backbone: it comes from the HF folder, read first so
+    # that a resume then overwrites what trains.
+    hf_first = bool(cfg.model.hf_checkpoint) and cfg.checkpoint.trainable_only
+    if hf_first:
+        for part in model_parts:
+            load_hf_backbone(part, cfg.model.hf_checkpoint, model.args)
     start_step = checkpointer.load()
     # Only now: a refused resume must leave the run folder's config record untouched.
     metrics = MetricsLogger(cfg.run_folder, cfg.metrics, rank, config_dict=cfg.to_dict())
@@ -282,7 +289,7 @@ def train(cfg: JobConfig) -> TrainResult:
             logger.warning(
                 "engram.init is not 'identity': the pretrained function changes at step 0"
             )
-        for part in model_parts:  # under PP each stage loads only its own layers
+        for part in model_parts if not hf_first else ():  # under PP each stage its own layers
             load_hf_backbone(part, cfg.model.hf_checkpoint, model.args)
     result = TrainResult(start_step=start_step, model=model, model_parts=model_parts)
 

@@ -57,8 +57,7 @@ def _base_folder(raw: dict, out: str) -> None:
     from engram.export import export
     from engram.models.builder import build_from_config
 
-    plain = {**raw, "engram": {"enabled": False}, "training": {}, "model": {"flavor": "debug"}}
-    plain.pop("lora")
+    plain = {"job": raw["job"], "engram": {"enabled": False}, "model": {"flavor": "debug"}}
     model, _ = build_from_config(config_from_dict(plain), load_tokenizer(""))
     model.to_empty(device="cpu")
     model.init_weights(seed=9)
@@ -149,3 +148,42 @@ def test_peft_and_merged_exports_reproduce_the_trained_model(tmp_path):
     assert np.abs(ours["on"] - ours["off"]).max() > 1e-4, "Engram contributed nothing"
     back = run_isolated(_ours_from_merged, raw, str(merged))
     np.testing.assert_allclose(back, ours["on"], rtol=1e-5, atol=2e-5)
+
+
+def _losses(rank: int, world: int, raw: dict) -> dict:
+    from recipes.train import train
+
+    result = train(config_from_dict(raw))
+    return {"losses": result.losses, "start": result.start_step}
+
+
+@pytest.mark.slow
+def test_trainable_only_checkpoint_resumes_exactly_on_the_hf_folder(tmp_path):
+    """checkpoint.trainable_only saves adapters, Engram and their optimizer state only; a resume
+    from it on the same HF folder replays the uninterrupted run's losses exactly, and the export
+    reads it on top of that folder."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    base = str(tmp_path / "base")
+    raw = _raw(str(tmp_path), base)
+    raw["training"]["steps"] = 4
+    raw["checkpoint"] = {"enable": True, "interval": 2, "keep_latest_k": 0, "trainable_only": True}
+    run_isolated(_base_folder, raw, base)
+    full = run_distributed(_losses, 2, raw)[0]
+    folder = tmp_path / "lora" / "checkpoint"
+    meta = dcp.FileSystemReader(str(folder / "step-2")).read_metadata()
+    model_keys = [k for k in meta.state_dict_metadata if k.startswith("model.")]
+    assert model_keys and all(
+        k.endswith(("lora_A", "lora_B")) or ".engram." in k for k in model_keys
+    ), model_keys
+    assert any(k.startswith("optimizer.") for k in meta.state_dict_metadata)
+    shutil.rmtree(folder / "step-4")
+    resumed = run_distributed(_losses, 2, raw)[0]
+    assert resumed["start"] == 2
+    assert resumed["losses"] == full["losses"][2:]
+    toml = tmp_path / "t.toml"
+    toml.write_text(to_toml(config_from_dict(raw)))
+    files = run_isolated(_export, ["--out", str(tmp_path / "peft"), f"--job.config_file={toml}"])
+    assert any(f.endswith("adapter_model.safetensors") for f in files)
