@@ -1,6 +1,7 @@
 """LoRA mode (training.mode = "lora"): adapters on the frozen backbone, Engram trainable.
 
-- parity: FSDP2, TP2, PP2 and FSDP2 x TP2 with activation checkpointing reproduce the single-process
+- parity: FSDP2, TP2, PP2, FSDP2 x TP2 with activation checkpointing and FSDP2 with compile
+  (aot_eager) reproduce the single-process
   lora run (tests/test_parity.py's criteria: losses 1e-5, step-1 grad norm 1e-6, updates 0.3%,
   frozen weights bit-identical);
 - the single-process run changes only adapters and Engram parameters, and every lora_B;
@@ -81,6 +82,9 @@ LAYOUTS = {
     "tp2": (2, {"tp": 2, "dp_shard": 1}, {}),
     "pp2": (2, {"pp": 2}, {"pipeline": {"schedule": "1F1B"}}),
     "fsdp2_x_tp2_ac": (4, {"tp": 2, "dp_shard": 2}, {"activation_checkpoint": {"mode": "full"}}),
+    # aot_eager: dynamo + AOT autograd trace the LoRA blocks without generating code (see
+    # tests/test_compile.py for why inductor runs only there).
+    "fsdp2_compile": (2, {"dp_shard": 2}, {"compile": {"enable": True, "backend": "aot_eager"}}),
 }
 
 
