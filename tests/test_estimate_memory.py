@@ -1,4 +1,4 @@
-"""scripts/estimate_memory.py: exact per-rank numbers vs independent splits, and the 32B budget.
+"""The memory planner (planner/): exact per-rank numbers vs independent splits, and the 32B budget.
 
 The references here never go through FSDP or DTensor: dense shards are the ceil split of dim 0
 (FSDP2's torch.chunk split), table rows come from torch.chunk / NgramHasher, and parameter
@@ -19,13 +19,10 @@ from engram.data.tokenizer import load_tokenizer
 from engram.hashing import NgramHasher, engram_table_rows
 from engram.models.args import get_model_args
 from engram.models.builder import build_model
-from scripts.estimate_memory import (
-    GIB,
-    _layer_bytes_per_token,
-    activation_estimate,
-    estimate,
-    main,
-)
+from planner.activations import _layer_bytes_per_token, activation_estimate
+from planner.cli import main
+from planner.estimate import estimate
+from planner.results import GIB
 
 DEBUG = "train_configs/debug_model.toml"
 NPU_32B = "train_configs/32b_npu.toml"

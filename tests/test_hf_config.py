@@ -179,7 +179,7 @@ def test_estimator_sizes_an_hf_config_without_weights(tmp_path):
     from launcher import run_isolated
 
     try:
-        from scripts.estimate_memory import estimate
+        from planner.estimate import estimate
     except ImportError:  # before the estimator moves to scripts/
         from recipes.estimate_memory import estimate
 

@@ -236,7 +236,7 @@ def test_estimator_counts_the_tied_matrix_once(tmp_path):
     from launcher import run_isolated
 
     try:
-        from scripts.estimate_memory import estimate
+        from planner.estimate import estimate
     except ImportError:  # before the estimator moves to scripts/
         from recipes.estimate_memory import estimate
 

@@ -1,7 +1,6 @@
-"""The memory planner under pipeline parallelism (scripts/estimate_memory.py, pipeline_memory.py,
-comm_estimate.py, compare_layouts.py): per-stage bytes against what real gloo ranks hold after a
-real optimizer step, micro-batches in flight against torch's schedules, and --compare on the 32B
-config at 64 ranks."""
+"""The memory planner (planner/) under pipeline parallelism, communication and layouts: per-stage
+bytes against what real gloo ranks hold after a real optimizer step, micro-batches in flight
+against torch's schedules, and --compare on the 32B config at 64 ranks."""
 
 from __future__ import annotations
 
@@ -12,9 +11,11 @@ from launcher import run_distributed, run_isolated
 from engram.config import PIPELINE_SCHEDULES, ConfigError, load_config
 from engram.models.args import get_model_args
 from parallelisms.pipeline import V_SHAPED, stage_ranks
-from scripts.compare_layouts import default_layouts, layout_config, parse_layout
-from scripts.estimate_memory import activation_estimate, estimate, main
-from scripts.pipeline_memory import bubble_fraction, in_flight
+from planner.activations import activation_estimate
+from planner.cli import main
+from planner.estimate import estimate
+from planner.layouts import default_layouts, layout_config, parse_layout
+from planner.schedule import bubble_fraction, in_flight
 
 DEBUG = "train_configs/debug_model.toml"
 NPU_32B = "train_configs/32b_npu.toml"

@@ -15,7 +15,7 @@ saved activations, and the counts of un-freed forwards at that moment are the mi
 flight per stage. For one stage per rank this reproduces the textbook numbers (tested):
 GPipe holds all m micro-batches, 1F1B holds min(m, pp - r) on pp rank r (pp on rank 0),
 zero-bubble schedules hold what 1F1B holds until W frees it. The order comes from the schedule
-class itself (parallelisms.pipeline.schedule_order), so a schedule torch changes is counted as
+class itself (schedule_order below), so a schedule torch changes is counted as
 torch runs it.
 """
 
@@ -23,11 +23,46 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torch.distributed.pipelining.schedules import _ComputationType
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    _ComputationType,
+    get_schedule_class,
+)
 
-from parallelisms.pipeline import schedule_order
+from parallelisms.pipeline import stage_ranks
+
+
+class _PlannedStage:
+    """What a torch schedule reads from a stage to compute its action order, and nothing else
+    (no module, no process group): lets the memory planner ask torch for the order of any
+    layout without building one."""
+
+    def __init__(self, stage_index: int, num_stages: int, pp: int, pp_rank: int) -> None:
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.group_size, self.group_rank = pp, pp_rank
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.submod = None
+
+
+def schedule_order(name: str, pp: int, virtual_stages: int, microbatches: int) -> dict:
+    """torch's own action order of schedule `name` (pp rank -> [_Action | None]): F / B (full
+    backward) / I (input grads) / W (weight grads) per (stage, micro-batch), as the schedule
+    class computes it at construction. Used by scripts/estimate_memory.py to count the
+    micro-batches each stage holds in flight."""
+    num_stages = pp * virtual_stages
+    ranks = stage_ranks(num_stages, pp, name)
+    stages = [_PlannedStage(s, num_stages, pp, 0) for s, r in enumerate(ranks) if r == 0]
+    cls = get_schedule_class(name)
+    if issubclass(cls, PipelineScheduleSingle):
+        schedule = cls(stages[0], n_microbatches=microbatches, scale_grads=False)
+    else:
+        schedule = cls(stages, n_microbatches=microbatches, scale_grads=False)
+    return schedule.pipeline_order
+
 
 _ADD = {_ComputationType.FORWARD}
+
+
 _FREE = {_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_WEIGHT}
 
 

@@ -35,9 +35,6 @@ all-reduces of the loss, grad norm and Engram block's dense grads over TP, barri
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -45,22 +42,7 @@ from engram.config import JobConfig
 from parallelisms.activation_checkpoint import is_checkpointed
 from parallelisms.fsdp import DTYPES, defer_grad_sync, reshard_after_forward
 from parallelisms.parallel_dims import ParallelDims
-
-
-@dataclass
-class CommPerStep:
-    """Bytes this rank receives per optimizer step."""
-
-    fsdp_all_gather: int = 0
-    fsdp_reduce_scatter: int = 0
-    dp_all_reduce: int = 0
-    tp: int = 0
-    pp_send_recv: int = 0
-    table_all_to_all: int = 0
-
-    @property
-    def total(self) -> int:
-        return sum(dataclasses.astuple(self))
+from planner.results import CommPerStep
 
 
 def _local_numel(p: nn.Parameter) -> int:

@@ -1,0 +1,180 @@
+"""Activation estimates (formulas, checked against autograd's saved tensors in the tests): one
+micro-batch of a model or pipeline stage, this rank's peak along its schedule, and float8's
+transient casts."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from engram.config import JobConfig
+from engram.models.args import ModelArgs
+from engram.models.transformer import clean_fqn
+from parallelisms.activation_checkpoint import is_checkpointed
+from parallelisms.pipeline import StagePlan
+from planner.results import ActivationEstimate, RankActivations, dtype_bytes
+from planner.schedule import in_flight
+
+
+def _norm_bytes(a: int) -> int:
+    """RMSNorm, per element: the fp32 upcast (4), the normalised x in the compute dtype (a, for
+    the weight multiply) and the output (a, saved by the layer that consumes it)."""
+    return 4 + 2 * a
+
+
+def _layer_bytes_per_token(args: ModelArgs, a: int, tp: int = 1, sp: bool = True) -> int:
+    """Activations one decoder layer saves for backward, bytes per token (compute dtype `a`) on
+    one of `tp` tensor-parallel ranks (`sp`: sequence parallel).
+
+    Two RMSNorms over D (and q/k norms for Qwen3). Attention with a fused (flash) SDPA: q, and
+    k, v repeated to n_heads, the output (4 a Dq), plus the fp32 log-sum-exp per head; no T x T
+    scores. SwiGLU: w1 out, w3 out, silu out, product (4 a F).
+
+    Under TP, heads and the FFN width are split (attention and FFN terms / tp). The norms run
+    on the full sequence on every TP rank without sequence parallel (not divided) and on 1/tp
+    of it with sequence parallel; then the column-parallel linears save their all-gathered
+    input (a D for the attention and for the FFN input), which is not divided.
+    """
+    assert args.head_dim is not None
+    dq, dkv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    # q/k norms: their output goes to RoPE, which saves only cos/sin, so no output term.
+    qk_norm = (4 + a) * (dq + dkv) if args.qk_norm else 0
+    attention = 4 * a * dq + 4 * args.n_heads + qk_norm
+    norms = 2 * _norm_bytes(a) * args.dim
+    gathered = 2 * a * args.dim if tp > 1 and sp else 0
+    return (norms // tp if sp else norms) + gathered + (attention + 4 * a * args.ffn_dim) // tp
+
+
+def _engram_bytes_per_token(cfg: JobConfig, dim: int, a: int) -> tuple[int, int]:
+    """(saved, transient) bytes per token of an Engram block.
+
+    Saved: the looked-up rows in the compute dtype (a E), key/query/ShortConv RMSNorms over D,
+    the value projection and the conv output (2 a D), the gate scalars, and the lookup's int64
+    index tensors (2 x 8 H). Transient: the all-to-all buffers (ids int64 x3, rows fp32 x3).
+    """
+    e = cfg.engram
+    engram_dim = (e.max_ngram - 1) * e.n_embed_per_ngram
+    saved = a * engram_dim + 3 * _norm_bytes(a) * dim + 2 * a * dim + 32 + 2 * 8 * e.num_heads
+    return saved, 3 * 8 * e.num_heads + 3 * 4 * engram_dim
+
+
+def activation_estimate(
+    cfg: JobConfig,
+    args: ModelArgs,
+    compute_dtype: str,
+    tp: int = 1,
+    sp: bool = True,
+    layers: list[int] | None = None,
+    first: bool = True,
+    last: bool = True,
+    tokens: int | None = None,
+) -> ActivationEstimate:
+    """Activation bytes of one micro-batch on one rank, `tp` tensor-parallel ranks with (`sp`)
+    or without sequence parallel. Per token, a sequence-sharded tensor costs 1/tp of its bytes:
+    with sequence parallel that is the residual stream (checkpoint inputs, norms, the Engram
+    block, which looks up only its own tokens); without it, only the head- and FFN-split parts.
+    The loss is vocabulary-parallel under TP (loss_parallel): logits / tp.
+
+    A pipeline stage passes its decoder `layers`, whether it is the `first` (embedding ids) and
+    the `last` stage (final norm, loss) and its micro-batch `tokens` (default: the local batch)."""
+    a = dtype_bytes(compute_dtype)
+    stream_div = tp if sp else 1
+    if tokens is None:
+        tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    layer_ids = range(args.n_layers) if layers is None else layers
+    layer = _layer_bytes_per_token(args, a, tp, sp)
+    engram_layers = set(cfg.engram.layer_ids) if cfg.engram.enabled else set()
+    engram_saved, engram_transient = (
+        _engram_bytes_per_token(cfg, args.dim, a) if engram_layers & set(layer_ids) else (0, 0)
+    )
+    engram_saved //= stream_div
+    engram_transient //= stream_div
+    # Embedding ids; final norm (its output feeds the head).
+    saved = (8 if first else 0) + (_norm_bytes(a) * args.dim // stream_div if last else 0)
+    recompute = 0
+    for k, i in enumerate(layer_ids):  # AC counts the layers of the model or stage (k)
+        full = layer + (engram_saved if i in engram_layers else 0)
+        if is_checkpointed(cfg.activation_checkpoint, k):
+            saved += a * args.dim // stream_div  # the checkpoint keeps only the layer input
+            recompute = max(recompute, full)
+        else:
+            saved += full
+    # Backward temporaries of one layer: gradients of the FFN hidden and of the stream, plus the
+    # Engram lookup's all-to-all buffers.
+    backward = 2 * a * args.ffn_dim // tp + 2 * a * args.dim // stream_div + engram_transient
+    # Cross-entropy in fp32: log-softmax output saved, its gradient, the gradient of the fp32
+    # logits (12 bytes/logit) dominate; the compute-dtype logits (a) and the fp32 upcast (4)
+    # exist together with the saved log-softmax in forward (a + 8).
+    loss = max(12, a + 8) * args.vocab_size // tp if last else 0
+    return ActivationEstimate(
+        tokens=tokens,
+        saved_bytes=saved * tokens,
+        recompute_bytes=(recompute + backward) * tokens,
+        loss_bytes=loss * tokens,
+        per_layer_full_bytes=layer * tokens,
+        per_engram_layer_extra_bytes=engram_saved * tokens,
+    )
+
+
+def rank_activations(
+    cfg: JobConfig,
+    args: ModelArgs,
+    compute_dtype: str,
+    tp: int,
+    sp: bool,
+    plan: StagePlan | None,
+    stage_ids: list[int],
+    pp_rank: int,
+    n_micro: int = 1,
+) -> tuple[RankActivations, list[ActivationEstimate]]:
+    """This rank's activations at its peak and every stage's one-micro-batch estimate. Without
+    PP one micro-batch (the local batch) is in flight; with PP the micro-batch is local batch /
+    pipeline.microbatches and in_flight walks the schedule's own order."""
+    if plan is None:
+        act = activation_estimate(cfg, args, compute_dtype, tp, sp)
+        ra = RankActivations(
+            act.tokens, act.saved_bytes, {0: 1}, act.recompute_bytes, act.loss_bytes
+        )
+        return ra, [act]
+    p, pp = cfg.pipeline, max(plan.ranks) + 1
+    tokens = cfg.training.local_batch_size // n_micro * cfg.training.seq_len
+    last = plan.num_stages - 1
+    per_stage = [
+        activation_estimate(cfg, args, compute_dtype, tp, sp, layers, s == 0, s == last, tokens)
+        for s, layers in enumerate(plan.layers)
+    ]
+    peak = in_flight(
+        p.schedule,
+        pp,
+        p.virtual_stages,
+        n_micro,
+        pp_rank,
+        {s: per_stage[s].saved_bytes for s in stage_ids},
+    )
+    ra = RankActivations(
+        microbatch_tokens=tokens,
+        saved_bytes=peak.peak_bytes,
+        in_flight=peak.micro_batches,
+        recompute_bytes=max(per_stage[s].recompute_bytes for s in stage_ids),
+        loss_bytes=sum(per_stage[s].loss_bytes for s in stage_ids),
+    )
+    return ra, per_stage
+
+
+def float8_cast_bytes(model: nn.Module, tokens: int, tp: int = 1) -> tuple[int, str]:
+    """(bytes, linear) of the largest float8 working set of one converted linear, which exists
+    only while that linear runs: torchao keeps the weight in high precision (FSDP shards and
+    gathers it as usual, so no persistent byte changes) and, per matmul, casts the gathered
+    weight to float8 (1 B/element, once in forward and once in backward with the other scaling
+    axis) and the input / output gradient (1 B/element each, the gradient twice in backward).
+    Rowwise and tensorwise alike; scales are negligible."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    best, name = 0, ""
+    for fqn, m in model.named_modules():
+        if isinstance(m, Float8Linear):
+            weight = 2 * m.in_features * m.out_features // tp  # the weight is TP-sharded
+            # Under TP one of in / out is split, depending on the plan: not divided (upper bound).
+            acts = tokens * (m.in_features + 2 * m.out_features)
+            if weight + acts > best:
+                best, name = weight + acts, clean_fqn(fqn)
+    return best, name

@@ -1,0 +1,132 @@
+"""The planner's command line (scripts/estimate_memory.py runs main): flags, the config, and
+the estimate or the layout comparison printed as markdown or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from engram.config import ConfigError, load_config
+from planner.compare import Row, compare
+from planner.estimate import estimate
+from planner.report import compare_markdown, to_markdown
+from planner.results import MemoryEstimate
+from planner.step_model import MACHINES
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(
+        description="Fake-backend dry run: per-rank memory of a config at its real world size. "
+        "Other arguments (--job.config_file PATH, --section.key=value) go to the job config."
+    )
+    p.add_argument("--world_size", type=int, required=True, help="processes (NNODES x NGPU)")
+    p.add_argument(
+        "--ranks", default="", help="comma-separated ranks, or 'all' (default: 0,1,W/2,W-1)"
+    )
+    p.add_argument(
+        "--device_memory_gib",
+        type=float,
+        default=None,
+        help="device memory; default 64 for job.device npu, 80 for cuda, else 64",
+    )
+    p.add_argument("--fragmentation", type=float, default=0.10, help="allocator overhead fraction")
+    p.add_argument(
+        "--reserve_gib", type=float, default=3.0, help="runtime context + HCCL/NCCL buffers"
+    )
+    p.add_argument(
+        "--sync_every_micro_batch",
+        action="store_true",
+        help="model reduce-scatter after every micro-batch instead of the recipe's no-sync "
+        "gradient accumulation",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="print candidate layouts side by side (planner/compare.py) instead",
+    )
+    p.add_argument(
+        "--layouts",
+        default="",
+        help="with --compare: comma-separated layouts, e.g. FSDP64,HSDP8x8,PP2xTP4xFSDP8 "
+        "(default: the usual candidates for the world size)",
+    )
+    p.add_argument(
+        "--node_size", type=int, default=8, help="with --compare: devices per node (TP <= this)"
+    )
+    p.add_argument(
+        "--local_batch_sizes",
+        default="",
+        help="with --compare: micro-batch sizes (sequences) to try for layouts without PP, e.g. "
+        "1,2,4 (default: the config's training.local_batch_size)",
+    )
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=0.15,
+        help="with --compare: the pick needs this fraction of device memory free",
+    )
+    for flag, what in (
+        ("peak_tflops", "dense bf16 TFLOPS per device"),
+        ("mfu", "model FLOPs utilisation"),
+        ("inter_node_gbs", "GB/s per device between nodes"),
+        ("intra_node_gbs", "GB/s per device inside a node"),
+    ):
+        p.add_argument(
+            f"--{flag}", type=float, default=None, help=f"with --compare: {what} (step model)"
+        )
+    return p.parse_known_args(argv)
+
+
+def _parse_ranks(text: str, world_size: int) -> list[int] | None:
+    if not text:
+        return None
+    if text == "all":
+        return list(range(world_size))
+    try:
+        return [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise ConfigError(
+            f"--ranks must be comma-separated integers or 'all', got {text!r}"
+        ) from None
+
+
+def main(argv: list[str] | None = None) -> MemoryEstimate | list[Row]:
+    opts, rest = parse_args(list(sys.argv[1:] if argv is None else argv))
+    cfg = load_config(rest)
+    if opts.compare:
+        machine = MACHINES.get(cfg.job.device, MACHINES["cuda"])
+        machine = dataclasses.replace(
+            machine,
+            **{
+                k: getattr(opts, k)
+                for k in ("peak_tflops", "mfu", "inter_node_gbs", "intra_node_gbs")
+                if getattr(opts, k) is not None
+            },
+        )
+        rows = compare(
+            cfg,
+            opts.world_size,
+            [name for name in opts.layouts.split(",") if name] or None,
+            opts.node_size,
+            machine,
+            [int(n) for n in opts.local_batch_sizes.split(",") if n] or None,
+            device_memory_gib=opts.device_memory_gib,
+            fragmentation=opts.fragmentation,
+            reserve_gib=opts.reserve_gib,
+        )
+        print(compare_markdown(cfg, opts.world_size, rows, opts.node_size, machine, opts.margin))
+        return rows
+    est = estimate(
+        cfg,
+        opts.world_size,
+        _parse_ranks(opts.ranks, opts.world_size),
+        opts.device_memory_gib,
+        opts.fragmentation,
+        opts.reserve_gib,
+        opts.sync_every_micro_batch,
+    )
+    print(json.dumps(est.to_dict(), indent=2) if opts.json else to_markdown(est))
+    return est

@@ -1,0 +1,259 @@
+"""The estimate of one config at one world size, in steps: check the request, build and measure
+each requested rank under a fake process group (one more per pipeline coordinate for the
+all-ranks summary), then settle each rank's peak and the replicated-table baseline."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from engram.config import ConfigError, JobConfig
+from engram.hashing import engram_table_rows
+from engram.models.builder import build_model
+from parallelisms.float8 import check_float8_device
+from parallelisms.parallel_dims import ParallelDims, parallel_dims_from_config
+from parallelisms.pipeline import check_schedule
+from planner.activations import float8_cast_bytes, rank_activations
+from planner.comm import comm_per_step
+from planner.fsdp_buffers import fsdp_buffers
+from planner.measure import (
+    build_rank_parts,
+    measure_rank,
+    recipe_defers_grad_sync,
+    sequence_parallel,
+    tokenizer_vocab_size,
+)
+from planner.placement import all_ranks_summary, stage_ranks_summary
+from planner.results import (
+    GIB,
+    ActivationEstimate,
+    FsdpBuffers,
+    MemoryEstimate,
+    RankActivations,
+    RankMemory,
+)
+from planner.tables import replicated_tables
+
+DEVICE_MEMORY_GIB = {"npu": 64.0, "cuda": 80.0}  # Atlas 800T A2 (910B) / A100-H100 80 GB
+
+
+def default_ranks(world_size: int) -> list[int]:
+    return sorted({0, min(1, world_size - 1), world_size // 2, world_size - 1})
+
+
+def _phases(
+    f: FsdpBuffers, act: RankActivations, opt_temp: int, float8_bytes: int = 0
+) -> dict[str, int]:
+    """Transient bytes at the moments that can set the peak (each a sum of coexisting items)."""
+    acc = f.no_sync_accum_bytes
+    return {
+        "forward end (loss)": f.root_gather_bytes + act.saved_bytes + act.loss_bytes + acc,
+        "decoder-layer backward": (
+            f.root_gather_bytes
+            + f.root_grad_bytes
+            + f.layer_gather_bytes
+            + act.saved_bytes
+            + act.recompute_bytes
+            + f.layer_reduce_bytes
+            + float8_bytes
+            + acc
+        ),  # fmt: skip
+        "backward end (root reduce)": (
+            f.root_gather_bytes + f.root_grad_bytes + f.root_reduce_bytes + acc
+        ),
+        "optimizer step": opt_temp,
+    }
+
+
+def _checked_ranks(world_size: int, ranks: list[int] | None) -> list[int]:
+    """The ranks to report (default_ranks when None), each inside 0..world_size-1."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "estimate() plays every rank under its own fake process group: call it in a process "
+            "without an initialised process group"
+        )
+    if world_size < 1:
+        raise ConfigError(f"--world_size must be >= 1, got {world_size}")
+    ranks = default_ranks(world_size) if ranks is None else sorted(set(ranks))
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad:
+        raise ConfigError(f"ranks {bad} are outside 0..{world_size - 1} (--ranks)")
+    return ranks
+
+
+def _planning_config(cfg: JobConfig) -> JobConfig:
+    """The config as the fake CPU mesh can build it: float8 emulated (same per-rank bytes:
+    Float8Linear keeps high-precision weights); npu float8 refused exactly as in training."""
+    if not cfg.float8.enable:
+        return cfg
+    # The recipe's "float8 without compile is slow" warning would repeat once per rank here.
+    logging.getLogger("parallelisms.float8").setLevel(logging.ERROR)
+    if cfg.job.device == "npu":
+        check_float8_device(cfg.float8, "npu")
+    return dataclasses.replace(cfg, float8=dataclasses.replace(cfg.float8, emulate=True))
+
+
+def _measure_rank(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    rank: int,
+    parts_of_rank: tuple,
+    whole: nn.Module,
+    n_micro: int,
+    no_sync: bool,
+) -> tuple[RankMemory, list[ActivationEstimate]]:
+    """Every number of one built rank but its peak: exact bytes, FSDP buffers, activations,
+    float8 casts and communication."""
+    plan, stage_ids, parts, table_params = parts_of_rank
+    mem = measure_rank(
+        parts,
+        table_params,
+        rank,
+        cfg.parallelism.cpu_offload,
+        cfg.optimizer.table_optimizer,
+        async_checkpoint=cfg.checkpoint.enable and cfg.checkpoint.async_mode == "async",
+    )
+    mem.stages = stage_ids
+    mem.stage_layers = (
+        {s: plan.layers[s] for s in stage_ids} if plan else {0: list(range(whole.args.n_layers))}
+    )
+    mem.fsdp = fsdp_buffers(cfg, dims, parts, table_params, no_sync)
+    mem.activations, acts = rank_activations(
+        cfg,
+        whole.args,
+        mem.fsdp.compute_dtype,
+        dims.tp,
+        sequence_parallel(cfg),
+        plan,
+        stage_ids,
+        dims.mesh("pp").get_local_rank(),
+        n_micro,
+    )
+    if cfg.float8.enable:
+        mem.float8_cast_bytes, mem.float8_largest_linear = max(
+            float8_cast_bytes(part, mem.activations.microbatch_tokens, dims.tp) for part in parts
+        )
+    mem.comm = comm_per_step(cfg, dims, parts, table_params, mem, plan)
+    return mem, acts
+
+
+def _settle_peak(mem: RankMemory, fragmentation: float, reserve: int, device_bytes: int) -> None:
+    """The rank's peak: persistent + the largest phase, plus fragmentation and the reserve."""
+    mem.phases = _phases(
+        mem.fsdp, mem.activations, mem.optimizer_step_temp_bytes, mem.float8_cast_bytes
+    )
+    mem.peak_phase = max(mem.phases, key=mem.phases.__getitem__)
+    mem.transient_bytes = mem.phases[mem.peak_phase]
+    mem.fragmentation_bytes = int(fragmentation * (mem.persistent_bytes + mem.transient_bytes))
+    mem.reserve_bytes = reserve
+    mem.peak_bytes = mem.persistent_bytes + mem.transient_bytes + mem.fragmentation_bytes + reserve
+    mem.headroom_bytes = device_bytes - mem.peak_bytes
+
+
+def estimate(
+    cfg: JobConfig,
+    world_size: int,
+    ranks: list[int] | None = None,
+    device_memory_gib: float | None = None,
+    fragmentation: float = 0.10,
+    reserve_gib: float = 3.0,
+    sync_every_micro_batch: bool = False,
+) -> MemoryEstimate:
+    """Build the config's model for each rank in `ranks` under a fake process group of
+    `world_size` and return exact per-rank bytes plus the labelled estimates.
+
+    `sync_every_micro_batch` models a recipe that reduce-scatters after every micro-batch
+    instead of recipes/train.py's no-sync gradient accumulation."""
+    ranks = _checked_ranks(world_size, ranks)
+    if device_memory_gib is None:
+        device_memory_gib = DEVICE_MEMORY_GIB.get(cfg.job.device, 64.0)
+    cfg = _planning_config(cfg)
+    dims = parallel_dims_from_config(cfg, world_size)  # validates the degrees up front
+    # Unsharded gradients kept across micro-batches: the recipe's no-sync DDP accumulation, or
+    # a pipeline stage (torch's stage turns gradient sync off for all but the last micro-batch).
+    n_micro = (
+        check_schedule(cfg.pipeline, dims.pp, cfg.training.local_batch_size)
+        if dims.pp_enabled
+        else 1
+    )
+    pp_micro = n_micro > 1
+    no_sync = (recipe_defers_grad_sync(cfg, dims) and not sync_every_micro_batch) or pp_micro
+    table_rows = engram_table_rows(cfg.engram)
+    vocab_size = tokenizer_vocab_size(cfg)
+    whole = build_model(
+        cfg.model, cfg.engram, vocab_size, table_rows, "meta", max_seq_len=cfg.training.seq_len
+    )
+    n_global = sum(p.numel() for p in whole.parameters())
+    n_tables = sum(b.table.weight.numel() for b in whole.engram_blocks().values())
+    # One built rank per pipeline coordinate gives every rank's numbers (all_ranks_summary).
+    per_stage = world_size // dims.pp
+    representatives = {c * per_stage for c in range(dims.pp)}
+
+    results: list[RankMemory] = []
+    summaries, stage_acts = [], []
+    for rank in sorted(set(ranks) | representatives):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            dims = parallel_dims_from_config(cfg, world_size)
+            dims.build_mesh("cpu")
+            parts_of_rank = build_rank_parts(cfg, dims, vocab_size, table_rows)
+            _, _, parts, table_params = parts_of_rank
+            if rank in representatives:
+                summaries.append(stage_ranks_summary(parts, table_params, dims))
+            if rank in ranks:
+                mem, acts = _measure_rank(cfg, dims, rank, parts_of_rank, whole, n_micro, no_sync)
+                stage_acts = stage_acts or acts
+                results.append(mem)
+        finally:
+            dist.destroy_process_group()
+    all_ranks = all_ranks_summary(summaries, dims)
+
+    device_bytes = int(device_memory_gib * GIB)
+    reserve = int(reserve_gib * GIB)
+    for mem in results:
+        _settle_peak(mem, fragmentation, reserve, device_bytes)
+    baseline = replicated_tables(
+        results, table_rows, n_tables, world_size // dims.pp, fragmentation
+    )
+    return MemoryEstimate(
+        config_file=cfg.job.config_file,
+        model=f"{cfg.model.name}/{cfg.model.flavor}",
+        world_size=world_size,
+        parallel_dims=repr(dims),
+        seq_len=cfg.training.seq_len,
+        local_batch_size=cfg.training.local_batch_size,
+        grad_accum_steps=cfg.training.grad_accum_steps,
+        activation_checkpoint=cfg.activation_checkpoint.mode,
+        training_mode=cfg.training.mode,
+        global_params=n_global,
+        global_dense_params=n_global - n_tables,
+        model_dim=whole.args.dim,
+        n_layers=whole.args.n_layers,
+        vocab_size=whole.args.vocab_size,
+        tied_embeddings=whole.args.tie_embeddings,
+        global_table_params=n_tables,
+        table_rows_global=dict(table_rows),
+        device_memory_bytes=device_bytes,
+        recipe_defers_grad_sync=recipe_defers_grad_sync(cfg, dims),
+        no_sync_accumulation=no_sync,
+        fragmentation=fragmentation,
+        reserve_bytes=reserve,
+        stage_activations=stage_acts,
+        tp=dims.tp,
+        sequence_parallel=sequence_parallel(cfg),
+        pp=dims.pp,
+        pipeline=(
+            f"{cfg.pipeline.schedule}, {n_micro} micro-batches, "
+            f"{cfg.pipeline.virtual_stages} stage(s) per rank"
+            if dims.pp_enabled
+            else "off"
+        ),
+        float8=cfg.float8.recipe if cfg.float8.enable else "off",
+        ranks=results,
+        all_ranks=all_ranks,
+        replicated_tables=baseline,
+    )

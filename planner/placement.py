@@ -1,0 +1,98 @@
+"""Every rank's numbers from one built rank per pipeline stage: DTensor's own placement math
+(what to_local() shapes come from), evaluated at the other ranks' mesh coordinates."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from parallelisms.parallel_dims import ParallelDims
+from planner.measure import is_in, table_layers
+from planner.results import AllRanks
+
+# Flattened mesh views of parallelisms/parallel_dims.py and the world dims they span.
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "engram": ("dp_replicate", "dp_shard", "tp")}
+
+
+def _local_shapes_by_rank(p: DTensor, world_mesh) -> dict[int, tuple[int, ...]]:
+    """Global rank -> local shape of `p` on that rank, for every rank of the world: p's mesh is
+    one rank's slice of the world mesh (e.g. its tp or dp_shard group); every other rank holds
+    the shape of its own coordinate along the same named dims."""
+    mesh = p.device_mesh
+    shapes = _local_shapes(tuple(p.shape), tuple(mesh.shape), tuple(p.placements))
+    wshape, wnames = tuple(world_mesh.mesh.shape), world_mesh.mesh_dim_names
+    out = {}
+    for idx in itertools.product(*(range(n) for n in wshape)):
+        flat = 0  # row-major index of this rank's coordinate in p's mesh
+        for name, size in zip(mesh.mesh_dim_names, mesh.shape, strict=True):
+            coord = 0
+            for part in FLATTENED.get(name, (name,)):
+                i = wnames.index(part)
+                coord = coord * wshape[i] + idx[i]
+            flat = flat * size + coord
+        out[int(world_mesh.mesh[idx])] = shapes[flat]
+    return out
+
+
+@functools.cache
+def _local_shapes(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple
+) -> list[tuple[int, ...]]:
+    coords = itertools.product(*(range(n) for n in mesh_shape))
+    return [
+        _compute_local_shape_and_global_offset(shape, mesh_shape, list(c), placements, True)[0]
+        for c in coords
+    ]
+
+
+def stage_ranks_summary(
+    parts: list[nn.Module], table_params: list[nn.Parameter], dims: ParallelDims
+) -> tuple[dict[int, int], dict[int, dict[int, int]]]:
+    """(rank -> dense parameters, layer -> {rank -> table rows}) for every rank that holds the
+    same pipeline stages as the current one, from its placements: those ranks differ only in
+    their dp / tp coordinates (without PP: every rank of the world)."""
+    world_mesh = dims.mesh()
+    pp_coord = dims.mesh("pp").get_local_rank()
+    same_stage = {int(r) for r in world_mesh.mesh[pp_coord].flatten()}
+    dense = dict.fromkeys(same_stage, 0)
+    for part in parts:
+        for p in part.parameters():
+            if is_in(p, table_params):
+                continue
+            if not isinstance(p, DTensor):  # no FSDP / TP: every rank of the stage holds it whole
+                dense = {r: n + p.numel() for r, n in dense.items()}
+                continue
+            for rank, shape in _local_shapes_by_rank(p, world_mesh).items():
+                if rank in same_stage:
+                    dense[rank] += math.prod(shape)
+    rows = {}
+    for layer, p in table_layers(parts, table_params):
+        if isinstance(p, DTensor):
+            by_rank = _local_shapes_by_rank(p, world_mesh)
+            rows[layer] = {r: by_rank[r][0] for r in same_stage}
+        else:
+            rows[layer] = dict.fromkeys(same_stage, p.shape[0])
+    return dense, rows
+
+
+def all_ranks_summary(
+    summaries: list[tuple[dict[int, int], dict[int, dict[int, int]]]], dims: ParallelDims
+) -> AllRanks:
+    """Merge the stage summaries (one built rank per pp coordinate) into every rank's numbers."""
+    world = dims.world_size
+    dense = [0] * world
+    rows: dict[int, list[int]] = {}
+    for stage_dense, stage_rows in summaries:
+        for r, n in stage_dense.items():
+            dense[r] += n
+        for layer, by_rank in stage_rows.items():
+            per_rank = rows.setdefault(layer, [0] * world)
+            for r, n in by_rank.items():
+                per_rank[r] += n
+    rows = dict(sorted(rows.items()))
+    return AllRanks(world, dims.dp_replicate, sum(dense), min(dense), max(dense), rows)
