@@ -21,7 +21,7 @@ from engram.models.lora import add_lora
 from engram.models.transformer import _unwrap
 from engram.optim import is_trainable
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("engram.lora")  # shown with the recipe's log (engram.metrics)
 
 __all__ = ["apply_lora", "hold_frozen_in"]
 

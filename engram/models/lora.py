@@ -45,9 +45,8 @@ class LoRAMixin:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = super().forward(x)  # type: ignore[misc]
-        a = self.lora_A.to(x.dtype) if self.lora_A.dtype != x.dtype else self.lora_A
-        b = self.lora_B.to(x.dtype) if self.lora_B.dtype != x.dtype else self.lora_B
-        return base + F.linear(F.linear(self._dropped(x), a), b) * self.lora_scaling
+        adapter = F.linear(F.linear(self._dropped(x), self.lora_A), self.lora_B)
+        return base + adapter * self.lora_scaling
 
     def _dropped(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_dropout == 0:
