@@ -13,7 +13,7 @@ through a dispatch mode that sees each c10d op:
 Ids come from the real NgramHasher (Engram layer 1) over a Zipf-distributed token stream (a
 stand-in for natural text: a few tokens are very frequent), B x T tokens per rank per step.
 Memory per rank = tensor bytes of the table parameter + its dense gradient + Adam's two moments
-(fp32 everywhere, 16 B/param; Adam states measured by stepping LazyRowAdam when small enough).
+(fp32 everywhere, 16 B/param; Adam states measured by stepping LazyAdam when small enough).
 
     python benchmarks/bench_engram_tables.py                       # all configs, worlds 2 and 4
     python benchmarks/bench_engram_tables.py --configs debug --worlds 2
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engram.hashing import NgramHasher
-from engram.lazy_adam import LazyRowAdam
+from engram.lazy_adam import LazyAdam
 from parallelisms.engram_tables import local_row_range, sharded_embedding_lookup
 
 FP32 = 4
@@ -147,14 +147,14 @@ def _worker(rank, world, rows: int, d: int, mode, ids_by_step, adam) -> dict:
     grad_bytes = weight.grad.numel() * weight.grad.element_size()
     param_bytes = weight.numel() * weight.element_size()
     if adam:
-        opt = LazyRowAdam([weight], lr=1e-3)
+        opt = LazyAdam([weight], lr=1e-3)
         opt.step()
         state = opt.state[weight]
         adam_bytes = sum(
             state[k].numel() * state[k].element_size() for k in ("exp_avg", "exp_avg_sq")
         )
     else:
-        adam_bytes = 2 * param_bytes  # zeros_like(param) twice, as LazyRowAdam / Adam allocate
+        adam_bytes = 2 * param_bytes  # zeros_like(param) twice, as LazyAdam / Adam allocate
     return {
         "bytes": counter.bytes if counter else {},
         "lookups": ids0.numel(),

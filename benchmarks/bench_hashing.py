@@ -1,6 +1,6 @@
 """Throughput of Engram n-gram hashing: engram.hashing.NgramHasher vs engram-peft's NgramHashMapping.
 
-    python benchmarks/bench_hashing.py [--peft-python /work/epeft-venv/bin/python]
+    python benchmarks/bench_hashing.py [--peft-python $EPEFT_VENV/bin/python]
 
 Times both CPU kernels of NgramHasher (kernel="native": the C kernel that `pip install` builds
 and the default; kernel="python": the numpy/torch fallback) against engram-peft.

@@ -1,6 +1,6 @@
 """Training step time per Engram table optimizer, side by side with engram-peft 1.2.7.
 
-    python benchmarks/bench_table_step.py --epeft-python /work/epeft-venv/bin/python \
+    python benchmarks/bench_table_step.py --epeft-python $EPEFT_VENV/bin/python \
         [--steps 20 --warmup 5 --configs plain,full_engram,engram_only,lora_engram --worlds 1,2,4]
 
 lora_engram (issue 20): LoRA r 8, alpha 16 on all seven projections + Engram; engram-peft stacks
@@ -40,7 +40,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-TABLE_OPTIMIZERS = ("adam", "lazy_adam", "rowwise_adagrad")
+from engram.table_optimizers import TABLE_OPTIMIZERS  # noqa: E402
+
 VOCAB = 8192
 BATCH, SEQ = 8, 256
 MODES = {"engram_only": "engram_only", "lora_engram": "lora"}  # configuration -> training.mode
@@ -255,7 +256,9 @@ def _interleave(workers: list[Worker], warmup: int, steps: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--epeft-python", default="/work/epeft-venv/bin/python")
+    ap.add_argument(
+        "--epeft-python", required=True, help="python of a venv with engram-peft==1.2.7"
+    )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)

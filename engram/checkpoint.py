@@ -20,20 +20,24 @@ Model and optimizer state are DTensor-aware (FSDP2 shards, row-sharded Engram ta
 reload at another world size and layout. JSON states (`per_rank`: the data loader) are stored
 per rank; when every rank saved the same state (a global loader position) it loads at any
 world size, otherwise the world size must match. RNG states are restored only at the same world
-size. DCP itself pickles (.metadata, non-tensor values): load checkpoints from trusted sources
-only; share weights as safetensors (scripts/export_hf.py).
+size. Every saved item is a tensor (nothing pickled); `.metadata` is read with an unpickler
+restricted to DCP's metadata classes (dcp_load). The manifest's CRC-32 detects damage, not
+forgery: share weights as safetensors (scripts/export_hf.py).
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
 import time
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -46,6 +50,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -76,10 +84,110 @@ _HASH_CHUNK = 8 << 20
 # Flattened optimizer state ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") merges several
 # optimizers into one dict and survives a regrouping of parameters.
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_PARAM_GROUPS = "param_groups."
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used (or written); the message says why and how to fix it."""
+
+
+# ----------------------------------------------------------------------------- no pickles
+# A checkpoint holds tensors only (every scalar state is a 0-d tensor), so nothing in it needs
+# unpickling beyond DCP's own `.metadata`, which is read with an unpickler that builds only
+# DCP's metadata classes. Loading a crafted checkpoint therefore runs no code from it.
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+        "StorageMeta",
+        "MetadataIndex",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata`: DCP's metadata classes, torch dtypes / Size, paths only."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = name in _METADATA_CLASSES.get(module, ())
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(
+                f"{module}.{name} is not a DCP metadata class: refusing to unpickle it"
+            )
+        return super().find_class(module, name)
+
+
+class RestrictedFileSystemReader(FileSystemReader):
+    """DCP's FileSystemReader, reading `.metadata` with the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except (pickle.UnpicklingError, AttributeError, EOFError, TypeError) as e:
+                raise CheckpointError(f"{path} is not a DCP metadata file: {e}") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} is not a DCP metadata file ({type(metadata)})")
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
+    """Reads a non-tensor item (older checkpoints stored the schedule's step as a Python int)
+    with torch's weights-only unpickler: plain values load, anything else is refused."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(
+                f"checkpoint item {read_item.dest_index.fqn!r} is a pickled object this "
+                f"checkpointer never writes: refusing to load it ({e})"
+            ) from None
+        # Re-serialised from the weights-only result: DCP's own reader sees plain values only.
+        safe = io.BytesIO()
+        torch.save(obj, safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
+
+
+class TensorsOnlySavePlanner(DefaultSavePlanner):
+    """Refuses to save a non-tensor value (DCP would pickle it)."""
+
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        pickled = sorted(k for k, v in self.state_dict.items() if not isinstance(v, torch.Tensor))
+        if pickled:
+            raise CheckpointError(
+                f"checkpoint items {pickled[:5]} are not tensors (DCP would pickle them): store "
+                "scalars as 0-d tensors"
+            )
+
+
+def dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
+    """dcp.load of checkpoint folder `path` without running pickled code from it."""
+    dcp.load(
+        state,
+        storage_reader=RestrictedFileSystemReader(path),
+        planner=TensorsOnlyLoadPlanner(),
+        no_dist=no_dist,
+    )
 
 
 # ----------------------------------------------------------------------------- stateful wrappers
@@ -144,14 +252,23 @@ class OptimizerState(Stateful):
         else:
             self.pairs = [(part, list(opts)) for part, opts in zip(model, optimizers, strict=True)]
 
-    def state_dict(self) -> dict[str, Any]:
+    def _flat(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         for part, opts in self.pairs:
             merged.update(get_optimizer_state_dict(part, opts, options=_OPTIM_OPTIONS))
         return merged
 
+    def state_dict(self) -> dict[str, Any]:
+        """The per-parameter state (moments, step counts: tensors) only. The param groups'
+        hyperparameters (lr, betas, eps, weight_decay, ...) are not saved: they come from the
+        config, so a resume with a changed value uses it from its first step."""
+        return {k: v for k, v in self._flat().items() if not k.startswith(_PARAM_GROUPS)}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Each part reads its own parameters' keys from the merged, flattened dict.
+        # This run's hyperparameters complete the loaded state (torch needs both); each part
+        # reads its own parameters' keys from the merged, flattened dict.
+        current = {k: v for k, v in self._flat().items() if k.startswith(_PARAM_GROUPS)}
+        state_dict = {**state_dict, **current}
         for part, opts in self.pairs:
             set_optimizer_state_dict(part, opts, state_dict, options=_OPTIM_OPTIONS)
 
@@ -293,6 +410,10 @@ def _is_no_space(exc: BaseException) -> bool:
     return "No space left" in text or "Disk quota exceeded" in text
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     """{"a": {"b": 1}} -> {"a.b": 1}, so a mismatch names the exact nested key."""
     if isinstance(obj, dict) and obj:
@@ -409,6 +530,74 @@ def verify_checkpoint(path: Path, checksums: bool = True, collective: bool = Tru
     return problems
 
 
+# ----------------------------------------------------------------------------- one step folder
+
+
+def step_folders(folder: Path) -> list[int]:
+    """Steps of every `step-<N>` folder in checkpoint folder `folder` (intact or not), ascending."""
+    if not folder.is_dir():
+        return []
+    return sorted(
+        int(m.group(1)) for p in folder.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()
+    )
+
+
+def find_checkpoint(folder: Path, step: int = -1, on_damaged: str = "error") -> Path:
+    """The checkpoint to read in one process (generation, export; read-only): `step`, or (-1)
+    the newest, verified against its manifest (checksums) as a training resume verifies it.
+    A damaged newest one is an error unless `on_damaged = "previous"` (then the newest intact);
+    every error names the folder's steps and the damaged ones."""
+    steps = step_folders(folder)
+    if not steps:
+        raise CheckpointError(f"no checkpoint in {folder} (no step-<N> folder)")
+    if step >= 0 and step not in steps:
+        raise CheckpointError(f"{folder} has no step-{step}; its checkpoints: steps {steps}")
+    damaged: list[str] = []
+    for candidate in [step] if step >= 0 else steps[::-1]:
+        path = folder / f"step-{candidate}"
+        problems = verify_checkpoint(path, collective=False)
+        if not problems:
+            if damaged:
+                logger.error("DAMAGED CHECKPOINTS SKIPPED:\n  %s", "\n  ".join(damaged))
+            return path
+        damaged.append("\n    ".join(problems))
+        if on_damaged != "previous":
+            break
+    raise CheckpointError(
+        "refusing to read a damaged or incomplete checkpoint:\n  "
+        + "\n  ".join(damaged)
+        + f"\n{folder} holds steps {steps}. Fix: restore the files, or choose another step"
+        + ("" if step >= 0 else ' (or checkpoint.on_damaged = "previous": the newest intact)')
+    )
+
+
+def load_model_checkpoint(
+    model: nn.Module,
+    path: Path,
+    fingerprint: dict[str, Any],
+    keep: Callable[[str], bool] | None = None,
+) -> None:
+    """Load the model state of checkpoint folder `path` (from find_checkpoint) into an unsharded
+    `model`, in one process (no collectives; DCP reshards any saved layout). `fingerprint` is
+    this job's config_fingerprint; any difference is refused, as on a training resume.
+    `keep` (engram.optim.saved_params): a trainable-only checkpoint holds only those entries; the
+    rest keeps what `model` holds (engram.hf_load.load_frozen_backbone, read first)."""
+    try:
+        saved = json.loads((path / _FINGERPRINT).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: {_FINGERPRINT} cannot be read: {e}") from None
+    diffs = fingerprint_mismatches(saved, fingerprint)
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {path} was written by a different configuration:\n  "
+            + "\n  ".join(diffs)
+            + "\nFix: pass the config file (and overrides) the run was trained with"
+        )
+    with warnings.catch_warnings():  # one process on purpose: DCP's warning says just that
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_load({"model": ModelState(model, keep=keep)}, path, no_dist=True)
+
+
 # ----------------------------------------------------------------------------- manager
 
 
@@ -429,8 +618,12 @@ class CheckpointManager:
         fingerprint: dict[str, Any],
         per_rank: Iterable[str] = ("dataloader",),
         save_rng: bool = True,
+        data_meta: dict[str, int] | None = None,
     ):
         self.cfg = cfg
+        # How the run consumes data ({"global_batch_samples": ..., "seq_len": ...}): stored in
+        # meta.json; a resume that changes it is warned about (_warn_data_changed).
+        self.data_meta = dict(data_meta or {})
         self.folder = Path(run_folder) / cfg.folder
         self.fingerprint = fingerprint
         self.per_rank = [k for k in per_rank if k in states]
@@ -462,14 +655,7 @@ class CheckpointManager:
         return self.folder / f"step-{step}"
 
     def _step_folders(self) -> list[int]:
-        """Steps of every `step-<N>` folder (intact or not), ascending."""
-        if not self.folder.is_dir():
-            return []
-        return sorted(
-            int(m.group(1))
-            for p in self.folder.iterdir()
-            if (m := _STEP_RE.match(p.name)) and p.is_dir()
-        )
+        return step_folders(self.folder)
 
     def complete_steps(self) -> list[int]:
         """Steps with a committed checkpoint (manifest present, files present with the listed
@@ -497,10 +683,22 @@ class CheckpointManager:
     def should_save(self, step: int, last_step: bool = False) -> bool:
         return self.cfg.enable and step > 0 and (last_step or step % self.cfg.interval == 0)
 
-    def maybe_save(self, step: int, last_step: bool = False) -> bool:
+    def maybe_save(self, step: int, last_step: bool = False, finite: bool = True) -> bool:
         """Save at every `interval` steps and at the last step; True if a checkpoint was written
-        (or, with checkpoint.async_mode = "async", started; the last step's save is synchronous)."""
+        (or, with checkpoint.async_mode = "async", started; the last step's save is synchronous).
+
+        `finite=False` (the step's update was skipped as non-finite): no save, so a save never
+        prunes an older checkpoint because of such a step, and every checkpoint is one of a
+        finite step (what the error messages call the last good checkpoint)."""
         if not self.should_save(step, last_step):
+            return False
+        if not finite:
+            if self.rank == 0:
+                logger.warning(
+                    "step %d was skipped as non-finite: not saving a checkpoint at it (the older "
+                    "checkpoints are kept)",
+                    step,
+                )
             return False
         self.save(step, blocking=last_step or self.cfg.async_mode != "async")
         return True
@@ -590,14 +788,17 @@ class CheckpointManager:
         _raise_if_any(error)
         future = None
         if blocking:
-            dcp.save(self._dcp_state(), checkpoint_id=str(tmp))
+            dcp.save(self._dcp_state(), checkpoint_id=str(tmp), planner=TensorsOnlySavePlanner())
         else:
             if self._async_group is None and dist.is_initialized():
                 # Its own gloo group: the background thread's collectives must not interleave
                 # with the training loop's on the default group.
                 self._async_group = dist.new_group(backend="gloo")
             response = dcp.async_save(
-                self._dcp_state(), checkpoint_id=str(tmp), process_group=self._async_group
+                self._dcp_state(),
+                checkpoint_id=str(tmp),
+                process_group=self._async_group,
+                planner=TensorsOnlySavePlanner(),
             )
             future = getattr(response, "upload_completion", response)
         error = None
@@ -629,8 +830,36 @@ class CheckpointManager:
                 error = self._describe_save_error(step, tmp, e)
         _raise_if_any(error)
 
+    def _space_left(self) -> tuple[int | None, int | None]:
+        """(bytes free on the checkpoint folder's filesystem, bytes the newest committed
+        checkpoint takes: about what a save needs); None where unknown."""
+        where = self.folder if self.folder.is_dir() else self.folder.parent
+        try:
+            free: int | None = shutil.disk_usage(where).free
+        except OSError:
+            free = None
+        need = None
+        for step in reversed(self._step_folders()):
+            try:
+                need = sum(f["size"] for f in read_manifest(self.step_dir(step))["files"].values())
+                break
+            except (CheckpointError, KeyError, TypeError):
+                continue
+        return free, need
+
     def _describe_save_error(self, step: int, tmp: Path, e: BaseException) -> str:
-        what = "no space left on the device" if _is_no_space(e) else f"{type(e).__name__}: {e}"
+        # A full disk often surfaces as another error (torch's zip writer: "file write
+        # failed"): the free space decides, not only the exception's errno.
+        free, need = self._space_left()
+        full = free is not None and free < (need if need is not None else 1 << 20)
+        if _is_no_space(e) or full:
+            sizes = f"{_mib(free)} free" if free is not None else "free space unknown"
+            if need is not None:
+                sizes += f", the previous checkpoint took {_mib(need)}"
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            what = f"no space left on the device ({sizes}; {type(e).__name__}: {first})"
+        else:
+            what = f"{type(e).__name__}: {e}"
         return (
             f"saving checkpoint step-{step} into {tmp} failed: {what}. Previous checkpoints "
             f"in {self.folder} are untouched. Free space (or lower checkpoint.keep_latest_k), "
@@ -655,6 +884,7 @@ class CheckpointManager:
             "states": sorted(self.states),
             "torch_version": torch.__version__,
             "time": time.time(),
+            "data": self.data_meta,
         }
         _write_json(tmp / _FINGERPRINT, self.fingerprint)
         _write_json(tmp / _META, meta)
@@ -704,8 +934,31 @@ class CheckpointManager:
         if k <= 0:
             return
         for step in self.complete_steps()[:-k]:
-            shutil.rmtree(self.step_dir(step))
+            self._remove_checkpoint(self.step_dir(step))
             logger.info("pruned checkpoint %s (keep_latest_k=%d)", self.step_dir(step), k)
+
+    def _remove_checkpoint(self, path: Path) -> None:
+        """Delete the files the manifest of `path` lists, then the manifest. Anything else
+        (a file someone put there) is kept: the folder is renamed `step-<N>.pruned` so it no
+        longer looks like a checkpoint, with a warning naming what was kept."""
+        files = read_manifest(path)["files"]
+        for name in files:
+            (path / name).unlink(missing_ok=True)
+        (path / _MANIFEST).unlink()
+        kept = sorted(p.name for p in path.iterdir())
+        if not kept:
+            path.rmdir()
+            return
+        aside = path.with_name(f"{path.name}.pruned")
+        if aside.exists():
+            aside = path.with_name(f"{path.name}.pruned-{int(time.time())}")
+        os.rename(path, aside)
+        logger.warning(
+            "pruning %s: kept files the checkpointer did not write (%s) in %s",
+            path,
+            ", ".join(kept[:5]),
+            aside,
+        )
 
     # -- load
 
@@ -807,9 +1060,10 @@ class CheckpointManager:
                 "use another checkpoint.folder"
             )
         meta = self._check_compatible(path)
+        self._warn_data_changed(path, meta.get("data", {}))
         begin = time.perf_counter()
         try:
-            dcp.load(self._dcp_state(), checkpoint_id=str(path))
+            dcp_load(self._dcp_state(), path)
         except (Exception, CheckpointException) as e:  # name the checkpoint, not just DCP
             raise CheckpointError(
                 f"checkpoint {path} passed its manifest check but DCP could not load it into "
@@ -852,6 +1106,22 @@ class CheckpointManager:
                     f"per-rank position), so it cannot be resharded. Resume with {saved_world} "
                     "ranks, or use a loader whose state is global (the same on every rank)"
                 )
+
+    def _warn_data_changed(self, path: Path, saved: dict[str, Any]) -> None:
+        changed = {
+            k: (saved[k], v) for k, v in self.data_meta.items() if k in saved and saved[k] != v
+        }
+        if changed and self.rank == 0:
+            logger.warning(
+                "resuming %s with another data consumption per step: %s. The data continues "
+                "from the saved position, but every step from here takes the new amount, so "
+                "the steps do not see the samples the original run's steps would have, "
+                "tokens_seen counts the new size and the lr schedule (by step) spreads over a "
+                "different number of samples. Resume with the saved values to continue the "
+                "original data order",
+                path,
+                ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()),
+            )
 
     def _check_compatible(self, path: Path) -> dict[str, Any]:
         try:

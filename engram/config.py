@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
 import sys
@@ -16,6 +17,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from engram.table_optimizers import TABLE_OPTIMIZERS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -63,6 +66,12 @@ class Job:
             f"job.device must be auto, cpu, cuda or npu, got {self.device!r}",
         )
         _check(bool(self.run_name), "job.run_name must not be empty")
+        _check(
+            not Path(self.run_name).is_absolute() and ".." not in Path(self.run_name).parts,
+            f"job.run_name = {self.run_name!r} must stay inside job.dump_folder: a relative "
+            "name without '..' (e.g. 'exp1' or 'sweeps/exp1'); move the output root with "
+            "job.dump_folder",
+        )
 
 
 @dataclass
@@ -234,6 +243,7 @@ class DataSource:
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "data.sources entries need a path (a prepared token folder)")
+        _check_finite(self.weight, f"data.sources weight (source {self.path!r})")
         _check(self.weight > 0, f"data.sources weight must be > 0, got {self.weight}")
 
 
@@ -283,9 +293,6 @@ class Data:
     def token_sources(self) -> list[DataSource]:
         """The mixture of a tokens dataset: data.sources, or data.path with weight 1."""
         return list(self.sources) if self.sources else [DataSource(self.path, 1.0)]
-
-
-TABLE_OPTIMIZERS = ("adam", "lazy_adam", "rowwise_adagrad")
 
 
 @dataclass
@@ -352,10 +359,14 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = 10
+    """Linear warmup: step s <= W = warmup_steps runs at peak x s / (W + 1)."""
     decay_type: str = "cosine"
-    """cosine | linear | constant (after warmup)."""
+    """cosine | linear | constant after warmup. Step s > W (of T = training.steps) runs at
+    peak x (r + (1 - r) g(p)), r = min_lr_ratio, p = (s - W - 1) / (T - W - 1), g(p) =
+    (1 + cos(pi p)) / 2 (cosine), 1 - p (linear), 1 (constant): step W + 1 at the peak, step T
+    at r x peak (engram/optim.py lr_lambda)."""
     min_lr_ratio: float = 0.1
-    """Final lr as a fraction of the peak lr."""
+    """lr of the last step as a fraction of the peak lr (cosine / linear)."""
 
     def __post_init__(self) -> None:
         _check(self.warmup_steps >= 0, "lr_scheduler.warmup_steps must be >= 0")
@@ -389,9 +400,10 @@ class Parallelism:
     """FSDP2 compute dtype of parameters: float32 | bfloat16."""
     mixed_precision_reduce: str = "float32"
     """FSDP2 gradient reduction dtype: float32 | bfloat16."""
-    # --- tensor parallelism (issue 7); degrees are checked by parallelisms/parallel_dims.py
+    # --- tensor parallelism; degrees are checked by parallelisms/parallel_dims.py
     tp_sequence_parallel: bool = True
-    """Under TP, shard norms and the residual stream (and Engram blocks) along the sequence."""
+    """Under TP, shard norms and the residual stream along the sequence (Engram blocks run
+    sequence-sharded either way)."""
     tp_loss_parallel: bool = True
     """Under TP, keep logits vocabulary-sharded and compute the loss under loss_parallel()."""
 
@@ -412,7 +424,7 @@ class Parallelism:
         )
 
 
-# --- pipeline parallelism (issue 9); parallelisms/pipeline.py checks the split against the model
+# --- pipeline parallelism; parallelisms/pipeline.py checks the split against the model
 PIPELINE_SCHEDULES = (
     "GPipe",
     "1F1B",
@@ -801,11 +813,15 @@ def config_from_dict(raw: dict[str, dict[str, Any]]) -> JobConfig:
 
 def to_toml(cfg: JobConfig) -> str:
     """Serialise a JobConfig to TOML (round-trips through load_config)."""
+    return sections_to_toml(cfg.to_dict())
+
+
+def sections_to_toml(sections: dict[str, dict[str, Any]]) -> str:
+    """Sections of scalars / lists / inline tables (the JobConfig shape) as TOML."""
     lines = []
-    for section, values in cfg.to_dict().items():
+    for section, values in sections.items():
         lines.append(f"[{section}]")
-        for key, value in values.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
         lines.append("")
     return "\n".join(lines)
 
@@ -814,8 +830,8 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
+        return json.dumps(value)  # a JSON string literal is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):  # inline table (entries of a list of tables)
         return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"

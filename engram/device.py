@@ -135,13 +135,6 @@ def local_device(device_type: str, local_rank: int) -> torch.device:
     return device
 
 
-def bf16_supported(device_type: str) -> bool:
-    """Whether the device computes in bfloat16 (Atlas A2/A3 yes; older Ascend 910 and pre-Ampere
-    GPUs no)."""
-    mod = device_module(device_type)
-    return True if mod is None else bool(mod.is_bf16_supported())
-
-
 def _as_device(device: torch.device | str) -> torch.device:
     return device if isinstance(device, torch.device) else torch.device(device)
 

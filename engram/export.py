@@ -1,4 +1,4 @@
-"""Safetensors export: the safe way to share weights (DCP checkpoints are pickle-based).
+"""Safetensors export: the way to share weights (a safetensors file holds no code).
 
 (a) a Hugging Face folder: config.json, model.safetensors (the backbone in HF Llama/Qwen names),
     tokenizer.json, and engram.safetensors (the Engram weights, `engram.<our name>`, with the
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,37 @@ from torch import nn
 
 from engram.checkpoint import fingerprint_mismatches
 from engram.models.args import ModelArgs
+from engram.models.engram import is_engram_param
 from engram.models.hf_adapter import ENGRAM_PREFIX, to_hf_state_dict
 from engram.models.init import local_view
 from engram.models.lora import is_lora_param
+from engram.models.transformer import clean_fqn
+
+logger = logging.getLogger("engram")
 
 ENGRAM_FILE = "engram.safetensors"
+NOTE_FILE = "README.md"
+# Files of an HF model folder: what an export writes or another export / download left there.
+_MODEL_FILE_PATTERNS = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.bin",
+    "*.bin.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    NOTE_FILE,
+)
+BACKBONE_ONLY_NOTE = """# Engram model exported by engram-titan
+
+`model.safetensors` and `config.json` hold the **backbone only**; the Engram weights are in
+`engram.safetensors`, which plain `transformers` does not read. Opened with
+`AutoModelForCausalLM.from_pretrained` this folder runs the backbone **without Engram**: not the
+model that was trained (other outputs). Load the whole model with engram-titan:
+`model.hf_checkpoint = "<this folder>"` (engram/hf_load.py reads engram.safetensors too).
+"""
 ENGRAM_FORMAT = "engram-safetensors/1"
 _ARCH = {
     "llama3": ("LlamaForCausalLM", "llama"),
@@ -115,7 +142,43 @@ def export(
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, out / "tokenizer.json")
             written.append(out / "tokenizer.json")
+        if engram:
+            (out / NOTE_FILE).write_text(BACKBONE_ONLY_NOTE)
+            written.append(out / NOTE_FILE)
+            logger.warning(
+                "%s: plain transformers loads the backbone WITHOUT Engram (engram.safetensors is "
+                "not read by it): load it with model.hf_checkpoint (see %s there)",
+                out,
+                NOTE_FILE,
+            )
     return written
+
+
+def prepare_output_folder(out: str | Path, overwrite: bool) -> None:
+    """Refuse a non-empty export folder (a new export beside an old one's files mixes two
+    models) unless `overwrite`; then remove the model files an export writes or replaces (any
+    safetensors, index, config and tokenizer files) and keep, with a warning, anything else."""
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file, not a folder")
+    present = sorted(p.name for p in out.iterdir())
+    if not present:
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f"--out {out} is not empty ({', '.join(present[:6])}{', ...' if len(present) > 6 else ''}"
+            "): an export beside an earlier one's files mixes two models. Choose an empty or "
+            "new folder, or pass --overwrite to replace its model files"
+        )
+    replaced = sorted({p for pat in _MODEL_FILE_PATTERNS for p in out.glob(pat) if p.is_file()})
+    for p in replaced:
+        p.unlink()
+    kept = sorted(set(present) - {p.name for p in replaced})
+    logger.warning("--overwrite: removed %s from %s", [p.name for p in replaced], out)
+    if kept:
+        logger.warning("--overwrite: kept files an export does not write: %s", kept)
 
 
 def read_engram_header(file: str | Path) -> dict[str, Any]:
@@ -151,8 +214,8 @@ def load_engram_safetensors(
             )
     params = {}
     for raw, p in model.named_parameters():
-        name = raw.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        if ".engram." in f".{name}":
+        name = clean_fqn(raw)
+        if is_engram_param(name):
             params[name] = p
     with safe_open(str(file), framework="pt", device="cpu") as f:
         stored = {k[len(ENGRAM_PREFIX) :]: k for k in f.keys()}

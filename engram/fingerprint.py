@@ -22,10 +22,8 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def config_fingerprint(cfg: JobConfig, tokenizer: Any, hasher: Any | None) -> dict[str, Any]:
-    """The checkpoint fingerprint of this job (JSON-serialisable).
-
-    The first five keys keep the names of the earlier `model_fingerprint`, so checkpoints are
-    compared by generate.py the same way."""
+    """The checkpoint fingerprint of this job (JSON-serialisable): what training, generation
+    and export compare (engram/checkpoint.py)."""
     args = model_args_for(cfg.model, tokenizer.vocab_size)
     shape = {k: v for k, v in dataclasses.asdict(args).items() if k != "max_seq_len"}
     layers = sorted(hasher.layer_ids) if hasher is not None else []

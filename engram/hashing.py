@@ -34,6 +34,8 @@ from engram._hash_kernels import CpuNgramKernel, ExactModPlan, mod_with_offsets,
 if TYPE_CHECKING:
     import tokenizers
 
+    from engram.config import Engram as EngramConfig
+
 SENTINEL = "\ue000"
 LAYER_SEED_STRIDE = 10007
 _INT64_MAX = int(np.iinfo(np.int64).max)
@@ -137,7 +139,7 @@ def find_table_primes(
     return sizes
 
 
-def engram_table_rows(engram_cfg) -> dict[int, int]:
+def engram_table_rows(engram_cfg: EngramConfig) -> dict[int, int]:
     """Rows of each Engram layer's concatenated table (the sum of its head primes), from the
     config alone: no tokenizer needed. Equals NgramHasher.from_config(...).table_rows."""
     e = engram_cfg
@@ -293,14 +295,15 @@ class NgramHasher:
         ] = {}
 
     @classmethod
-    def from_config(cls, engram_cfg: Any, tokenizer_or_none: Any, vocab_size: int) -> NgramHasher:
-        """Build from an engram config (layer_ids, max_ngram, n_head_per_ngram,
-        vocab_size_per_ngram, seed, pad_id, compress_tokenizer). `tokenizer_or_none`: a
+    def from_config(
+        cls, engram_cfg: EngramConfig, tokenizer_or_none: Any, vocab_size: int
+    ) -> NgramHasher:
+        """Build from the [engram] config (its defaults are the defaults). `tokenizer_or_none`: a
         `tokenizers.Tokenizer`, or an object with `.hf` (and `.pad_id`) wrapping one; needed for
         compression and for pad_id < 0 (= the tokenizer's pad id)."""
         hf = getattr(tokenizer_or_none, "hf", tokenizer_or_none)
-        compress = bool(getattr(engram_cfg, "compress_tokenizer", True))
-        pad_id = int(getattr(engram_cfg, "pad_id", 2))
+        compress = engram_cfg.compress_tokenizer
+        pad_id = engram_cfg.pad_id
         if pad_id < 0:
             pad_id = _tokenizer_pad_id(tokenizer_or_none, hf)
         lookup = None
@@ -313,10 +316,10 @@ class NgramHasher:
             lookup, _ = build_compression_lookup(hf)
         return cls(
             layer_ids=list(engram_cfg.layer_ids),
-            max_ngram=int(getattr(engram_cfg, "max_ngram", 3)),
-            n_head_per_ngram=int(getattr(engram_cfg, "n_head_per_ngram", 8)),
+            max_ngram=engram_cfg.max_ngram,
+            n_head_per_ngram=engram_cfg.n_head_per_ngram,
             vocab_size_per_ngram=list(engram_cfg.vocab_size_per_ngram),
-            seed=int(getattr(engram_cfg, "seed", 0)),
+            seed=engram_cfg.seed,
             pad_id=pad_id,
             lookup=lookup,
             vocab_size=int(vocab_size),

@@ -25,7 +25,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from engram.config import JobConfig
+from engram.export import ENGRAM_FILE
 from engram.models.args import ModelArgs
+from engram.models.engram import is_engram_param
 from engram.models.hf_adapter import from_hf_state_dict
 from engram.models.hf_config import CONFIG_FILE, HFConfigError, args_from_hf_config, read_hf_config
 from engram.models.init import local_view
@@ -107,6 +110,16 @@ def load_hf_backbone(model: nn.Module, hf_dir: str | Path, model_args: ModelArgs
     )
 
 
+def load_frozen_backbone(model: nn.Module, cfg: JobConfig) -> bool:
+    """checkpoint.trainable_only: read the frozen backbone, which such a checkpoint does not hold,
+    from model.hf_checkpoint into `model` (call before reading the checkpoint). Returns whether
+    it read anything (without an HF folder the backbone is the job.seed init)."""
+    if not (cfg.checkpoint.trainable_only and cfg.model.hf_checkpoint):
+        return False
+    load_hf_backbone(model, cfg.model.hf_checkpoint, model.args)
+    return True
+
+
 # ----------------------------------------------------------------------------- folder
 
 
@@ -127,6 +140,18 @@ def _tensor_files(folder: Path) -> dict[str, str]:
             raise HFLoadError(
                 f"{index} names shard files that are not in {folder}: {absent}. The download is "
                 "incomplete: fetch the missing files"
+            )
+        listed = set(weight_map.values())
+        stray = sorted(
+            p.name
+            for p in folder.glob("*.safetensors")
+            if p.name not in listed and p.name != ENGRAM_FILE
+        )
+        if stray:
+            raise HFLoadError(
+                f"{folder} holds {stray} beside {INDEX_FILE}, which does not list them: files of "
+                "two models are mixed (an export into a used folder?). Remove the stray files or "
+                "the stale index and its shards (re-export with --overwrite)"
             )
         return {str(k): str(v) for k, v in weight_map.items()}
     files = sorted(p.name for p in folder.glob("*.safetensors"))
@@ -190,10 +215,6 @@ def _check_hf_config(folder: Path, args: ModelArgs) -> None:
 # ----------------------------------------------------------------------------- plan and checks
 
 
-def _is_engram(name: str) -> bool:
-    return ".engram." in f".{name}"
-
-
 def _parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Wrapper-free name -> parameter; a tied weight appears once (under tok_embeddings)."""
     params: dict[str, torch.Tensor] = {}
@@ -249,8 +270,8 @@ def _plan(
                     f"{hf_name} (in {file}): maps to {ours}, which this model does not have"
                 )
     # LoRA adapters have no HF counterpart: like Engram parameters they keep their init.
-    backbone = [n for n in params if not _is_engram(n) and not is_lora_param(n)]
-    engram = [n for n in params if _is_engram(n)]
+    backbone = [n for n in params if not is_engram_param(n) and not is_lora_param(n)]
+    engram = [n for n in params if is_engram_param(n)]
     missing = [n for n in backbone if n not in plan]
     engram_found = [n for n in engram if n in plan]
     if engram_found:  # a folder that carries Engram weights must carry all of them

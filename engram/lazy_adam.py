@@ -1,9 +1,10 @@
 """Row-sparse table optimizers: work per step is O(rows touched), never O(table).
 
-Both read the gradient the table lookup leaves on the parameter as (unique local row ids, summed
-fp32 row gradients) (engram/table_grad.py); constructing one marks its tables row-sparse, so their
-backward never allocates a dense gradient. A dense `.grad` (a table looked up some other way, or
-DCP's state initialisation) is accepted too: its touched rows are then the rows with a non-zero
+Both read the gradient a row-sparse table lookup leaves on the parameter as (unique local row ids,
+summed fp32 row gradients) (engram/table_grad.py; parallelize_model makes the lookups row-sparse
+when optimizer.table_optimizer is, engram/table_optimizers.py), so their backward never allocates
+a dense gradient. A dense `.grad` (a table looked up densely, or DCP's state initialisation) is
+accepted too: its touched rows are then the rows with a non-zero
 gradient, which costs O(table).
 
 - LazyAdam: torch.optim.SparseAdam's update on the touched rows (same operations in the same
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from engram.table_grad import clear_row_grad, coalesce_rows, mark_row_sparse, row_grad
+from engram.table_grad import clear_row_grad, coalesce_rows, row_grad
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -34,7 +35,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class RowSparseOptimizer(torch.optim.Optimizer):
-    """Base: marks its (2-D) tables row-sparse, collects their row gradients, clears them."""
+    """Base: checks its parameters are 2-D tables, collects their row gradients, clears them."""
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         lr, eps = defaults["lr"], defaults["eps"]
@@ -50,7 +51,6 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                         f"{type(self).__name__} updates rows of 2-D tables, got a {p.dim()}-D "
                         f"parameter of shape {tuple(p.shape)}: put it in a regular Adam/AdamW"
                     )
-                mark_row_sparse(p)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -195,8 +195,3 @@ class RowwiseAdagrad(RowSparseOptimizer):
                 std = new_acc.sqrt_().add_(eps)
                 self._add_rows(param, rows, (g / std.unsqueeze(1)).mul_(-lr))
         return loss
-
-
-# The pre-row-sparse name (dense-gradient lazy Adam); kept so existing imports keep working.
-LazyRowAdam = LazyAdam
-

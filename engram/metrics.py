@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engram.config import Metrics
+from engram.config import Metrics, sections_to_toml
 
 logger = logging.getLogger("engram")
 
@@ -68,28 +68,6 @@ def _to_float(key: str, value: Any) -> float:
         ) from None
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string literal is a valid TOML basic string
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):  # inline table, e.g. data.sources entries
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    return repr(value)
-
-
-def _to_toml(config: dict[str, Any]) -> str:
-    """Sections of scalars/lists (the JobConfig shape) as TOML."""
-    lines = []
-    for section, values in config.items():
-        lines.append(f"[{section}]")
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
-        lines.append("")
-    return "\n".join(lines)
-
-
 class MetricsLogger:
     """Rank 0: console line, TensorBoard scalars and one JSON object per logged step in
     `<run_folder>/metrics.jsonl` (appended, flushed each step, so a crash loses nothing and a
@@ -115,7 +93,7 @@ class MetricsLogger:
                 json.dumps(config_dict, indent=2, sort_keys=True) + "\n"
             )
             if all(isinstance(v, dict) for v in config_dict.values()):
-                (self.run_folder / "config.toml").write_text(_to_toml(config_dict))
+                (self.run_folder / "config.toml").write_text(sections_to_toml(config_dict))
         if cfg.enable_tensorboard:
             # Imported here: tensorboard start-up is slow and only rank 0 needs it.
             from torch.utils.tensorboard import SummaryWriter

@@ -23,17 +23,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.lr_scheduler import LambdaLR
 
 from engram.config import JobConfig
-from engram.lazy_adam import LazyAdam, RowwiseAdagrad
+from engram.models.engram import is_engram_param, is_table_param
 from engram.models.lora import is_lora_param
 from engram.table_grad import row_grad_norm_sq, scale_row_grads_
-
-
-def is_engram_param(name: str) -> bool:
-    return ".engram." in f".{name}"
-
-
-def is_table_param(name: str) -> bool:
-    return is_engram_param(name) and ".table." in f".{name}"
+from engram.table_optimizers import table_optimizer_spec
 
 
 def is_trainable(name: str, mode: str) -> bool:
@@ -110,22 +103,22 @@ def build_optimizers(model: nn.Module, cfg: JobConfig) -> list[torch.optim.Optim
 def build_table_optimizer(
     name: str, groups: list[dict], betas: tuple[float, float], eps: float
 ) -> torch.optim.Optimizer:
-    """The tables' optimizer (optimizer.table_optimizer); lr / weight_decay come from `groups`.
+    """The tables' optimizer (optimizer.table_optimizer, engram/table_optimizers.py); lr /
+    weight_decay come from `groups`.
 
-    lazy_adam and rowwise_adagrad mark their tables row-sparse: from then on the lookups' backward
-    leaves (rows, row grads) on the parameters and `.grad` stays None (engram/table_grad.py).
+    A row-sparse optimizer (lazy_adam, rowwise_adagrad) reads the (rows, row grads) that the
+    lookups of tables sharded with `row_sparse=True` leave on the parameters, or the touched rows
+    of a dense `.grad` otherwise (engram/table_grad.py).
     """
-    if name == "adam":
+    spec = table_optimizer_spec(name)
+    kwargs = {"eps": eps, **({"betas": betas} if spec.takes_betas else {})}
+    if not spec.row_sparse:
         # AdamW with weight_decay 0 is exactly Adam; decoupled decay if table_weight_decay > 0.
         # Fused where torch has the kernel: one pass over each table instead of ~10 (the default
         # on CPU is the per-op loop: 7x slower on a 400k x 32 table).
         params = [p for g in groups for p in g["params"]]
-        return torch.optim.AdamW(groups, betas=betas, eps=eps, fused=_fused_adam_ok(params) or None)
-    if name == "lazy_adam":
-        return LazyAdam(groups, betas=betas, eps=eps)
-    if name == "rowwise_adagrad":
-        return RowwiseAdagrad(groups, eps=eps)
-    raise ValueError(f"unknown table optimizer {name!r}: use adam, lazy_adam or rowwise_adagrad")
+        kwargs["fused"] = _fused_adam_ok(params) or None
+    return spec.cls(groups, **kwargs)
 
 
 def _fused_adam_ok(params: list[torch.Tensor]) -> bool:
@@ -146,13 +139,20 @@ def _fused_adam_ok(params: list[torch.Tensor]) -> bool:
 def lr_lambda(
     step: int, warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float
 ) -> float:
-    """Multiplier on the peak lr for optimizer step `step` (0-based)."""
+    """Multiplier on the peak lr for optimizer step `step` (0-based; the recipe's step s is s-1).
+
+    warmup (step < W):  (step + 1) / (W + 1)           first step lr / (W + 1), never 0
+    decay (step >= W):  r + (1 - r) * f(p),  p = min(1, (step - W) / (T - W - 1))
+                        f = 1 - p (linear), (1 + cos(pi p)) / 2 (cosine), 1 (constant)
+    with W = warmup_steps, T = total_steps, r = min_lr_ratio: the first step after warmup runs at
+    the peak lr and the last step (T - 1) at r x peak. With a single step after warmup
+    (T - W = 1) that step runs at the peak lr."""
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
     if decay_type == "constant":
         return 1.0
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    decay_steps = total_steps - warmup_steps - 1
+    progress = min(1.0, (step - warmup_steps) / decay_steps) if decay_steps > 0 else 0.0
     if decay_type == "linear":
         frac = 1.0 - progress
     else:
@@ -174,16 +174,17 @@ def build_lr_schedulers(optimizers: list[torch.optim.Optimizer], cfg: JobConfig)
 
 class SchedulersState:
     """Stateful view over the lr schedulers (one per optimizer, stepped together), saved as the
-    step count alone: every schedule is a function of the step (lr_lambda), so the state restores
+    step count alone (an int64 tensor: nothing pickled). Every schedule is a function of the
+    step and of the config's peak lr (lr_lambda), so a resume follows the config's schedule,
     at any layout, including pipeline stages whose optimizers hold other param groups."""
 
     def __init__(self, schedulers: list[LambdaLR]) -> None:
         self.schedulers = schedulers
 
-    def state_dict(self) -> dict[str, int]:
-        return {"last_epoch": self.schedulers[0].last_epoch}
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"last_epoch": torch.tensor(self.schedulers[0].last_epoch, dtype=torch.int64)}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for s in self.schedulers:
             s.last_epoch = int(state["last_epoch"])
             lrs = [b * f(s.last_epoch) for b, f in zip(s.base_lrs, s.lr_lambdas, strict=True)]

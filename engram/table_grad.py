@@ -1,9 +1,10 @@
 """Row-sparse gradients for the Engram tables: (unique row ids, summed row gradients), no dense grad.
 
-A table whose optimizer is row-sparse (lazy_adam, rowwise_adagrad) is marked with
-`mark_row_sparse`. Its lookup's backward then returns no gradient for the weight (so `.grad` stays
-None and no table-sized tensor is allocated) and instead appends (local row ids, fp32 row
-gradients) to the parameter; `row_grad` merges everything appended since the last `clear_row_grad`
+A table whose optimizer is row-sparse (engram/table_optimizers.py: lazy_adam, rowwise_adagrad) is
+looked up with `row_sparse=True` (EngramTable(row_sparse=...), or apply_engram_table_sharding's
+`row_sparse`, which parallelize_model takes from optimizer.table_optimizer). Its lookup's backward
+then returns no gradient for the weight (so `.grad` stays None and no table-sized tensor is
+allocated) and instead appends (local row ids, fp32 row gradients) to the parameter; `row_grad` merges everything appended since the last `clear_row_grad`
 (micro-batches of gradient accumulation) into unique rows with summed gradients, in fp32. Plain
 dense tensors, no torch sparse tensors (HCCL rejects them).
 
@@ -18,23 +19,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-_FLAG = "_engram_row_sparse"
 _PENDING = "_engram_row_grads"  # list of (rows, values) appended by backward
 _MERGED = "_engram_row_grad"  # (rows, values) after merging, cached until cleared
-
-
-def mark_row_sparse(param: nn.Parameter, enabled: bool = True) -> None:
-    """Make the lookups of this table parameter produce row-sparse gradients (or dense again)."""
-    if param.dim() != 2:
-        raise ValueError(f"row-sparse gradients need a 2-D table, got shape {tuple(param.shape)}")
-    setattr(param, _FLAG, enabled)
-
-
-def is_row_sparse(param: torch.Tensor) -> bool:
-    return bool(getattr(param, _FLAG, False))
 
 
 def accumulate_row_grad(param: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
@@ -158,13 +146,15 @@ def embedding_lookup(
     weight: torch.Tensor,
     param: torch.Tensor | None = None,
     grad_scale: float = 1.0,
+    row_sparse: bool = False,
 ) -> torch.Tensor:
-    """weight[ids]; row-sparse gradients on `param` (default: `weight`) if it is marked.
+    """weight[ids]; with `row_sparse`, the backward leaves row-sparse gradients on `param`
+    (default: `weight`) instead of a dense gradient.
 
     `weight` may be the local piece of a DTensor `param` (whose ids are then local row ids).
     """
     param = weight if param is None else param
-    if is_row_sparse(param) and torch.is_grad_enabled() and weight.requires_grad:
+    if row_sparse and torch.is_grad_enabled() and weight.requires_grad:
         return _RowSparseEmbedding.apply(weight, ids, param, grad_scale)
     return _dense_embedding(ids, weight, grad_scale)
 

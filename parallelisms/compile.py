@@ -19,18 +19,14 @@ import torch
 from torch import nn
 
 from engram.config import Compile as CompileConfig
+from engram.models.transformer import unwrap_block
 
 __all__ = ["apply_compile", "decoder_blocks"]
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """The TransformerBlocks inside any activation-checkpoint wrappers, in layer order."""
-    blocks = []
-    for layer in model.layers.values():
-        while hasattr(layer, "_checkpoint_wrapped_module"):
-            layer = layer._checkpoint_wrapped_module
-        blocks.append(layer)
-    return blocks
+    return [unwrap_block(layer) for layer in model.layers.values()]
 
 
 def apply_compile(model: nn.Module, cfg: CompileConfig) -> None:

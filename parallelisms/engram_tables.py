@@ -4,14 +4,16 @@ Each table is a DTensor with placement Shard(0) on a 1-D "engram" mesh: rank r o
 [r * c, min((r + 1) * c, R)) with c = ceil(R / W) (the torch.chunk split, so DCP saves and
 reshards it, and the last ranks may hold fewer rows or none). A lookup sends each id to the rank
 that owns its row and brings the row back; the backward sends the row gradients to the owners,
-which add them into a dense gradient of their shard, or, for a table marked row-sparse (its
-optimizer is lazy_adam / rowwise_adagrad), keep (unique local rows, fp32 summed row gradients)
+which add them into a dense gradient of their shard, or, for a table sharded with
+`row_sparse=True` (its optimizer is row-sparse: lazy_adam / rowwise_adagrad), keep (unique local rows, fp32 summed row gradients)
 on the parameter (engram/table_grad.py), so nothing of the table's size is allocated. No table
 is ever gathered or replicated, and no sparse tensor is used (HCCL rejects them). Only the plain c10d `all_to_all_single` is used, with
 explicit split sizes (the list form fails on gloo with uneven sizes).
 
 Gradient semantics: each rank's loss is the mean over its local batch, so the owners receive the
-sum over ranks; `grad_scale = 1 / W` turns that into the data-parallel mean exactly once. FSDP must
+sum over the ranks that looked the rows up; `grad_scale` turns that into the mean the caller
+needs, exactly once (parallelize_model: 1 / dp, since the tp ranks of a replica look up disjoint
+tokens of the same loss). FSDP must
 not manage these parameters: pass the returned list to `fully_shard(..., ignored_params=...)`.
 """
 
@@ -30,8 +32,6 @@ from engram.table_grad import (
     bag_sums,
     coalesce_rows,
     embedding_lookup,
-    is_row_sparse,
-    row_grad,
     sort_rows,
 )
 
@@ -41,7 +41,6 @@ __all__ = [
     "local_row_range",
     "row_chunk",
     "sharded_embedding_lookup",
-    "table_grad_norm_sq",
 ]
 
 
@@ -209,6 +208,7 @@ def sharded_embedding_lookup(
     grad_scale: float = 1.0,
     param: torch.Tensor | None = None,
     wire_dtype: torch.dtype | None = None,
+    row_sparse: bool = False,
 ) -> torch.Tensor:
     """Look up rows of a table row-sharded over `group`; returns [*ids.shape, d].
 
@@ -216,9 +216,9 @@ def sharded_embedding_lookup(
     rank of `group` must call it, in the same order, even with an empty `ids`. With `dedup`, each
     distinct id is sent once per rank. The table gradient is scaled by `grad_scale` (use 1 / W for
     data-parallel mean semantics when each rank's loss is its local mean). A group of one rank is a
-    plain gather with no communication. If `param` (the table parameter whose local piece is
-    `local_weight`) is marked row-sparse (engram/table_grad.py), the backward leaves row-sparse
-    gradients on it instead of a dense gradient. `wire_dtype` (default: the table's dtype) is the
+    plain gather with no communication. With `row_sparse`, the backward leaves row-sparse
+    gradients (engram/table_grad.py) on `param` (the table parameter whose local piece is
+    `local_weight`) instead of a dense gradient. `wire_dtype` (default: the table's dtype) is the
     dtype rows and row gradients travel in through the all-to-all.
     """
     if local_weight.dim() != 2:
@@ -227,8 +227,10 @@ def sharded_embedding_lookup(
     if dist.get_world_size(group) == 1:  # a plain gather, no communication
         if local_weight.shape[0] != num_rows:
             raise ValueError(f"one rank must hold all {num_rows} rows, has {local_weight.shape[0]}")
-        return embedding_lookup(ids, local_weight, param, grad_scale)
-    if param is not None and is_row_sparse(param) and local_weight.requires_grad:
+        return embedding_lookup(ids, local_weight, param, grad_scale, row_sparse)
+    if row_sparse and param is None:
+        raise ValueError("row_sparse lookups need `param`, the parameter that keeps the row grads")
+    if row_sparse and local_weight.requires_grad:
         out = _RowSparseShardedLookup.apply(
             local_weight, ids.reshape(-1), num_rows, group, dedup, grad_scale, wire_dtype, param
         )
@@ -251,6 +253,7 @@ class ShardedEngramTable(nn.Module):
     _engram_dedup: bool
     _engram_grad_scale: float
     _engram_wire_dtype: torch.dtype | None
+    _engram_row_sparse: bool
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return sharded_embedding_lookup(
@@ -262,12 +265,14 @@ class ShardedEngramTable(nn.Module):
             self._engram_grad_scale,
             param=self.weight,
             wire_dtype=self._engram_wire_dtype,
+            row_sparse=self._engram_row_sparse,
         )
 
     def extra_repr(self) -> str:
         return (
             f"rows={self.weight.shape[0]}, dim={self.weight.shape[1]}, "
-            f"sharded over {dist.get_world_size(self._engram_group)} ranks, dedup={self._engram_dedup}"
+            f"sharded over {dist.get_world_size(self._engram_group)} ranks, dedup={self._engram_dedup}, "
+            f"row_sparse={self._engram_row_sparse}"
         )
 
 
@@ -289,8 +294,10 @@ def _default_table_types() -> tuple[type, ...]:
 def apply_engram_table_sharding(
     model: nn.Module,
     mesh: DeviceMesh,
+    *,
+    grad_scale: float,
     dedup: bool = True,
-    grad_scale: float | None = None,
+    row_sparse: bool = False,
     table_types: tuple[type, ...] | None = None,
     wire_dtype: torch.dtype | None = None,
 ) -> list[nn.Parameter]:
@@ -298,9 +305,13 @@ def apply_engram_table_sharding(
 
     Each table's `weight` becomes `nn.Parameter(DTensor)` with Shard(0) (works on the meta device;
     a materialised weight is sliced to the local rows) and its forward becomes the all-to-all
-    lookup. `grad_scale` defaults to 1 / mesh size (data-parallel mean). The returned list is in
-    module order (identical on every rank): pass it to `fully_shard(..., ignored_params=...)` and
-    give it its own optimizer group. `table_types` defaults to engram.models.engram.EngramTable.
+    lookup. `grad_scale` multiplies the table gradient the owners receive (the sum over the
+    ranks that looked the rows up, each differentiating its local-mean loss): 1 / dp for the
+    data-parallel mean, which is 1 / mesh size only without TP (parallelize_model passes it).
+    `row_sparse`: the backward leaves row-sparse gradients for a row-sparse optimizer
+    (engram/table_optimizers.py) instead of a dense gradient. The returned list is in module
+    order (identical on every rank): pass it to `fully_shard(..., ignored_params=...)` and give
+    it its own optimizer group. `table_types` defaults to engram.models.engram.EngramTable.
     `wire_dtype`: dtype of the rows and row gradients in the all-to-all (None: the table's).
     """
     if mesh.ndim != 1:
@@ -310,7 +321,7 @@ def apply_engram_table_sharding(
         )
     types = table_types if table_types is not None else _default_table_types()
     world, rank = mesh.size(), mesh.get_local_rank()
-    scale = 1.0 / world if grad_scale is None else float(grad_scale)
+    scale = float(grad_scale)
     group = mesh.get_group()
     params: list[nn.Parameter] = []
     for module in model.modules():
@@ -332,32 +343,6 @@ def apply_engram_table_sharding(
         module._engram_dedup = dedup
         module._engram_grad_scale = scale
         module._engram_wire_dtype = wire_dtype
+        module._engram_row_sparse = row_sparse
         params.append(module.weight)
     return params
-
-
-def table_grad_norm_sq(params: list[nn.Parameter]) -> torch.Tensor:
-    """Sum of squared gradient norms of row-sharded tables, each shard counted once (fp32).
-
-    Collective over the tables' mesh (all-reduce SUM of the local sums): every rank of the mesh
-    must call it. Params without a gradient count as zero. Add the result to the squared norm of
-    the other (FSDP) parameters for global clipping.
-    """
-    if not params:
-        return torch.zeros((), dtype=torch.float32)
-    meshes = {id(p.device_mesh): p.device_mesh for p in params if isinstance(p, DTensor)}
-    if len(meshes) != 1 or not all(isinstance(p, DTensor) for p in params):
-        raise ValueError("table_grad_norm_sq expects DTensor tables that share one mesh")
-    (mesh,) = meshes.values()
-    device = params[0].to_local().device
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        if p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            total += g.float().pow(2).sum()
-        rg = row_grad(p)  # row-sparse gradient: unique rows, each counted once
-        if rg is not None:
-            total += rg[1].pow(2).sum()
-    if mesh.size() > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mesh.get_group())
-    return total

@@ -17,8 +17,7 @@ from torch import nn
 
 from engram.config import LORA_TARGETS, ConfigError
 from engram.config import Lora as LoraConfig
-from engram.models.lora import add_lora
-from engram.models.transformer import _unwrap
+from engram.models.lora import add_lora_adapters
 from engram.optim import is_trainable
 
 logger = logging.getLogger("engram.lora")  # shown with the recipe's log (engram.metrics)
@@ -30,18 +29,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     """Add adapters to every `cfg.target_modules` projection of `model.layers` in place (works on
     meta and on a pipeline stage); returns the adapted modules' names."""
     paths = [LORA_TARGETS[t] for t in cfg.target_modules]
-    adapted = []
-    for layer_name, layer in model.layers.items():
-        block = _unwrap(layer)
-        for path in paths:
-            module = block.get_submodule(path)
-            if not isinstance(module, nn.Linear):
-                raise ConfigError(
-                    f"lora.target_modules: layers.{layer_name}.{path} is a "
-                    f"{type(module).__name__}, not a linear; valid names: {', '.join(LORA_TARGETS)}"
-                )
-            add_lora(module, cfg.rank, cfg.alpha, cfg.dropout)
-            adapted.append(f"layers.{layer_name}.{path}")
+    adapted = add_lora_adapters(model, paths, cfg.rank, cfg.alpha, cfg.dropout)
     if not adapted:
         raise ConfigError(
             "training.mode = 'lora' but this model (stage) has no decoder layer to adapt"

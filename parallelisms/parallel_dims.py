@@ -15,9 +15,10 @@ Flattened views:
     engram        the axis the Engram tables are row-sharded over: every rank of a pipeline stage
                   (dp_replicate x dp_shard x tp), so each rank holds 1 / (dp x tp) of every table
 
-Degrees are checked here once (`__post_init__`); the checks that need the model's shape (tp must
-divide heads, FFN width, vocabulary, sequence) are in `check_model`, which parallelize_model calls
-before touching the model.
+What each axis divides is stated once, in `axis_divisors` (read by `check_model` and the memory
+planner). Degrees are checked here once (`__post_init__`); the checks that need the model's shape
+(tp must divide heads, FFN width, vocabulary, sequence) are in `check_model`, which
+parallelize_model calls before touching the model.
 """
 
 from __future__ import annotations
@@ -31,6 +32,39 @@ from engram.config import ConfigError
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
+@dataclass(frozen=True)
+class AxisDivisors:
+    """What one rank of a pipeline stage holds of each quantity: the whole divided by these."""
+
+    stream_tokens: int
+    """Residual-stream tokens (norms, checkpointed layer inputs, pipeline sends): tp under
+    sequence parallel (Shard(1)), else 1 (replicated over tp)."""
+    engram_tokens: int
+    """Tokens an Engram block processes and looks up (its activations, its table all-to-all):
+    tp in both TP modes (tensor_parallel.SequenceShardedEngram splits a replicated stream)."""
+    heads: int
+    """Attention heads and KV heads (column-parallel q / k / v): tp."""
+    ffn_width: int
+    """FFN hidden width (column-parallel w1 / w3): tp."""
+    vocab: int
+    """Embedding rows, output-head columns and, with loss parallel, the logits: tp."""
+    table_rows: int
+    """Rows of each Engram table (the "engram" mesh): dp x tp."""
+
+
+def axis_divisors(tp: int, sequence_parallel: bool, dp: int = 1) -> AxisDivisors:
+    """The one statement of what the tp and dp axes divide (parallelisms/tensor_parallel.py and
+    engram_tables.py implement it; check_model and the planner read it)."""
+    return AxisDivisors(
+        stream_tokens=tp if sequence_parallel else 1,
+        engram_tokens=tp,
+        heads=tp,
+        ffn_width=tp,
+        vocab=tp,
+        table_rows=dp * tp,
+    )
+
+
 @dataclass
 class ParallelDims:
     dp_replicate: int
@@ -39,7 +73,8 @@ class ParallelDims:
     pp: int
     world_size: int
     sequence_parallel: bool = True
-    """Under TP: the residual stream (norms, Engram blocks) is sharded along the sequence."""
+    """Under TP: the residual stream (norms, checkpointed layer inputs) is sharded along the
+    sequence; Engram blocks are in both modes (axis_divisors)."""
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -73,27 +108,38 @@ class ParallelDims:
         """
         if self.tp == 1:
             return
-        tp = self.tp
-        for what, n, fix in (
-            ("n_heads", args.n_heads, "choose a tp that divides the number of attention heads"),
-            ("n_kv_heads", args.n_kv_heads, "choose a tp that divides the number of KV heads"),
-            ("ffn_dim", args.ffn_dim, "choose a tp that divides the FFN hidden width"),
-            ("vocab_size", args.vocab_size, "pad model.vocab_size to a multiple of tp"),
+        tp, d = self.tp, self.divisors
+        for what, n, div, fix in (
+            (
+                "n_heads",
+                args.n_heads,
+                d.heads,
+                "choose a tp that divides the number of attention heads",
+            ),
+            (
+                "n_kv_heads",
+                args.n_kv_heads,
+                d.heads,
+                "choose a tp that divides the number of KV heads",
+            ),
+            ("ffn_dim", args.ffn_dim, d.ffn_width, "choose a tp that divides the FFN hidden width"),
+            ("vocab_size", args.vocab_size, d.vocab, "pad model.vocab_size to a multiple of tp"),
         ):
-            if n % tp:
+            if n % div:
                 raise ConfigError(f"parallelism.tp={tp} does not divide {what}={n}: {fix}")
         if args.tie_embeddings:
             raise ConfigError(
                 "tied input/output embeddings are not supported under tensor parallelism "
                 "(the embedding is row-sharded, the output head column-sharded): set parallelism.tp=1"
             )
-        if (self.sequence_parallel or engram_halo) and seq_len % tp:
+        split = max(d.stream_tokens, d.engram_tokens if engram_halo else 1)
+        if seq_len % split:
             raise ConfigError(
                 f"training.seq_len={seq_len} is not divisible by parallelism.tp={tp}: sequence "
                 "parallelism and the Engram blocks split the sequence over TP ranks; choose a "
                 "seq_len that is a multiple of tp"
             )
-        if engram_halo and seq_len // tp < engram_halo:
+        if engram_halo and seq_len // d.engram_tokens < engram_halo:
             raise ConfigError(
                 f"training.seq_len={seq_len} over tp={tp} gives {seq_len // tp} tokens per TP rank, "
                 f"fewer than the Engram ShortConv's reach of {engram_halo} positions "
@@ -105,9 +151,13 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def divisors(self) -> AxisDivisors:
+        return axis_divisors(self.tp, self.sequence_parallel, self.dp_size)
+
+    @property
     def engram_size(self) -> int:
         """Ranks each Engram table is row-sharded over (dp x tp of one pipeline stage)."""
-        return self.dp_size * self.tp
+        return self.divisors.table_rows
 
     @property
     def dp_enabled(self) -> bool:

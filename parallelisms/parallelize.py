@@ -21,6 +21,7 @@ from torch import nn
 
 from engram.config import JobConfig
 from engram.optim import apply_training_mode
+from engram.table_optimizers import table_optimizer_spec
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import apply_compile
 from parallelisms.engram_tables import apply_engram_table_sharding
@@ -68,8 +69,9 @@ def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> l
     table_params = apply_engram_table_sharding(
         model,
         dims.mesh("engram"),
-        dedup=cfg.parallelism.engram_table_dedup,
         grad_scale=1.0 / dims.dp_size,
+        dedup=cfg.parallelism.engram_table_dedup,
+        row_sparse=table_optimizer_spec(cfg.optimizer.table_optimizer).row_sparse,
         wire_dtype=DTYPES.get(cfg.parallelism.engram_a2a_dtype),
     )
     apply_activation_checkpointing(model, cfg.activation_checkpoint)

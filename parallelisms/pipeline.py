@@ -38,6 +38,7 @@ from torch.distributed.pipelining.schedules import (
 
 from engram.config import ConfigError, JobConfig
 from engram.config import Pipeline as PipelineConfig
+from engram.table_optimizers import table_optimizer_spec
 from parallelisms.parallel_dims import ParallelDims
 
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -45,7 +46,6 @@ V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 # Schedules that split backward into input gradients (I) and weight gradients (W); W asks
 # autograd for each parameter's gradient.
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-ROW_SPARSE_TABLE_OPTIMIZERS = ("lazy_adam", "rowwise_adagrad")
 
 
 @dataclass
@@ -184,7 +184,7 @@ def split_stages(
     model: nn.Module, cfg: JobConfig, dims: ParallelDims
 ) -> tuple[StagePlan, list[int], list[nn.Module]]:
     """The plan, this rank's stage indices and their (meta, unparallelised) modules."""
-    sparse = cfg.optimizer.table_optimizer in ROW_SPARSE_TABLE_OPTIMIZERS
+    sparse = table_optimizer_spec(cfg.optimizer.table_optimizer).row_sparse
     if cfg.pipeline.schedule in SPLIT_BACKWARD and cfg.engram.enabled and sparse:
         # The row-sparse lookup returns no weight gradient (engram/table_grad.py), and the
         # weight-gradient step of these schedules asks autograd for one: torch fails there.

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.utils.stateless import _reparametrize_module
 
 from engram.models.engram import EngramBlock, ShortConv
-from engram.models.transformer import Transformer, _unwrap
+from engram.models.transformer import Transformer, unwrap_block
 
 
 def apply_tp(
@@ -72,7 +72,7 @@ def apply_tp(
         model.tok_embeddings.register_forward_hook(_stream_own_storage)
 
     for layer in model.layers.values():
-        block = _unwrap(layer)
+        block = unwrap_block(layer)
         plan = {
             "attention": PrepareModuleInput(
                 input_layouts=(stream, None, None),

@@ -10,6 +10,7 @@ from engram.config import JobConfig
 from engram.models.args import ModelArgs
 from engram.models.transformer import clean_fqn
 from parallelisms.activation_checkpoint import is_checkpointed
+from parallelisms.parallel_dims import axis_divisors
 from parallelisms.pipeline import StagePlan
 from planner.results import ActivationEstimate, RankActivations, dtype_bytes
 from planner.schedule import in_flight
@@ -32,8 +33,10 @@ def _layer_bytes_per_token(args: ModelArgs, a: int, tp: int = 1, sp: bool = True
     Under TP, heads and the FFN width are split (attention and FFN terms / tp). The norms run
     on the full sequence on every TP rank without sequence parallel (not divided) and on 1/tp
     of it with sequence parallel; then the column-parallel linears save their all-gathered
-    input (a D for the attention and for the FFN input), which is not divided.
+    input (a D for the attention and for the FFN input), which is not divided. The divisors
+    are parallelisms.parallel_dims.axis_divisors'.
     """
+    d = axis_divisors(tp, sp)
     assert args.head_dim is not None
     dq, dkv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     # q/k norms: their output goes to RoPE, which saves only cos/sin, so no output term.
@@ -41,7 +44,8 @@ def _layer_bytes_per_token(args: ModelArgs, a: int, tp: int = 1, sp: bool = True
     attention = 4 * a * dq + 4 * args.n_heads + qk_norm
     norms = 2 * _norm_bytes(a) * args.dim
     gathered = 2 * a * args.dim if tp > 1 and sp else 0
-    return (norms // tp if sp else norms) + gathered + (attention + 4 * a * args.ffn_dim) // tp
+    split = attention // d.heads + 4 * a * args.ffn_dim // d.ffn_width
+    return norms // d.stream_tokens + gathered + split
 
 
 def _engram_bytes_per_token(cfg: JobConfig, dim: int, a: int) -> tuple[int, int]:
@@ -69,15 +73,17 @@ def activation_estimate(
     tokens: int | None = None,
 ) -> ActivationEstimate:
     """Activation bytes of one micro-batch on one rank, `tp` tensor-parallel ranks with (`sp`)
-    or without sequence parallel. Per token, a sequence-sharded tensor costs 1/tp of its bytes:
-    with sequence parallel that is the residual stream (checkpoint inputs, norms, the Engram
-    block, which looks up only its own tokens); without it, only the head- and FFN-split parts.
-    The loss is vocabulary-parallel under TP (loss_parallel): logits / tp.
+    or without sequence parallel (what each divides: parallelisms.parallel_dims.axis_divisors).
+    Per token, a sequence-sharded tensor costs 1/tp of its bytes: the Engram block in both modes
+    (it runs on and looks up only its rank's tokens), the residual stream (checkpoint inputs,
+    norms) with sequence parallel; the head- and FFN-split parts always. The loss is
+    vocabulary-parallel under TP (loss_parallel): logits / tp.
 
     A pipeline stage passes its decoder `layers`, whether it is the `first` (embedding ids) and
     the `last` stage (final norm, loss) and its micro-batch `tokens` (default: the local batch)."""
     a = dtype_bytes(compute_dtype)
-    stream_div = tp if sp else 1
+    d = axis_divisors(tp, sp)
+    stream_div = d.stream_tokens
     if tokens is None:
         tokens = cfg.training.local_batch_size * cfg.training.seq_len
     layer_ids = range(args.n_layers) if layers is None else layers
@@ -86,8 +92,8 @@ def activation_estimate(
     engram_saved, engram_transient = (
         _engram_bytes_per_token(cfg, args.dim, a) if engram_layers & set(layer_ids) else (0, 0)
     )
-    engram_saved //= stream_div
-    engram_transient //= stream_div
+    engram_saved //= d.engram_tokens
+    engram_transient //= d.engram_tokens
     # Embedding ids; final norm (its output feeds the head).
     saved = (8 if first else 0) + (_norm_bytes(a) * args.dim // stream_div if last else 0)
     recompute = 0
@@ -100,11 +106,13 @@ def activation_estimate(
             saved += full
     # Backward temporaries of one layer: gradients of the FFN hidden and of the stream, plus the
     # Engram lookup's all-to-all buffers.
-    backward = 2 * a * args.ffn_dim // tp + 2 * a * args.dim // stream_div + engram_transient
+    backward = (
+        2 * a * args.ffn_dim // d.ffn_width + 2 * a * args.dim // stream_div + engram_transient
+    )
     # Cross-entropy in fp32: log-softmax output saved, its gradient, the gradient of the fp32
     # logits (12 bytes/logit) dominate; the compute-dtype logits (a) and the fp32 upcast (4)
     # exist together with the saved log-softmax in forward (a + 8).
-    loss = max(12, a + 8) * args.vocab_size // tp if last else 0
+    loss = max(12, a + 8) * args.vocab_size // d.vocab if last else 0
     return ActivationEstimate(
         tokens=tokens,
         saved_bytes=saved * tokens,

@@ -22,15 +22,17 @@ sends as much as it receives), from this rank's exact local shapes and the layou
                          stage) and its input gradient (not the first): [tokens, dim] in the
                          compute dtype, / tp under sequence parallel. Stages on the same rank
                          (the V placement's turn) send nothing.
-    table all-to-all     per Engram layer of this rank's stages and micro-batch: the ids
+    table all-to-all     per Engram layer of this rank's stages and micro-batch, for its
+                         tokens / tp (Engram runs sequence-sharded in both TP modes): the ids
                          (int64 per head) out, the rows back (`engram_a2a_dtype`), the row
                          gradients out in backward, (E - 1) / E of them remote with E =
                          dp x tp table shards; again in a checkpointed layer's recompute.
                          Without dedup (an upper bound: repeated n-grams are sent once,
                          benchmarks/bench_table_a2a.py measures the saving).
 
-Not counted: Engram's ShortConv halo under TP (k-1 positions per layer), the small
-all-reduces of the loss, grad norm and Engram block's dense grads over TP, barriers.
+Not counted: Engram's ShortConv halo under TP (k-1 positions per layer), the all-gather of an
+Engram block's output without sequence parallel, the small all-reduces of the loss, grad norm
+and Engram block's dense grads over TP, barriers.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def comm_per_step(
         ops += 2 * first + 2 * last
         out.tp = passes * ops * stream * (tp - 1) // tp
 
-    sp_div = dims.tp if dims.tp > 1 and dims.sequence_parallel else 1
+    d = dims.divisors
     if plan is not None:
         sends = 0
         for st in mem.stages:
@@ -105,14 +107,14 @@ def comm_per_step(
                 sends += 1  # activation to the next stage
             if st > 0 and plan.ranks[st - 1] != plan.ranks[st]:
                 sends += 1  # input gradient to the previous stage
-        out.pp_send_recv = passes * sends * stream // sp_div
+        out.pp_send_recv = passes * sends * stream // d.stream_tokens
 
     e = cfg.engram
     engram_layers = [i for i in layers if e.enabled and i in e.layer_ids]
-    shards = dims.dp_size * dims.tp
+    shards = d.table_rows
     if engram_layers and shards > 1:
         wire = DTYPES[p.engram_a2a_dtype].itemsize if p.engram_a2a_dtype else 4
-        local_tokens = tokens // sp_div
+        local_tokens = tokens // d.engram_tokens
         ids = local_tokens * e.num_heads * 8
         rows = local_tokens * e.num_heads * e.head_dim * wire
         per_layer = [

@@ -1,6 +1,7 @@
-"""The estimate of one config at one world size, in steps: check the request, build and measure
-each requested rank under a fake process group (one more per pipeline coordinate for the
-all-ranks summary), then settle each rank's peak and the replicated-table baseline."""
+"""The estimate of one config at one world size, in steps: check the request (and that the
+planner models every step and setting, planner/registry.py), build and measure each requested
+rank under a fake process group (one more per pipeline coordinate for the all-ranks summary),
+then settle each rank's peak and the replicated-table baseline."""
 
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ from planner.measure import (
     build_rank_parts,
     measure_rank,
     recipe_defers_grad_sync,
-    sequence_parallel,
     tokenizer_vocab_size,
 )
 from planner.placement import all_ranks_summary, stage_ranks_summary
+from planner.registry import check_modelled
 from planner.results import (
     GIB,
     ActivationEstimate,
@@ -127,7 +128,7 @@ def _measure_rank(
         whole.args,
         mem.fsdp.compute_dtype,
         dims.tp,
-        sequence_parallel(cfg),
+        cfg.parallelism.tp_sequence_parallel,
         plan,
         stage_ids,
         dims.mesh("pp").get_local_rank(),
@@ -169,6 +170,7 @@ def estimate(
     `sync_every_micro_batch` models a recipe that reduce-scatters after every micro-batch
     instead of recipes/train.py's no-sync gradient accumulation."""
     ranks = _checked_ranks(world_size, ranks)
+    check_modelled(cfg)
     if device_memory_gib is None:
         device_memory_gib = DEVICE_MEMORY_GIB.get(cfg.job.device, 64.0)
     cfg = _planning_config(cfg)
@@ -244,7 +246,7 @@ def estimate(
         reserve_bytes=reserve,
         stage_activations=stage_acts,
         tp=dims.tp,
-        sequence_parallel=sequence_parallel(cfg),
+        sequence_parallel=cfg.parallelism.tp_sequence_parallel,
         pp=dims.pp,
         pipeline=(
             f"{cfg.pipeline.schedule}, {n_micro} micro-batches, "

@@ -54,12 +54,6 @@ def build_rank_parts(
     return plan, stage_ids, parts, table_params
 
 
-def sequence_parallel(cfg: JobConfig) -> bool:
-    """parallelism.tp_sequence_parallel (default true), which the tensor-parallel work of issue 7
-    adds to the config; until that lands tp is 1 and the flag changes nothing."""
-    return getattr(cfg.parallelism, "tp_sequence_parallel", True)
-
-
 def recipe_defers_grad_sync(cfg: JobConfig, dims: ParallelDims) -> bool:
     """Whether recipes/train.py skips the gradient reduction on non-last micro-batches (then
     those keep unsharded gradients): only under DDP, see parallelisms.fsdp.defer_grad_sync."""

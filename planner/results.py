@@ -16,7 +16,7 @@ def dtype_bytes(dtype_name: str) -> int:
     return DTYPES[dtype_name].itemsize
 
 
-# exp_avg + exp_avg_sq, fp32, same local shape as the parameter (AdamW and LazyRowAdam alike).
+# exp_avg + exp_avg_sq, fp32, same local shape as the parameter (AdamW and LazyAdam alike).
 ADAM_STATES = 2
 
 
@@ -52,7 +52,7 @@ class RankMemory:
     grad_bytes: int
     """Sharded gradients of the trainable parameters (dense + tables), param dtype."""
     optimizer_bytes: int
-    """AdamW / LazyRowAdam: exp_avg + exp_avg_sq per trainable parameter, fp32."""
+    """AdamW / LazyAdam: exp_avg + exp_avg_sq per trainable parameter, fp32."""
     buffer_bytes: int
     optimizer_step_temp_bytes: int
     """Estimate: foreach AdamW allocates ~one temporary copy of its largest parameter group."""

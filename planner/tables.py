@@ -3,22 +3,20 @@ beside the row-sharded tables."""
 
 from __future__ import annotations
 
+from engram.table_optimizers import TABLE_OPTIMIZERS, table_optimizer_spec
 from planner.results import ADAM_STATES, RankMemory, ReplicatedTableBaseline
 
 
 def table_memory_bytes(table_optimizer: str, rows: int, dim: int, param_bytes: int = 4) -> dict:
-    """Persistent bytes of one [rows, dim] table (or local shard) per table optimizer choice:
-    weight, gradient (adam: dense, table-sized; row-sparse: none between steps, only the touched
-    rows' fp32 gradient during a step) and fp32 optimizer state. For the memory estimator."""
+    """Persistent bytes of one [rows, dim] table (or local shard) per table optimizer choice
+    (engram/table_optimizers.py): weight, gradient (dense: table-sized; row-sparse: none between
+    steps, only the touched rows' fp32 gradient during a step) and fp32 optimizer state."""
+    spec = table_optimizer_spec(table_optimizer)
     params = rows * dim
-    grad = {"adam": params * param_bytes, "lazy_adam": 0, "rowwise_adagrad": 0}
-    state = {"adam": 2 * 4 * params, "lazy_adam": 2 * 4 * params, "rowwise_adagrad": 4 * rows}
-    if table_optimizer not in grad:
-        raise ValueError(f"unknown table optimizer {table_optimizer!r}")
     return {
         "weight": params * param_bytes,
-        "grad": grad[table_optimizer],
-        "optimizer": state[table_optimizer],
+        "grad": 0 if spec.row_sparse else params * param_bytes,
+        "optimizer": rows * spec.state_bytes_per_row(dim),
     }
 
 
@@ -36,7 +34,7 @@ def table_memory_markdown(table_rows: dict[int, int], dim: int, world: int) -> l
         "| table_optimizer | B / table param | weight + grad + state per rank (GiB) | frees vs adam (GiB) |",
         "| --- | ---: | ---: | ---: |",
     ]
-    for name in ("adam", "lazy_adam", "rowwise_adagrad"):
+    for name in TABLE_OPTIMIZERS:
         total = sum(table_memory_bytes(name, rows, dim).values())
         lines.append(
             f"| {name} | {total / (rows * dim):.3g} | {total / 1024**3:.2f} | "

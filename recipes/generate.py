@@ -8,9 +8,12 @@ One process, one device (`job.device`). The model is built as recipes/train.py b
 config, tokenizer and Engram hasher), then its weights come from (`--source auto` tries them in
 this order):
 
-  checkpoint  the run's newest complete DCP checkpoint (or `--checkpoint_step N`), model state
-              only. DCP reshards: a checkpoint saved by N ranks (FSDP2 shards, row-sharded Engram
-              tables) loads into this unsharded model.
+  checkpoint  the run's newest DCP checkpoint (or `--checkpoint_step N`), model state only,
+              verified against its manifest and fingerprint as a training resume verifies it
+              (engram/checkpoint.py find_checkpoint / load_model_checkpoint). DCP reshards: a
+              checkpoint saved by N ranks (FSDP2 shards, row-sharded Engram tables) loads into
+              this unsharded model. When the run has checkpoints, a damaged one is an error,
+              never a fallback to hf / init.
   hf          the Hugging Face folder in `model.hf_checkpoint` (backbone; Engram keeps its init)
   init        the deterministic random init of `job.seed` (a smoke test, not a language model)
 
@@ -25,31 +28,27 @@ Output rows past the tokenizer's vocabulary (padded embeddings, e.g. Qwen2.5) ar
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from engram import device as dev
 from engram.checkpoint import (
     CheckpointError,
-    CheckpointManager,
-    ModelState,
-    fingerprint_mismatches,
+    find_checkpoint,
+    load_model_checkpoint,
+    step_folders,
 )
 from engram.config import JobConfig, load_config
 from engram.data.tokenizer import Tokenizer, load_tokenizer
+from engram.fingerprint import config_fingerprint
 from engram.hashing import NgramHasher
-from engram.hf_load import load_hf_backbone
+from engram.hf_load import load_frozen_backbone, load_hf_backbone
 from engram.metrics import init_logger
-from engram.models.builder import build_from_config, model_fingerprint
+from engram.models.builder import build_for_inference, build_hasher
 from engram.models.transformer import Transformer
 from engram.optim import saved_params
-from parallelisms.lora import apply_lora
 
 logger = logging.getLogger("engram")
 
@@ -106,72 +105,40 @@ def build_for_generation(
     device: torch.device | str = "cpu",
     tokenizer: Tokenizer | None = None,
 ) -> tuple[Transformer, Tokenizer, NgramHasher | None]:
-    """The training recipe's model (LoRA adapters in lora mode), unsharded on `device`,
-    initialised with job.seed.
+    """The training recipe's model, unsharded on `device`, initialised with job.seed.
 
     `max_seq_len` sizes the RoPE table (the prompt plus the new tokens may exceed seq_len)."""
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    model, hasher = build_from_config(cfg, tokenizer, max_seq_len=max_seq_len)
-    if cfg.training.mode == "lora":  # the adapters the checkpoint holds
-        apply_lora(model, cfg.lora)
-    model.to_empty(device=device)
-    model.init_weights(seed=cfg.job.seed)
-    model.eval()
+    model, hasher = build_for_inference(cfg, tokenizer, max_seq_len, device)
     return model, tokenizer, hasher
 
 
-def checkpoint_steps(cfg: JobConfig) -> list[int]:
-    """Complete checkpoint steps of the run, ascending (read-only: a training run may be saving)."""
-    manager = CheckpointManager(
-        cfg.checkpoint, cfg.run_folder, states={}, fingerprint={}, per_rank=(), save_rng=False
-    )
-    return manager.complete_steps()
-
-
-def load_checkpoint(model: Transformer, cfg: JobConfig, step: int) -> Path:
-    """Load the model state of checkpoint `step` of the run (optimizer etc. are not read); a
-    trainable-only checkpoint on top of model.hf_checkpoint (or the job.seed init)."""
-    folder = cfg.run_folder / cfg.checkpoint.folder
-    path = folder / f"step-{step}"
-    saved = json.loads((path / "fingerprint.json").read_text())
-    current = model_fingerprint(cfg, model)
-    diffs = fingerprint_mismatches({k: saved.get(k) for k in current}, current)
-    if diffs:
-        raise CheckpointError(
-            f"checkpoint {path} holds another model:\n  "
-            + "\n  ".join(diffs)
-            + "\nFix: pass the config file the run was trained with"
-        )
-    # One process reads everything and DCP reshards into the plain tensors (even inside a
-    # distributed job: no collectives). Its warning says just that.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        if cfg.checkpoint.trainable_only and cfg.model.hf_checkpoint:  # the frozen backbone
-            load_hf_backbone(model, cfg.model.hf_checkpoint, model.args)
-        state = ModelState(model, keep=saved_params(cfg))
-        dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
-    return path
-
-
 def load_weights(
-    model: Transformer, cfg: JobConfig, source: str = "auto", checkpoint_step: int = -1
+    model: Transformer,
+    cfg: JobConfig,
+    source: str = "auto",
+    checkpoint_step: int = -1,
+    fingerprint: dict | None = None,
 ) -> str:
-    """Fill `model` from a checkpoint, the HF folder or keep the init; returns what was used."""
+    """Fill `model` from a checkpoint, the HF folder or keep the init; returns what was used.
+
+    A checkpoint is verified against its manifest and its fingerprint compared with this job's
+    (`fingerprint`: config_fingerprint; None computes it) exactly as a training resume does; a
+    damaged one is refused (checkpoint.on_damaged = "previous": the newest intact one)."""
     if source not in SOURCES:
         raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
     folder = cfg.run_folder / cfg.checkpoint.folder
     if source in ("auto", "checkpoint"):
-        steps = checkpoint_steps(cfg)
-        if checkpoint_step >= 0 and checkpoint_step not in steps:
-            raise CheckpointError(
-                f"--checkpoint_step {checkpoint_step}: {folder} has no complete step-"
-                f"{checkpoint_step}; complete steps: {steps or 'none'}"
-            )
-        if steps:
-            step = checkpoint_step if checkpoint_step >= 0 else steps[-1]
-            return f"checkpoint {load_checkpoint(model, cfg, step)}"
-        if source == "checkpoint":
+        if step_folders(folder):  # checkpoints exist: use one or refuse, never fall back
+            path = find_checkpoint(folder, checkpoint_step, cfg.checkpoint.on_damaged)
+            if fingerprint is None:
+                tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+                fingerprint = config_fingerprint(cfg, tokenizer, build_hasher(cfg, tokenizer))
+            load_frozen_backbone(model, cfg)
+            load_model_checkpoint(model, path, fingerprint, keep=saved_params(cfg))
+            return f"checkpoint {path}"
+        if source == "checkpoint" or checkpoint_step >= 0:
             raise CheckpointError(
                 f"no complete checkpoint in {folder}: train with --checkpoint.enable=true (same "
                 "job.dump_folder / job.run_name), or use --source hf / --source init"
@@ -183,6 +150,22 @@ def load_weights(
         raise ValueError("--source hf needs model.hf_checkpoint (--model.hf_checkpoint=FOLDER)")
     logger.warning("no checkpoint and no model.hf_checkpoint: generating from random weights")
     return f"random init (job.seed {cfg.job.seed})"
+
+
+def warn_if_longer_than_trained(cfg: JobConfig, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Positions past training.seq_len were never trained: say so when a generation uses them."""
+    total = prompt_tokens + max_new_tokens
+    if total > cfg.training.seq_len:
+        logger.warning(
+            "the prompt (%d tokens) + max_new_tokens (%d) = %d positions exceed training.seq_len "
+            "= %d: the model never saw positions past %d, and its output there is unreliable. "
+            "Shorten the prompt or --max_new_tokens",
+            prompt_tokens,
+            max_new_tokens,
+            total,
+            cfg.training.seq_len,
+            cfg.training.seq_len,
+        )
 
 
 # --- decoding ----------------------------------------------------------------------------------
@@ -276,7 +259,9 @@ def main(argv: list[str] | None = None) -> str:
     model, tokenizer, hasher = build_for_generation(
         cfg, len(prompt_ids) + args.max_new_tokens, device, tokenizer
     )
-    source = load_weights(model, cfg, args.source, args.checkpoint_step)
+    warn_if_longer_than_trained(cfg, len(prompt_ids), args.max_new_tokens)
+    fingerprint = config_fingerprint(cfg, tokenizer, hasher)
+    source = load_weights(model, cfg, args.source, args.checkpoint_step, fingerprint)
     logger.info(f"model {cfg.model.name}/{cfg.model.flavor} on {device}, weights: {source}")
 
     generator = torch.Generator(device=device).manual_seed(

@@ -30,7 +30,7 @@ from engram.data.loader import build_dataloader
 from engram.data.tokenizer import load_tokenizer
 from engram.distributed import destroy_distributed, init_distributed
 from engram.fingerprint import config_fingerprint
-from engram.hf_load import load_hf_backbone
+from engram.hf_load import load_frozen_backbone, load_hf_backbone
 from engram.metrics import MetricsLogger, init_logger, logger
 from engram.models.builder import build_hasher, build_model_from_config
 from engram.nonfinite import NonFiniteGuard
@@ -153,11 +153,11 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def dp_mean(value: torch.Tensor, group: dist.ProcessGroup) -> float:
-    """Mean of a per-rank scalar over the data-parallel ranks (for logging only)."""
+def dp_mean(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Mean of a per-rank scalar over the data-parallel ranks, on the device (no host read)."""
     value = value.detach().float().clone()
     dist.all_reduce(value, group=group)
-    return value.item() / dist.get_world_size(group)
+    return value / dist.get_world_size(group)
 
 
 @torch.no_grad()
@@ -182,7 +182,7 @@ def evaluate(
         part.train()
     if pp is not None:
         pp.broadcast_loss(total)
-    return dp_mean(total / num_batches, dp_group)
+    return dp_mean(total / num_batches, dp_group).item()
 
 
 def train(cfg: JobConfig) -> TrainResult:
@@ -273,13 +273,15 @@ def train(cfg: JobConfig) -> TrainResult:
             "train_state": state,
         },
         fingerprint=config_fingerprint(cfg, tokenizer, hasher),
+        data_meta={
+            "global_batch_samples": cfg.training.local_batch_size
+            * cfg.training.grad_accum_steps
+            * dims.dp_size,
+            "seq_len": cfg.training.seq_len,
+        },
     )
-    # A trainable-only checkpoint holds no backbone: it comes from the HF folder, read first so
-    # that a resume then overwrites what trains.
-    hf_first = bool(cfg.model.hf_checkpoint) and cfg.checkpoint.trainable_only
-    if hf_first:
-        for part in model_parts:
-            load_hf_backbone(part, cfg.model.hf_checkpoint, model.args)
+    # A trainable-only checkpoint holds no backbone: read first, a resume overwrites what trains.
+    hf_first = any([load_frozen_backbone(part, cfg) for part in model_parts])
     start_step = checkpointer.load()
     # Only now: a refused resume must leave the run folder's config record untouched.
     metrics = MetricsLogger(cfg.run_folder, cfg.metrics, rank, config_dict=cfg.to_dict())
@@ -294,17 +296,24 @@ def train(cfg: JobConfig) -> TrainResult:
     result = TrainResult(start_step=start_step, model=model, model_parts=model_parts)
 
     # --- the loop ---------------------------------------------------------------------------
+    # Host reads (.item(), device synchronisation) happen on log steps only, plus the guard's
+    # one finiteness check per step (engram/nonfinite.py): a host sync every step would stall
+    # an accelerator's queue. Per-step values stay on the device until the end of the run.
     tokens_per_step = (
         cfg.training.local_batch_size * cfg.training.seq_len * cfg.training.grad_accum_steps
     )
     data_iter = iter(train_loader)
     trainable = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+    step_losses: list[torch.Tensor] = []  # global mean loss per step, on the device
+    step_grad_norms: list[torch.Tensor] = []
     dev.reset_peak_memory(device)
+    window_start, window_steps = time.perf_counter(), 0
     with maybe_profile(
         cfg.profiling, cfg.run_folder, rank, device_type=device_type, start_step=start_step
     ) as profiler:
         for step in range(start_step + 1, cfg.training.steps + 1):
-            t0 = time.perf_counter()
+            last_step = step == cfg.training.steps
+            log_step = step % cfg.metrics.log_freq == 0 or last_step
             loss_sum = torch.zeros((), device=device)
             for micro in range(cfg.training.grad_accum_steps):
                 batch = to_device(next(data_iter), device)
@@ -328,8 +337,10 @@ def train(cfg: JobConfig) -> TrainResult:
                 cfg.training.max_norm,
                 pp_group=dims.mesh("pp").get_group() if dims.pp_enabled else None,
             )
-            loss_value = dp_mean(loss_sum / cfg.training.grad_accum_steps, dp_group)
-            skip = guard.skip(step, loss_value, grad_norm.item())  # before any update
+            loss = dp_mean(loss_sum / cfg.training.grad_accum_steps, dp_group)
+            grad_norm = grad_norm.detach().float().to(loss.device)
+            skip = guard.skip(step, torch.stack([loss, grad_norm]))  # before any update
+            applied_lr = schedulers[0].get_last_lr()[0]  # the lr this step's update uses
             for opt in optimizers:
                 if not skip:
                     opt.step()
@@ -339,20 +350,21 @@ def train(cfg: JobConfig) -> TrainResult:
             profiler.step()
             state.step = step
             state.tokens_seen += tokens_per_step * dims.dp_size
-            result.losses.append(loss_value)
-            result.grad_norms.append(grad_norm.item())
-            dev.synchronize(device)
-            dt = time.perf_counter() - t0
-            if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
+            step_losses.append(loss)
+            step_grad_norms.append(grad_norm)
+            window_steps += 1
+            if log_step:
+                dev.synchronize(device)
+                dt = (time.perf_counter() - window_start) / window_steps
                 mem = dev.memory_stats(device)
                 metrics.log(
                     step,
                     {
-                        "loss": loss_value,
-                        "lr": schedulers[0].get_last_lr()[0],
+                        "loss": loss.item(),
+                        "lr": applied_lr,
                         "grad_norm": grad_norm.item(),
                         "tokens_per_s": tokens_per_step * dims.dp_size / dt,
-                        "step_time_s": dt,
+                        "step_time_s": dt,  # mean over the steps since the last log
                         "tokens_seen": state.tokens_seen,
                         "nonfinite_steps": guard.total,
                         **{f"mem_{k}": v for k, v in mem.items()},
@@ -364,8 +376,7 @@ def train(cfg: JobConfig) -> TrainResult:
                     },
                 )
             if cfg.data.eval_batches > 0 and (
-                (cfg.data.eval_every and step % cfg.data.eval_every == 0)
-                or step == cfg.training.steps
+                (cfg.data.eval_every and step % cfg.data.eval_every == 0) or last_step
             ):
                 eval_loss = evaluate(
                     model_parts,
@@ -378,8 +389,14 @@ def train(cfg: JobConfig) -> TrainResult:
                 )
                 result.eval_losses[step] = eval_loss
                 metrics.log(step, {"eval_loss": eval_loss})
-            checkpointer.maybe_save(step, last_step=step == cfg.training.steps)
+            # Never at a skipped step: a save there could prune the last good checkpoint.
+            checkpointer.maybe_save(step, last_step=last_step, finite=not skip)
+            if log_step:
+                window_start, window_steps = time.perf_counter(), 0
+    result.losses = torch.stack(step_losses).tolist() if step_losses else []
+    result.grad_norms = torch.stack(step_grad_norms).tolist() if step_grad_norms else []
     metrics.close()
+    guard.check_finished(cfg.training.steps)
     return result
 
 

@@ -1,7 +1,7 @@
 """Export a training checkpoint as safetensors: the safe way to share weights.
 
     PYTHONPATH=. python scripts/export_hf.py --job.config_file train_configs/debug_model.toml \
-        --out exported/ [--step N] [--engram-only] [--section.key=value ...]
+        --out exported/ [--step N] [--engram-only] [--overwrite] [--section.key=value ...]
 
 (a) default: a Hugging Face folder (config.json, model.safetensors with the backbone in HF
     Llama/Qwen names, tokenizer.json) plus engram.safetensors (Engram weights, with the Engram
@@ -11,10 +11,14 @@
 (c) training.mode = "lora": a PEFT adapter folder (adapter_config.json, adapter_model.safetensors
     in PEFT's key names: `PeftModel.from_pretrained(base, folder)` on the transformers base model)
     plus engram.safetensors; with --merged instead the HF folder of (a) with the adapters folded
-    into the base weights (W + alpha / r * B A).
+    into the base weights (W + alpha / r * B A). A checkpoint.trainable_only checkpoint is read on
+    top of model.hf_checkpoint.
 
-The checkpoint is the run's newest intact one (or --step), verified against its manifest first.
-It runs in one process (no GPU needed); DCP reshards whatever layout the run was saved with.
+The checkpoint is the run's newest one (or --step), verified against its manifest and its
+fingerprint first (engram/checkpoint.py find_checkpoint / load_model_checkpoint, as generation).
+--out must be new or empty; --overwrite removes its model files first (an export beside an
+earlier one's shards and index would mix two models). It runs in one process (no GPU needed);
+DCP reshards whatever layout the run was saved with.
 """
 
 from __future__ import annotations
@@ -26,20 +30,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engram.checkpoint import CheckpointError, verify_checkpoint  # noqa: E402
+from engram.checkpoint import find_checkpoint, load_model_checkpoint  # noqa: E402
 from engram.config import load_config  # noqa: E402
-from engram.export import export  # noqa: E402
+from engram.data.tokenizer import load_tokenizer  # noqa: E402
+from engram.export import export, prepare_output_folder  # noqa: E402
 from engram.export_peft import export_peft  # noqa: E402
 from engram.fingerprint import config_fingerprint  # noqa: E402
+from engram.hf_load import load_frozen_backbone  # noqa: E402
+from engram.metrics import init_logger  # noqa: E402
+from engram.models.builder import build_for_inference  # noqa: E402
 from engram.models.lora import merge_lora_  # noqa: E402
-from recipes.generate import build_for_generation, checkpoint_steps, load_checkpoint  # noqa: E402
+from engram.optim import saved_params  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--out", required=True, help="output folder (new or empty)")
     parser.add_argument("--step", type=int, default=-1, help="checkpoint step (-1: newest)")
     parser.add_argument("--engram-only", action="store_true", help="write engram.safetensors only")
     parser.add_argument(
@@ -47,22 +55,24 @@ def main(argv: list[str] | None = None) -> list[Path]:
         action="store_true",
         help="lora mode: fold the adapters into the base weights and write the HF folder",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="export into a non-empty --out: remove its model files first",
+    )
     ns, rest = parser.parse_known_args(argv)
     cfg = load_config(rest)
-    steps = checkpoint_steps(cfg)
-    if not steps:
-        raise SystemExit(f"no checkpoint in {cfg.run_folder / cfg.checkpoint.folder}")
-    step = steps[-1] if ns.step < 0 else ns.step
-    path = cfg.run_folder / cfg.checkpoint.folder / f"step-{step}"
-    problems = verify_checkpoint(path, collective=False)
-    if problems:
-        raise CheckpointError("not exporting a damaged checkpoint:\n  " + "\n  ".join(problems))
-    model, tokenizer, hasher = build_for_generation(cfg, cfg.training.seq_len)
-    load_checkpoint(model, cfg, step)
-    engram_config = dataclasses.asdict(cfg.engram)
+    init_logger(0)
+    path = find_checkpoint(cfg.run_folder / cfg.checkpoint.folder, ns.step)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    model, hasher = build_for_inference(cfg, tokenizer, cfg.training.seq_len)
     fingerprint = config_fingerprint(cfg, tokenizer, hasher)
     if ns.merged and cfg.training.mode != "lora":
         raise SystemExit("--merged folds LoRA adapters: the run's training.mode is not lora")
+    load_frozen_backbone(model, cfg)
+    load_model_checkpoint(model, path, fingerprint, keep=saved_params(cfg))
+    prepare_output_folder(ns.out, ns.overwrite)
+    engram_config = dataclasses.asdict(cfg.engram)
     if cfg.training.mode == "lora" and not (ns.merged or ns.engram_only):
         files = export_peft(model, cfg, engram_config, fingerprint, ns.out)
     else:

@@ -30,6 +30,7 @@ from engram.checkpoint import (
     TrainState,
 )
 from engram.config import Checkpoint
+from engram.optim import SchedulersState
 
 TABLE_ROWS = 1009  # prime: uneven row shards (505 / 504 at world 2)
 FINGERPRINT = {"model": {"dim": 8, "layers": 2}, "engram": {"layer_ids": [1], "rows": TABLE_ROWS}}
@@ -86,7 +87,7 @@ class Trainer:
         states = {
             "model": ModelState(self.model),
             "optimizer": OptimizerState(self.model, self.opts),
-            "lr_scheduler": _Schedulers(self.scheds),
+            "lr_scheduler": SchedulersState(self.scheds),
             "dataloader": self.loader,
             "train_state": self.train_state,
         }
@@ -114,18 +115,6 @@ class Trainer:
             n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy().copy()
             for n, p in self.model.named_parameters()
         }
-
-
-class _Schedulers:
-    def __init__(self, scheds):
-        self.scheds = scheds
-
-    def state_dict(self) -> dict[str, Any]:
-        return {str(i): s.state_dict() for i, s in enumerate(self.scheds)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for i, s in enumerate(self.scheds):
-            s.load_state_dict(state[str(i)])
 
 
 def _rng_draws() -> tuple[float, float, float]:

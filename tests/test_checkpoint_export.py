@@ -15,6 +15,7 @@ import torch
 from launcher import run_distributed, run_isolated
 from safetensors import safe_open
 
+from engram.checkpoint import CheckpointError
 from engram.config import config_from_dict, to_toml
 from engram.export import EngramExportError, load_engram_safetensors, read_engram_header
 
@@ -60,11 +61,16 @@ def _batch(hasher) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _reference(raw: dict) -> dict:
-    from recipes.generate import build_for_generation, load_checkpoint
+    from engram.checkpoint import find_checkpoint, load_model_checkpoint
+    from engram.data.tokenizer import load_tokenizer
+    from engram.fingerprint import config_fingerprint
+    from engram.models.builder import build_for_inference
 
     cfg = config_from_dict(raw)
-    model, _, hasher = build_for_generation(cfg, 16)
-    load_checkpoint(model, cfg, 2)
+    tok = load_tokenizer("")
+    model, hasher = build_for_inference(cfg, tok, 16)
+    path = find_checkpoint(cfg.run_folder / cfg.checkpoint.folder, 2)
+    load_model_checkpoint(model, path, config_fingerprint(cfg, tok, hasher))
     ids, hash_ids = _batch(hasher)
     with torch.no_grad():
         logits = model(ids, hash_ids=hash_ids)
@@ -96,12 +102,13 @@ def _import(rank: int, world: int, raw: dict, folder: str) -> np.ndarray:
 def _engram_only(raw: dict, file: str, other_seed: bool) -> int:
     from engram.data.tokenizer import load_tokenizer
     from engram.fingerprint import config_fingerprint
-    from recipes.generate import build_for_generation
+    from engram.models.builder import build_for_inference
 
     if other_seed:
         raw = {**raw, "engram": {**raw["engram"], "seed": 5}}
     cfg = config_from_dict(raw)
-    model, tok, hasher = build_for_generation(cfg, 16, tokenizer=load_tokenizer(""))
+    tok = load_tokenizer("")
+    model, hasher = build_for_inference(cfg, tok, 16)
     n = load_engram_safetensors(model, file, config_fingerprint(cfg, tok, hasher))
     return {
         "n": n,
@@ -122,7 +129,9 @@ def test_export_at_one_layout_import_at_another(tmp_path):
         "model.safetensors",
         "config.json",
         "tokenizer.json",
+        "README.md",  # says that plain transformers runs this backbone without Engram
     }
+    assert "without Engram" in (out / "README.md").read_text()
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 4
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -147,3 +156,25 @@ def test_export_at_one_layout_import_at_another(tmp_path):
         assert np.array_equal(got[name], value), name
     with pytest.raises(EngramExportError, match="engram.hash_seed"):
         run_isolated(_engram_only, raw, str(only / "engram.safetensors"), True)
+
+    # A step that does not exist is named with the steps that do (not called damaged).
+    with pytest.raises(CheckpointError, match=r"has no step-3; its checkpoints: steps \[2\]"):
+        run_isolated(
+            _export, ["--out", str(tmp_path / "x"), "--step", "3", f"--job.config_file={toml}"]
+        )
+    # A used folder (here: an earlier sharded export's index and shards) is refused, and
+    # --overwrite removes the stale files, so the importer reads the new export.
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "model-00001-of-00002.safetensors").write_bytes(b"old")
+    (stale / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}})
+    )
+    (stale / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        run_isolated(_export, ["--out", str(stale), f"--job.config_file={toml}"])
+    run_isolated(_export, ["--out", str(stale), "--overwrite", f"--job.config_file={toml}"])
+    assert sorted(p.name for p in stale.iterdir()) == sorted(
+        ["README.md", "config.json", "engram.safetensors", "model.safetensors", "notes.txt",
+         "tokenizer.json"]
+    )  # fmt: skip

@@ -132,3 +132,18 @@ def test_config_reference_doc_is_current():
     assert (root / "docs" / "config_reference.md").read_text().strip() == module.render().strip(), (
         "docs/config_reference.md is stale: run python scripts/config_reference.py > docs/config_reference.md"
     )
+
+
+def test_docs_name_no_machine_local_paths():
+    """Commands in the docs use placeholders, not this machine's folders or virtual envs."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    local = re.compile(r"(?<![\w.])/(work|root|home/\w+|tmp/\w+venv)/")
+    hits = [
+        f"{p.relative_to(root)}:{i}: {line.strip()}"
+        for p in sorted([root / "README.md", *(root / "docs").glob("*.md")])
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if local.search(line)
+    ]
+    assert hits == []

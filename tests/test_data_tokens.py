@@ -343,6 +343,8 @@ def _roundtrip(tmp_path: Path, cfg) -> Path:
         ({"dataset": "tokens"}, "data.path is required"),
         ({"dataset": "tokens", "sources": [{"path": "a", "wieght": 1}]}, "unknown key(s) ['wieght']"),
         ({"dataset": "tokens", "sources": [{"path": "a", "weight": 0}]}, "weight must be > 0"),
+        ({"dataset": "tokens", "sources": [{"path": "a", "weight": float("inf")}]}, "weight (source 'a') must be a finite number"),
+        ({"dataset": "tokens", "sources": [{"path": "a", "weight": float("nan")}]}, "weight (source 'a') must be a finite number"),
         ({"dataset": "tokens", "sources": ["a"]}, "must be a table"),
     ],
 )  # fmt: skip
@@ -415,6 +417,32 @@ def test_refuses_garbage_with_errors_that_name_the_file_and_fix(corpus, tmp_path
         _prepare(tmp_path / "bad", tmp_path / "bad_out")
     with pytest.raises(ValueError, match="unknown input type"):
         prep.input_files([str(other)])
+
+
+def test_token_dtype_must_be_one_prepare_writes_and_fit_the_vocabulary(corpus, tmp_path):
+    root, _ = corpus
+    fp = tokenizer_fingerprint(TOK)
+    bad = _copy(root / "prepared", tmp_path / "f2")
+    manifest = json.loads((bad / "dataset.json").read_text())
+    (bad / "dataset.json").write_text(json.dumps({**manifest, "dtype": "<f2"}))
+    with pytest.raises(ValueError, match=r"dataset\.json: token dtype '<f2' is not one prepare"):
+        TokenShards(bad, fp, vocab_size=TOK.vocab_size)
+    with pytest.raises(ValueError, match=r"holds ids up to 65535, but the vocabulary needs 69999"):
+        TokenShards(root / "prepared", fp, vocab_size=70_000)
+
+
+def test_prepare_names_non_utf8_input_and_leaves_no_partial_shard(tmp_path):
+    for name, data in [
+        ("x.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n'),
+        ("x.txt", b"fine line\n\ncaf\xe9 au lait\n"),
+    ]:
+        folder = tmp_path / name.replace(".", "_")
+        folder.mkdir()
+        (folder / name).write_bytes(data)
+        offset = data.index(b"\xe9")
+        with pytest.raises(ValueError, match=rf"{name} \(byte {offset}\): not UTF-8.*iconv"):
+            _prepare(folder / name, folder / "out")
+        assert not list((folder / "out").glob("*.tmp")), name
 
 
 # ----------------------------------------------------------------------------- memory

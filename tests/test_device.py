@@ -2,7 +2,7 @@
 
 The NPU tests use a STAND-IN torch_npu (a small file written to a temp dir that registers the
 "npu" device name and a fake torch.npu module). They check our dispatch logic (hccl, visible
-devices, bf16, memory, lazy import), not Ascend hardware or the real torch_npu.
+devices, memory, lazy import), not Ascend hardware or the real torch_npu.
 
 Renaming torch's PrivateUse1 backend to "npu" is global and permanent in a process, so every test
 that needs the stand-in runs in a forked child and leaves the pytest process untouched.
@@ -49,7 +49,6 @@ def _visible():
 
 npu = types.ModuleType("torch.npu")
 npu.available = True
-npu.bf16 = True
 npu.allocated = 0
 npu.reserved = 0
 npu.total = 64 * (1 << 30)
@@ -57,7 +56,6 @@ npu.calls = []
 npu.is_available = lambda: npu.available
 npu.device_count = lambda: len(_visible())
 npu.set_device = lambda d: npu.calls.append(("set_device", torch.device(d)))
-npu.is_bf16_supported = lambda: npu.bf16
 npu.max_memory_allocated = lambda d=None: npu.allocated
 npu.max_memory_reserved = lambda d=None: npu.reserved
 npu.get_device_properties = lambda d=None: types.SimpleNamespace(total_memory=npu.total)
@@ -108,7 +106,7 @@ def _check_lazy_import(fake_dir: str) -> None:
     sys.modules.pop("torch_npu", None)
     mod = importlib.reload(device)  # re-run the module body with torch_npu importable
     cpu = mod.local_device(mod.resolve_device_type("cpu"), 0)
-    mod.dist_backend("cpu"), mod.bf16_supported("cpu"), mod.memory_stats(cpu)
+    mod.dist_backend("cpu"), mod.memory_stats(cpu)
     mod.reset_peak_memory(cpu), mod.synchronize(cpu), mod.device_module("cpu")
     mod.dist_backend("npu"), mod.visible_devices_var("npu")  # names only: no import needed
     assert "torch_npu" not in sys.modules, "cpu path imported torch_npu"
@@ -148,9 +146,6 @@ def _check_bf16_and_memory(fake_dir: str) -> None:
     sys.path.insert(0, fake_dir)
     device.import_device_backend("npu")
     npu = torch.npu
-    for flag in (True, False):
-        npu.bf16 = flag
-        assert device.bf16_supported("npu") is flag
     npu.allocated, npu.reserved, npu.total = 3 * GIB, 6 * GIB, 48 * GIB
     stats = device.memory_stats(torch.device("npu", 0))
     expected = {
@@ -214,7 +209,6 @@ def test_backends_and_visible_vars() -> None:
 def test_cpu_device_and_memory() -> None:
     assert device.resolve_device_type("cpu") == "cpu"
     assert device.local_device("cpu", 3) == torch.device("cpu")
-    assert device.bf16_supported("cpu") is True
     before = device.memory_stats("cpu")["max_rss_gib"]
     block = torch.ones(64 * (1 << 20) // 4)  # touch 64 MiB: peak RSS can only grow
     after = device.memory_stats("cpu")["max_rss_gib"]

@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from engram.optim import clip_grad_norm_
 from parallelisms.engram_tables import (
     ShardedEngramTable,
     apply_engram_table_sharding,
     local_row_range,
     sharded_embedding_lookup,
-    table_grad_norm_sq,
 )
 from tests.launcher import run_distributed
 
@@ -259,13 +259,21 @@ def _loss(model: nn.Module, rank: int) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
 
 
-def _sharded_model(mesh, state: dict[str, torch.Tensor]) -> tuple[TinyModel, list[nn.Parameter]]:
+def _sharded_model(
+    mesh, state: dict[str, torch.Tensor], row_sparse: bool = False
+) -> tuple[TinyModel, list[nn.Parameter]]:
     """Build on meta, shard tables, materialise, then load the full reference weights."""
     from torch.distributed.tensor import DTensor
 
     with torch.device("meta"):
         model = TinyModel()
-    tables = apply_engram_table_sharding(model, mesh, table_types=(StandInTable,))
+    tables = apply_engram_table_sharding(
+        model,
+        mesh,
+        grad_scale=1.0 / mesh.size(),
+        row_sparse=row_sparse,
+        table_types=(StandInTable,),
+    )
     model.to_empty(device="cpu")
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -340,7 +348,7 @@ def _model_worker(rank: int, world: int) -> dict:
         max_err = max(max_err, (g - want).abs().max().item())
     res["max_grad_err"] = max_err
     want_sq = sum(ref_grads[f"layers.{i}.table.weight"].grad.pow(2).sum() for i in range(2))
-    res["norm_sq"] = (table_grad_norm_sq(tables).item(), want_sq.item())
+    res["norm_sq"] = (clip_grad_norm_(tables, max_norm=0.0).square().item(), want_sq.item())
 
     # Adam steps the DTensor tables (grad arrives as Shard(0) of the local shape).
     opt = torch.optim.Adam(tables, lr=1e-2)
@@ -403,16 +411,23 @@ def _zero_rows_worker(rank: int, world: int):
 
     mesh = init_device_mesh("cpu", (world,))
     model = nn.Sequential(StandInTable(5, 3))
-    (table,) = apply_engram_table_sharding(model, mesh, table_types=(StandInTable,))
+    (table,) = apply_engram_table_sharding(
+        model, mesh, grad_scale=1.0 / world, table_types=(StandInTable,)
+    )
     try:
-        apply_engram_table_sharding(model, mesh, table_types=(StandInTable,))
+        apply_engram_table_sharding(
+            model, mesh, grad_scale=1.0 / world, table_types=(StandInTable,)
+        )
         twice = "accepted"
     except ValueError as e:
         twice = str(e)
     try:
         mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
         apply_engram_table_sharding(
-            nn.Sequential(StandInTable(5, 3)), mesh2, table_types=(StandInTable,)
+            nn.Sequential(StandInTable(5, 3)),
+            mesh2,
+            grad_scale=1.0 / world,
+            table_types=(StandInTable,),
         )
         two_d = "accepted"
     except ValueError as e:
@@ -431,13 +446,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _reference_after_step() -> dict[str, torch.Tensor]:
-    """Single process: one LazyRowAdam step on the tables with the mean loss of SAVE_WORLD ranks."""
-    from engram.lazy_adam import LazyRowAdam
+    """Single process: one LazyAdam step on the tables with the mean loss of SAVE_WORLD ranks."""
+    from engram.lazy_adam import LazyAdam
 
     ref = TinyModel()
     ref.load_state_dict(_full_state(seed=3))
     tables = [layer.table.weight for layer in ref.layers]
-    opt = LazyRowAdam(tables, lr=1e-2)
+    opt = LazyAdam(tables, lr=1e-2)
     (sum(_loss(ref, r) for r in range(SAVE_WORLD)) / SAVE_WORLD).backward()
     opt.step()
     out = {k: v.detach().clone() for k, v in ref.state_dict().items()}
@@ -447,7 +462,7 @@ def _reference_after_step() -> dict[str, torch.Tensor]:
 
 
 def _dcp_worker(rank: int, world: int, path: str, save: bool) -> float:
-    """Save (model + LazyRowAdam state) at SAVE_WORLD, load at `world`; max abs error."""
+    """Save (model + LazyAdam state) at SAVE_WORLD, load at `world`; max abs error."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -456,13 +471,13 @@ def _dcp_worker(rank: int, world: int, path: str, save: bool) -> float:
     )
     from torch.distributed.device_mesh import init_device_mesh
 
-    from engram.lazy_adam import LazyRowAdam
+    from engram.lazy_adam import LazyAdam
 
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     mesh = init_device_mesh("cpu", (world,))
     if save:
-        model, tables = _sharded_model(mesh, _full_state(seed=3))
-        opt = LazyRowAdam(tables, lr=1e-2)
+        model, tables = _sharded_model(mesh, _full_state(seed=3), row_sparse=True)
+        opt = LazyAdam(tables, lr=1e-2)
         _loss(model, rank).backward()
         opt.step()
         state = {
@@ -472,11 +487,13 @@ def _dcp_worker(rank: int, world: int, path: str, save: bool) -> float:
         dcp.save(state, checkpoint_id=path)
     with torch.device("meta"):
         fresh = TinyModel()
-    tables = apply_engram_table_sharding(fresh, mesh, table_types=(StandInTable,))
+    tables = apply_engram_table_sharding(
+        fresh, mesh, grad_scale=1.0 / world, row_sparse=True, table_types=(StandInTable,)
+    )
     fresh.to_empty(device="cpu")
     for p in fresh.parameters():
         nn.init.zeros_(p.to_local() if hasattr(p, "to_local") else p)
-    opt = LazyRowAdam(tables, lr=1e-2)
+    opt = LazyAdam(tables, lr=1e-2)
     state = {
         "model": fresh.state_dict(),
         "optim": get_optimizer_state_dict(fresh, opt, options=options),
@@ -541,7 +558,8 @@ def _engram_block_worker(rank: int, world: int) -> dict:
 
     with torch.device("meta"):
         block = EngramBlock(dim, cfg, rows)
-    (table,) = apply_engram_table_sharding(block, mesh)  # default: every engram.models.engram.EngramTable
+    # default table_types: every engram.models.engram.EngramTable
+    (table,) = apply_engram_table_sharding(block, mesh, grad_scale=1.0 / world)
     block.to_empty(device="cpu")
     block.init_weights(seed=0, prefix=prefix)  # layout-independent init on the local shard
     out = block(*batch(rank))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -55,6 +56,10 @@ def _train(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) ->
             return loss * float("nan") if calls[0] in nan_steps else loss
 
         recipe.cross_entropy = poisoned
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("engram").addHandler(handler)
     try:
         result = recipe.train(config_from_dict(raw))
     except (CheckpointError, RuntimeError) as e:
@@ -62,7 +67,12 @@ def _train(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) ->
     weights = {
         n: p.detach().clone() for n, p in result.model.named_parameters() if "layers.0." in n
     }
-    return {"losses": result.losses, "start": result.start_step, "weights": weights}
+    return {
+        "losses": result.losses,
+        "start": result.start_step,
+        "weights": weights,
+        "warned": warned,
+    }
 
 
 def _files(folder: Path) -> dict[str, str]:
@@ -170,6 +180,9 @@ def test_too_many_nonfinite_steps_stop_with_the_last_good_checkpoint(tmp_path):
         ("training.max_norm", "inf"),
         ("training.max_nonfinite_steps", "0"),
         ("checkpoint.on_damaged", "ignore"),
+        ("job.run_name", "../escaped"),
+        ("job.run_name", "a/../../escaped"),
+        ("job.run_name", "/tmp/escaped"),
     ],
 )
 def test_bad_numbers_are_refused_by_name(key, value):
@@ -208,3 +221,60 @@ def test_tiny_tables_warn_with_the_collision_rate(caplog):
     default = config_from_dict({})  # the paper's sizes: no warning
     hasher = NgramHasher.from_config(default.engram, tok, tok.vocab_size)
     assert max(collision_rates(hasher).values()) < 0.01
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_changed_hyperparameters_apply_from_the_first_resumed_step(tmp_path):
+    (first,) = run_distributed(_train, 1, _raw(str(tmp_path), steps=2))
+    assert first["start"] == 0
+    resume = {"checkpoint": {"load_step": 2}}
+    (same,) = run_distributed(_train, 1, _raw(str(tmp_path), steps=4, **resume))
+    wd = {"optimizer": {"weight_decay": 50.0}}
+    (decayed,) = run_distributed(_train, 1, _raw(str(tmp_path), steps=4, **resume, **wd))
+    lr = {"optimizer": {"lr": 3e-2}}
+    (faster,) = run_distributed(_train, 1, _raw(str(tmp_path), steps=4, **resume, **lr))
+    for out in (same, decayed, faster):
+        assert out["start"] == 2, out
+    # Step 3's loss is computed before its update; its update (the first resumed one) uses
+    # the new weight decay / lr, so step 4's loss differs.
+    assert decayed["losses"][0] == same["losses"][0]
+    assert decayed["losses"][1] != same["losses"][1]
+    assert faster["losses"][1] != same["losses"][1]
+    # The logged lr is the one the update used, from the new peak lr: step 3 is halfway through
+    # the cosine decay (1 warmup step, 4 steps), step 4 reaches min_lr_ratio = 0.1.
+    logged = {r["step"]: r["lr"] for r in _metrics(tmp_path / "faults") if "lr" in r}
+    assert logged[3] == pytest.approx(3e-2 * 0.55) and logged[4] == pytest.approx(3e-3)
+
+
+def test_logged_lr_is_the_applied_lr(tmp_path):
+    raw = _raw(str(tmp_path), steps=3, optimizer={"lr": 1e-3})
+    raw["checkpoint"]["enable"] = False
+    run_distributed(_train, 1, raw)
+    logged = [r["lr"] for r in _metrics(tmp_path / "faults") if "lr" in r]
+    # warmup_steps = 1: step 1 runs at lr / 2, step 2 at the peak, step 3 (last) at 0.1 x peak.
+    assert logged == pytest.approx([5e-4, 1e-3, 1e-4])
+
+
+def test_a_run_ending_in_nonfinite_steps_keeps_the_last_good_checkpoint(tmp_path):
+    raw = _raw(str(tmp_path), steps=4)
+    raw["checkpoint"].update(interval=1, keep_latest_k=1)
+    (out,) = run_distributed(_train, 1, raw, (3, 4))
+    ckpt = tmp_path / "faults" / "checkpoint"
+    assert "NonFiniteError" in out.get("error", ""), out
+    assert "ended with 2 non-finite step(s)" in out["error"]
+    assert str(ckpt / "step-2") in out["error"]
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-2"]
+    assert (ckpt / "latest").read_text().strip() == "2"
+
+
+def test_resume_with_another_global_batch_warns(tmp_path):
+    run_distributed(_train, 1, _raw(str(tmp_path), steps=2))
+    (same,) = run_distributed(_train, 1, _raw(str(tmp_path), steps=3))
+    assert same["start"] == 2 and not any("data consumption" in w for w in same["warned"])
+    bigger = {"training": {"seq_len": 16, "local_batch_size": 4, "steps": 4}}
+    (out,) = run_distributed(_train, 1, _raw(str(tmp_path), **bigger))
+    assert out["start"] == 3, out
+    assert any("global_batch_samples 2 -> 4" in w for w in out["warned"]), out["warned"]

@@ -150,13 +150,18 @@ def test_loads_checkpoint_written_at_world_2(tmp_path, capsys):
         assert np.array_equal(got[name].detach().numpy(), value), name
     table = "layers.1.engram.table.weight"
     assert not torch.equal(init[table], got[table]), "training did not change the table"
-    with pytest.raises(CheckpointError, match="step-2"):
+    with pytest.raises(CheckpointError, match=r"no step-2; its checkpoints: steps \[3\]"):
         load_weights(model, cfg, "auto", checkpoint_step=2)
-    other_raw = _raw(str(tmp_path))
-    other_raw["engram"]["layer_ids"] = [2]
-    other = config_from_dict(other_raw)
-    with pytest.raises(CheckpointError, match="engram_layers"):
-        load_weights(build_for_generation(other, 32)[0], other)
+    # The fingerprint training compares: other layers, and other hashing (same tables).
+    for section, key, value, diff in [
+        ("engram", "layer_ids", [2], "engram_layers"),
+        ("engram", "seed", 7, "engram.hash_seed: checkpoint 0, this run 7"),
+    ]:
+        other_raw = _raw(str(tmp_path))
+        other_raw[section][key] = value
+        other = config_from_dict(other_raw)
+        with pytest.raises(CheckpointError, match=diff):
+            load_weights(build_for_generation(other, 32)[0], other)
 
     # The command line, on the same run folder.
     config_file = tmp_path / "gen.toml"
@@ -173,6 +178,27 @@ def test_loads_checkpoint_written_at_world_2(tmp_path, capsys):
     )
     assert len(completion) > 0
     assert f"The capital of{completion}" in capsys.readouterr().out
+
+    # The only checkpoint damaged: refused naming it, never random weights.
+    shard = tmp_path / "gen" / "checkpoint" / "step-3" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    for source in ("auto", "checkpoint"):
+        with pytest.raises(CheckpointError, match=r"step-3.*damaged bytes"):
+            load_weights(build_for_generation(cfg, 32)[0], cfg, source)
+
+
+def test_prompt_longer_than_trained_warns(caplog):
+    from recipes.generate import warn_if_longer_than_trained
+
+    cfg = config_from_dict(_raw())  # training.seq_len 32
+    with caplog.at_level("WARNING", logger="engram"):
+        warn_if_longer_than_trained(cfg, 20, 12)
+    assert caplog.text == ""
+    with caplog.at_level("WARNING", logger="engram"):
+        warn_if_longer_than_trained(cfg, 40, 5)
+    assert "exceed training.seq_len = 32" in caplog.text
 
 
 def _padded_model(tmp_path):
@@ -194,7 +220,8 @@ def test_padded_vocab_rows_are_never_generated(tmp_path):
     prompts = torch.tensor([encode_prompt(tokenizer, "The capital of", "eos")[:4]] * 2)
     with torch.no_grad():  # not vacuous: unmasked, a padded row is the argmax
         assert (
-            int(model(prompts, hash_ids=hasher.hash_torch(prompts))[0, -1].argmax()) >= tokenizer.vocab_size
+            int(model(prompts, hash_ids=hasher.hash_torch(prompts))[0, -1].argmax())
+            >= tokenizer.vocab_size
         )
     with pytest.raises(ValueError, match="the hasher was built for"):  # the defect, unmasked
         generate(model, prompts, hasher, NEW)

@@ -19,6 +19,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 
 from engram import _hash_kernels as kernels
 from engram import _hash_native
+from engram.config import Engram
 from engram.hashing import (
     NgramHasher,
     build_compression_lookup,
@@ -700,7 +701,7 @@ def engram_cfg(**kw):
         seed=4, pad_id=0, compress_tokenizer=True, respect_doc_boundaries=False,
     )  # fmt: skip
     base.update(kw)
-    return SimpleNamespace(**base)
+    return Engram(**base)
 
 
 def test_from_config(bpe_tokenizer):

@@ -199,7 +199,7 @@ def _load_sharded(rank: int, world: int, folder: str, layout: dict) -> dict[str,
         world_size=world,
     )  # fmt: skip
     dims.build_mesh("cpu")
-    tables = apply_engram_table_sharding(model, dims.mesh("engram"))
+    tables = apply_engram_table_sharding(model, dims.mesh("engram"), grad_scale=1.0 / dims.dp_size)
     apply_fsdp(model, dims, Parallelism(**layout), ignored_params=tables)
     model.to_empty(device="cpu")
     model.init_weights(seed=SEED_B)
@@ -282,6 +282,16 @@ def test_bad_folder(tmp_path):
     target, _ = _init(_raw(), SEED_B)
     _expect_error(target, tmp_path / "nope", "does not exist", "model.hf_checkpoint")
     _expect_error(target, tmp_path, "no *.safetensors")
+
+
+def test_single_file_beside_an_index_that_does_not_list_it(tmp_path):
+    """An export into a folder with an older sharded export: two models mixed, refused."""
+    source, _ = _init(_raw(), SEED_A)
+    export_hf(source, tmp_path)
+    sd = {n: t.detach() for n, t in source.state_dict().items() if not _is_engram(n)}
+    save_file(to_hf_state_dict(sd, source.args), str(tmp_path / "model.safetensors"))
+    target, _ = _init(_raw(), SEED_B)
+    _expect_error(target, tmp_path, "model.safetensors", "does not list", "--overwrite")
 
 
 class _Records(logging.Handler):

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from launcher import run_isolated
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -16,12 +17,13 @@ from engram.lazy_adam import LazyAdam, RowwiseAdagrad
 from engram.models.engram import EngramTable
 from engram.optim import build_table_optimizer, clip_grad_norm_
 from engram.table_grad import row_grad
+from engram.table_optimizers import TABLE_OPTIMIZERS
 
 ROWS, DIM = 301, 8
 
 
-def _table(seed: int = 0, rows: int = ROWS) -> EngramTable:
-    t = EngramTable(rows, DIM)
+def _table(seed: int = 0, rows: int = ROWS, row_sparse: bool = False) -> EngramTable:
+    t = EngramTable(rows, DIM, row_sparse=row_sparse)
     with torch.no_grad():
         t.weight.copy_(torch.randn(rows, DIM, generator=torch.Generator().manual_seed(seed)))
     return t
@@ -47,8 +49,7 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def test_row_sparse_backward_leaves_no_dense_grad_and_sums_duplicates():
-    dense, sparse = _table(), _table()
-    LazyAdam(sparse.parameters())  # marks the table row-sparse
+    dense, sparse = _table(), _table(row_sparse=True)
     ((ids, target),) = _batches(1)[0]
     _loss(dense(ids), target).backward()
     _loss(sparse(ids), target).backward()
@@ -65,7 +66,7 @@ def test_row_sparse_backward_leaves_no_dense_grad_and_sums_duplicates():
 def test_lazy_adam_equals_torch_sparse_adam(micro):
     """Same gradients (grad accumulation over `micro` micro-batches included) -> same weights and
     moments as torch.optim.SparseAdam on nn.Embedding(sparse=True)."""
-    ours = _table()
+    ours = _table(row_sparse=True)
     ref = nn.Embedding(ROWS, DIM, sparse=True)
     with torch.no_grad():
         ref.weight.copy_(ours.weight)
@@ -91,7 +92,7 @@ def test_lazy_adam_equals_torch_sparse_adam(micro):
 
 
 def test_rowwise_adagrad_matches_its_formula():
-    ours = _table()
+    ours = _table(row_sparse=True)
     w = ours.weight.detach().clone()
     acc = torch.zeros(ROWS)
     opt = RowwiseAdagrad(ours.parameters(), lr=0.1, eps=1e-6)
@@ -114,9 +115,11 @@ def test_rowwise_adagrad_matches_its_formula():
 
 
 class _Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, row_sparse: bool = False) -> None:
         super().__init__()
-        self.tables = nn.ModuleList([_table(1), _table(2)])
+        self.tables = nn.ModuleList(
+            [_table(1, row_sparse=row_sparse), _table(2, row_sparse=row_sparse)]
+        )
         self.proj = nn.Linear(DIM, DIM)
 
     def forward(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -126,7 +129,7 @@ class _Model(nn.Module):
 
 @pytest.mark.parametrize("name", ["lazy_adam", "rowwise_adagrad"])
 def test_clip_norm_equals_dense_path(name):
-    dense, sparse = _Model(), _Model()
+    dense, sparse = _Model(), _Model(row_sparse=True)
     sparse.load_state_dict(dense.state_dict())
     build_table_optimizer(
         name,
@@ -172,7 +175,7 @@ class _LargestAllocation(TorchDispatchMode):
 
 def _step_allocation(name: str) -> tuple[int, int, torch.Tensor | None]:
     rows = 20_000
-    table = _table(rows=rows)
+    table = _table(rows=rows, row_sparse=TABLE_OPTIMIZERS[name].row_sparse)
     opt = build_table_optimizer(
         name, [{"params": [table.weight], "lr": 1e-2, "weight_decay": 0.0}], (0.9, 0.95), 1e-8
     )
@@ -223,7 +226,7 @@ def test_row_sparse_optimizers_reject_non_tables():
 
 @pytest.mark.parametrize("name", ["lazy_adam", "rowwise_adagrad"])
 def test_untouched_rows_and_their_state_stay_unchanged(name):
-    table = _table()
+    table = _table(row_sparse=True)
     before = table.weight.detach().clone()
     opt = build_table_optimizer(
         name, [{"params": [table.weight], "lr": 1e-2, "weight_decay": 0.1}], (0.9, 0.95), 1e-8
@@ -246,7 +249,7 @@ def test_untouched_rows_and_their_state_stay_unchanged(name):
 @pytest.mark.parametrize("name", ["lazy_adam", "rowwise_adagrad"])
 def test_state_dict_round_trip_continues_identically(name):
     def run(steps, start=None):
-        table = _table()
+        table = _table(row_sparse=True)
         opt = build_table_optimizer(
             name, [{"params": [table.weight], "lr": 1e-2, "weight_decay": 0.0}], (0.9, 0.95), 1e-8
         )
@@ -264,3 +267,58 @@ def test_state_dict_round_trip_continues_identically(name):
     full = run(batches)
     resumed = run(batches[3:], start=run(batches[:3]))
     assert torch.equal(full[0]["weight"], resumed[0]["weight"])
+
+
+def _lookups_row_sparse_after_parallelize(cfg) -> bool:
+    """parallelize_model on one fake rank: are the Engram tables' lookups row-sparse?"""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from engram.data.tokenizer import load_tokenizer
+    from engram.models.builder import build_from_config
+    from parallelisms.parallel_dims import parallel_dims_from_config
+    from parallelisms.parallelize import parallelize_model
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        dims = parallel_dims_from_config(cfg, 1)
+        dims.build_mesh("cpu")
+        model, _ = build_from_config(cfg, load_tokenizer(""))
+        parallelize_model(model, cfg, dims)
+        return all(b.table._engram_row_sparse for b in model.engram_blocks().values())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_table_optimizer_spec_is_read_by_config_builder_lookup_pipeline_and_planner(monkeypatch):
+    """A table optimizer added to engram/table_optimizers.py alone is accepted by the config,
+    built by the optimizer builder, makes parallelize_model's lookups row-sparse, is refused by
+    the split-backward pipeline schedules and sized by the planner from its state per row."""
+    from engram.data.tokenizer import load_tokenizer
+    from engram.models.builder import build_from_config
+    from engram.table_optimizers import TableOptimizerSpec
+    from parallelisms.pipeline import split_stages
+    from planner.tables import table_memory_bytes
+
+    spec = TableOptimizerSpec("rows_only", "engram.lazy_adam:RowwiseAdagrad", True, 0, 3, False)
+    monkeypatch.setitem(TABLE_OPTIMIZERS, "rows_only", spec)
+    cfg = config_from_dict({"optimizer": {"table_optimizer": "rows_only"}})
+    table = _table(row_sparse=True)
+    opt = build_table_optimizer(
+        "rows_only", [{"params": [table.weight], "lr": 1e-2, "weight_decay": 0.0}], (0.9, 0.9), 1e-8
+    )
+    assert type(opt) is RowwiseAdagrad
+    assert table_memory_bytes("rows_only", 10, 4) == {"weight": 160, "grad": 0, "optimizer": 120}
+    model, _ = build_from_config(cfg, load_tokenizer(""))
+    with pytest.raises(ConfigError, match="rows_only"):
+        pp_cfg = config_from_dict(
+            {
+                "parallelism": {"pp": 2},
+                "pipeline": {"schedule": "ZBVZeroBubble", "virtual_stages": 2},
+                "optimizer": {"table_optimizer": "rows_only"},
+            }
+        )
+        split_stages(model, pp_cfg, dims=None)
+    assert run_isolated(_lookups_row_sparse_after_parallelize, cfg)
+    with pytest.raises(ConfigError, match="table_optimizer"):
+        config_from_dict({"optimizer": {"table_optimizer": "not_registered"}})

@@ -22,10 +22,11 @@ from engram.config import config_from_dict
 from engram.models.engram import EngramTable
 from engram.optim import build_table_optimizer, clip_grad_norm_
 from engram.table_grad import row_grad
+from engram.table_optimizers import TABLE_OPTIMIZERS
 from parallelisms.engram_tables import apply_engram_table_sharding, local_row_range
 
 ROWS, DIM = 211, 6
-ROW_SPARSE = ("lazy_adam", "rowwise_adagrad")
+ROW_SPARSE = tuple(name for name, spec in TABLE_OPTIMIZERS.items() if spec.row_sparse)
 
 
 def _tables(seed: int) -> nn.ModuleList:
@@ -57,7 +58,9 @@ def _sharded_grads_worker(rank: int, world: int, name: str) -> dict:
     out = {}
     for kind in ("dense", name):
         tables = _tables(seed=1)
-        params = apply_engram_table_sharding(tables, mesh)
+        params = apply_engram_table_sharding(
+            tables, mesh, grad_scale=1.0 / world, row_sparse=kind != "dense"
+        )
         if kind != "dense":
             build_table_optimizer(
                 kind, [{"params": params, "lr": 1e-2, "weight_decay": 0.0}], (0.9, 0.95), 1e-8
@@ -180,7 +183,9 @@ def _state_dict_worker(rank: int, world: int, name: str, path: str, save: bool) 
 
     def build():
         tables = _tables(seed=2)
-        params = apply_engram_table_sharding(tables, mesh)
+        params = apply_engram_table_sharding(
+            tables, mesh, grad_scale=1.0 / world, row_sparse=TABLE_OPTIMIZERS[name].row_sparse
+        )
         opt = build_table_optimizer(
             name, [{"params": params, "lr": 1e-2, "weight_decay": 0.0}], (0.9, 0.95), 1e-8
         )

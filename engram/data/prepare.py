@@ -129,24 +129,35 @@ def iter_documents(segments: list[tuple[str, int, int]], text_field: str) -> Ite
                 if not line:
                     break
                 lineno_hint = f"{path} (byte {pos})"
+                text = _utf8(line, path, pos)
                 pos += len(line)
                 if path.suffix == ".jsonl":
-                    if not line.strip():
+                    if not text.strip():
                         continue
-                    text = _json_text(line, text_field, lineno_hint)
+                    text = _json_text(text, text_field, lineno_hint)
                     if text.strip():  # as the jsonl dataset: blank documents are skipped
                         yield text
                 elif _is_blank(line):
-                    if doc := b"".join(lines).decode("utf-8").strip():
+                    if doc := "".join(lines).strip():
                         yield doc
                     lines = []
                 else:
-                    lines.append(line)
-            if lines and (doc := b"".join(lines).decode("utf-8").strip()):
+                    lines.append(text)
+            if lines and (doc := "".join(lines).strip()):
                 yield doc
 
 
-def _json_text(line: bytes, field: str, where: str) -> str:
+def _utf8(line: bytes, path: Path, pos: int) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path} (byte {pos + e.start}): not UTF-8 ({e.reason}). Convert the file to UTF-8, "
+            f"e.g. iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}"
+        ) from None
+
+
+def _json_text(line: str, field: str, where: str) -> str:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -195,17 +206,21 @@ def write_shard(out: Path, index: int, header: dict[str, Any], opts: Options) ->
             total += len(ids)
             ends.append(total)
 
-    with tmp_bin.open("wb") as f:
-        batch: list[str] = []
-        size = 0
-        for doc in iter_documents(header["segments"], opts.text_field):
-            batch.append(doc)
-            size += len(doc)
-            if size >= _BATCH_BYTES:
+    try:
+        with tmp_bin.open("wb") as f:
+            batch: list[str] = []
+            size = 0
+            for doc in iter_documents(header["segments"], opts.text_field):
+                batch.append(doc)
+                size += len(doc)
+                if size >= _BATCH_BYTES:
+                    flush(f, batch)
+                    batch, size = [], 0
+            if batch:
                 flush(f, batch)
-                batch, size = [], 0
-        if batch:
-            flush(f, batch)
+    except BaseException:  # bad input or interrupted: no partial shard is left behind
+        tmp_bin.unlink(missing_ok=True)
+        raise
     np.asarray(ends, dtype="<u8").tofile(tmp_idx)
     os.replace(tmp_bin, out / f"{name}.bin")
     os.replace(tmp_idx, out / f"{name}.idx")

@@ -100,6 +100,29 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return manifest
 
 
+TOKEN_DTYPES = ("<u2", "<u4")  # what prepare writes (token_dtype)
+
+
+def _token_dtype_of(manifest: dict[str, Any], where: Path, vocab_size: int) -> np.dtype:
+    """The shards' token dtype: one prepare writes, wide enough for every id."""
+    name = manifest.get("dtype")
+    if name not in TOKEN_DTYPES:
+        raise ValueError(
+            f"{where}: token dtype {name!r} is not one prepare writes ({', '.join(TOKEN_DTYPES)}: "
+            f"little-endian uint16 / uint32); the shards would be read as other numbers. Restore "
+            f"the file, or re-run {PREPARE_HINT}"
+        )
+    dtype = np.dtype(name)
+    largest = max(int(manifest["max_token_id"]), vocab_size - 1)
+    if largest > np.iinfo(dtype).max:
+        raise ValueError(
+            f"{where}: token dtype {name} holds ids up to {np.iinfo(dtype).max}, but the "
+            f"vocabulary needs {largest}: the header does not match the shards; re-run "
+            f"{PREPARE_HINT}"
+        )
+    return dtype
+
+
 class TokenShards:
     """One prepared folder: tokens and document ends of the concatenated shards, by index.
 
@@ -127,7 +150,7 @@ class TokenShards:
             )
         self.manifest = m
         self.fingerprint = m["fingerprint"]
-        self.dtype = np.dtype(m["dtype"])
+        self.dtype = _token_dtype_of(m, where, vocab_size)
         self.eos_id = int(tok["eos_id"])
         self._tokens: list[_Mapped] = []
         self._ends: list[_Mapped] = []

@@ -20,7 +20,6 @@ import numpy as np
 from engram.data.shards import TokenShards
 
 MIX_BLOCK = 4096
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:

@@ -6,12 +6,13 @@ import logging
 
 import torch
 
+from engram.config import LORA_TARGETS, JobConfig
 from engram.config import Engram as EngramConfig
-from engram.config import JobConfig
 from engram.config import Model as ModelConfig
 from engram.hashing import NgramHasher, engram_table_rows
 from engram.models.args import ModelArgs, get_model_args
 from engram.models.hf_config import HF_FLAVOR, check_flavor_against_hf, hf_flavor_args
+from engram.models.lora import add_lora_adapters
 from engram.models.transformer import Transformer
 
 logger = logging.getLogger("engram")
@@ -102,7 +103,10 @@ def build_model(
 
 
 def build_model_from_config(
-    cfg: JobConfig, vocab_size: int, device: torch.device | str = "meta", max_seq_len: int | None = None
+    cfg: JobConfig,
+    vocab_size: int,
+    device: torch.device | str = "meta",
+    max_seq_len: int | None = None,
 ) -> Transformer:
     """The job's model (on `device`, uninitialised). It needs only the Engram table sizes, from
     the config (`engram_table_rows`: the hasher's prime search without a tokenizer), never the
@@ -132,13 +136,18 @@ def build_from_config(
     return model, hasher
 
 
-def model_fingerprint(cfg: JobConfig, model: Transformer) -> dict:
-    """What a checkpoint's model state must match: shape, vocabulary, Engram layers and tables."""
-    blocks = model.engram_blocks()
-    return {
-        "model": f"{cfg.model.name}/{cfg.model.flavor}",
-        "vocab_size": model.args.vocab_size,
-        "engram_layers": sorted(blocks),
-        "engram_table_rows": [blocks[i].table.weight.shape[0] for i in sorted(blocks)],
-        "engram_head_dim": cfg.engram.head_dim if blocks else 0,
-    }
+def build_for_inference(
+    cfg: JobConfig, tokenizer, max_seq_len: int, device: torch.device | str = "cpu"
+) -> tuple[Transformer, NgramHasher | None]:
+    """The training recipe's model (LoRA adapters in lora mode), unsharded on `device`,
+    initialised with job.seed, in eval
+    mode (generation, export). `max_seq_len` sizes the RoPE table."""
+    model, hasher = build_from_config(cfg, tokenizer, max_seq_len=max_seq_len)
+    if cfg.training.mode == "lora":  # the adapters a lora run's checkpoint holds
+        lora = cfg.lora
+        paths = [LORA_TARGETS[t] for t in lora.target_modules]
+        add_lora_adapters(model, paths, lora.rank, lora.alpha, lora.dropout)
+    model.to_empty(device=device)
+    model.init_weights(seed=cfg.job.seed)
+    model.eval()
+    return model, hasher

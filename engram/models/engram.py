@@ -17,6 +17,17 @@ from torch import nn
 from engram.config import Engram as EngramConfig
 from engram.table_grad import embedding_lookup
 
+
+def is_engram_param(name: str) -> bool:
+    """Whether a parameter name (wrapper prefixes stripped) belongs to an Engram block."""
+    return ".engram." in f".{name}"
+
+
+def is_table_param(name: str) -> bool:
+    """Whether a parameter name is an Engram block's embedding table."""
+    return is_engram_param(name) and ".table." in f".{name}"
+
+
 # Epsilon of the demo's key/query norms (nn.RMSNorm(eps=None) = finfo(float32).eps in fp32).
 GATE_NORM_EPS = torch.finfo(torch.float32).eps
 SHORT_CONV_NORM_EPS = 1e-5
@@ -47,15 +58,18 @@ class EngramTable(nn.Module):
     the same `weight` name and forward contract; the block never looks inside.
     """
 
-    def __init__(self, rows: int, head_dim: int) -> None:
+    def __init__(self, rows: int, head_dim: int, row_sparse: bool = False) -> None:
         super().__init__()
         if rows <= 0 or head_dim <= 0:
             raise ValueError(f"EngramTable needs rows > 0 and head_dim > 0, got {rows}, {head_dim}")
         self.weight = nn.Parameter(torch.empty(rows, head_dim))
+        self.row_sparse = row_sparse
+        """Backward leaves row-sparse gradients on `weight` (engram/table_grad.py), for a
+        row-sparse table optimizer; the sharded lookup takes its own (apply_engram_table_sharding)."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: LongTensor [..., H] -> [..., H, head_dim]."""
-        return embedding_lookup(ids, self.weight)  # row-sparse grads if marked (table_grad.py)
+        return embedding_lookup(ids, self.weight, row_sparse=self.row_sparse)
 
     def reset_parameters(self, std: float, seed: int, key: str = "engram.table.weight") -> None:
         from engram.models.init import init_normal_

@@ -83,6 +83,23 @@ def add_lora(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> nn.L
     return linear
 
 
+def add_lora_adapters(
+    model: nn.Module, paths: list[str], rank: int, alpha: float, dropout: float
+) -> list[str]:
+    """`add_lora` on every `layers.<i>.<path>` linear of `model` for `path` in `paths` (our module
+    paths, e.g. attention.wq); before any wrapper (names unprefixed). Returns the names."""
+    adapted = []
+    for name, module in list(model.named_modules()):
+        head, _, rest = name.partition(".")
+        if head != "layers" or rest.partition(".")[2] not in paths:
+            continue
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"LoRA target {name} is a {type(module).__name__}, not a linear")
+        add_lora(module, rank, alpha, dropout)
+        adapted.append(name)
+    return adapted
+
+
 @torch.no_grad()
 def merge_lora_(model: nn.Module) -> int:
     """Fold every adapter into its base weight (W += scaling * B A) and turn the module back into

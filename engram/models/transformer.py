@@ -246,7 +246,7 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
         cos, sin = self.rope_cache[0, :t], self.rope_cache[1, :t]
         for layer in self.layers.values():
-            slot = self._engram_slot.get(_unwrap(layer).layer_id)
+            slot = self._engram_slot.get(unwrap_block(layer).layer_id)
             ids = hash_ids[:, :, slot] if slot is not None and hash_ids is not None else None
             h = layer(h, cos, sin, ids)
         if self.norm is not None:
@@ -317,7 +317,7 @@ class Transformer(nn.Module):
         """Engram blocks present in this module (a pipeline stage may hold only some)."""
         blocks = {}
         for layer in self.layers.values():
-            inner = _unwrap(layer)
+            inner = unwrap_block(layer)
             if inner.engram is not None:
                 blocks[inner.layer_id] = inner.engram
         return blocks
@@ -337,7 +337,7 @@ def _placements(t: torch.Tensor) -> str:
     return str(tuple(t.placements)) if isinstance(t, DTensor) else "a plain tensor"
 
 
-def _unwrap(layer: nn.Module) -> TransformerBlock:
+def unwrap_block(layer: nn.Module) -> TransformerBlock:
     """The TransformerBlock inside activation-checkpoint / compile wrappers."""
     while not isinstance(layer, TransformerBlock):
         inner = getattr(layer, "_checkpoint_wrapped_module", None) or getattr(

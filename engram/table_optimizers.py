@@ -1,0 +1,56 @@
+"""The Engram table optimizers, stated once: name -> class, whether the tables take row-sparse
+gradients, and the optimizer state per table row.
+
+Read by the config check (engram/config.py), the optimizer builder (engram/optim.py), the table
+lookup (parallelisms/parallelize.py passes `row_sparse` to apply_engram_table_sharding), the
+pipeline's split-backward refusal (parallelisms/pipeline.py) and the memory planner
+(planner/tables.py). Importing it imports no torch: the class is resolved when it is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TableOptimizerSpec:
+    name: str
+    class_path: str
+    """"module:Class" of the optimizer."""
+    row_sparse: bool
+    """The tables' lookups leave (unique rows, fp32 row gradients) on the parameter and no dense
+    table gradient (engram/table_grad.py); the optimizer reads only the touched rows."""
+    fp32_states_per_param: int
+    """fp32 optimizer state values per table parameter (Adam's two moments)."""
+    fp32_states_per_row: int
+    """fp32 optimizer state values per table row (row-wise Adagrad's accumulator)."""
+    takes_betas: bool
+    """The constructor takes optimizer.betas."""
+
+    @property
+    def cls(self) -> type:
+        module, name = self.class_path.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    def state_bytes_per_row(self, dim: int) -> int:
+        """Persistent optimizer-state bytes of one table row of width `dim`."""
+        return 4 * (self.fp32_states_per_param * dim + self.fp32_states_per_row)
+
+
+TABLE_OPTIMIZERS: dict[str, TableOptimizerSpec] = {
+    spec.name: spec
+    for spec in (
+        TableOptimizerSpec("adam", "torch.optim:AdamW", False, 2, 0, True),
+        TableOptimizerSpec("lazy_adam", "engram.lazy_adam:LazyAdam", True, 2, 0, True),
+        TableOptimizerSpec("rowwise_adagrad", "engram.lazy_adam:RowwiseAdagrad", True, 0, 1, False),
+    )
+}
+
+
+def table_optimizer_spec(name: str) -> TableOptimizerSpec:
+    if name not in TABLE_OPTIMIZERS:
+        raise ValueError(
+            f"unknown table optimizer {name!r}: use one of {', '.join(TABLE_OPTIMIZERS)}"
+        )
+    return TABLE_OPTIMIZERS[name]
