@@ -72,11 +72,11 @@ def _train(rank: int, world: int, raw: dict) -> None:
 
 def _ours(raw: dict) -> dict:
     """The trained model (from its checkpoint): logits with Engram on and off."""
-    from recipes.generate import build_for_generation, load_checkpoint
+    from recipes.generate import build_for_generation, load_weights
 
     cfg = config_from_dict(raw)
     model, _, hasher = build_for_generation(cfg, 16)
-    load_checkpoint(model, cfg, 3)
+    load_weights(model, cfg, source="checkpoint", checkpoint_step=3)
     ids, hash_ids = _batch(hasher)
     with torch.no_grad():
         on = model(ids, hash_ids=hash_ids)
