@@ -256,9 +256,8 @@ def _interleave(workers: list[Worker], warmup: int, steps: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument(
-        "--epeft-python", required=True, help="python of a venv with engram-peft==1.2.7"
-    )
+    # Required of the driver only: the workers this script starts run without it.
+    ap.add_argument("--epeft-python", default="", help="python of a venv with engram-peft==1.2.7")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
@@ -276,6 +275,8 @@ def main() -> None:
     if args.worker:
         our_worker(args.data, args.worker, args.table_optimizer, args.threads)
         return
+    if not args.epeft_python:
+        ap.error("--epeft-python is required: the python of a venv with engram-peft==1.2.7")
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp)
         prepare_data(data, n_batches=16)
