@@ -1,10 +1,21 @@
 """Safetensors export: the way to share weights (a safetensors file holds no code).
 
-(a) a Hugging Face folder: config.json, model.safetensors (the backbone in HF Llama/Qwen names),
-    tokenizer.json, and engram.safetensors (the Engram weights, `engram.<our name>`, with the
-    Engram config and checkpoint fingerprint as JSON in the safetensors header). It loads back
-    into any layout with `engram.hf_load.load_hf_backbone` (it reads the `engram.` tensors too).
-(b) engram.safetensors alone (Engram-only weights), read back with `load_engram_safetensors`.
+(a) a self-contained Hugging Face folder that transformers loads as the full model:
+
+        AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+        AutoTokenizer.from_pretrained(folder)
+
+    model.safetensors (the backbone in HF Llama/Qwen names; Engram weights under
+    `model.layers.<i>.engram.*`; the tokenizer compression table as `engram_hash.lookup`),
+    config.json (the family's config plus `engram`: layer ids, seeds, multipliers, primes, table
+    sizes; `engram_titan`: repo version, checkpoint fingerprint and the training config),
+    modeling_engram.py (engram/hf_remote/, torch + transformers only; `auto_map` points to it),
+    tokenizer.json + tokenizer_config.json and generation_config.json. Without Engram the folder
+    is a plain Llama / Qwen2 / Qwen3 checkpoint (no remote code). It also loads back into any
+    layout with `engram.hf_load.load_hf_backbone` (model.hf_checkpoint = folder).
+(b) engram.safetensors alone (Engram-only weights, `engram.<our name>`, with the Engram config
+    and checkpoint fingerprint as JSON in the safetensors header), read back with
+    `load_engram_safetensors`.
 """
 
 from __future__ import annotations
@@ -13,6 +24,8 @@ import dataclasses
 import json
 import logging
 import shutil
+import subprocess
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +37,7 @@ from torch import nn
 from engram.checkpoint import fingerprint_mismatches
 from engram.models.args import ModelArgs
 from engram.models.engram import is_engram_param
-from engram.models.hf_adapter import ENGRAM_PREFIX, to_hf_state_dict
+from engram.models.hf_adapter import ENGRAM_PREFIX, HASH_LOOKUP, to_hf_state_dict
 from engram.models.init import local_view
 from engram.models.lora import is_lora_param
 from engram.models.transformer import clean_fqn
@@ -32,7 +45,6 @@ from engram.models.transformer import clean_fqn
 logger = logging.getLogger("engram")
 
 ENGRAM_FILE = "engram.safetensors"
-NOTE_FILE = "README.md"
 # Files of an HF model folder: what an export writes or another export / download left there.
 _MODEL_FILE_PATTERNS = (
     "*.safetensors",
@@ -44,21 +56,15 @@ _MODEL_FILE_PATTERNS = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
-    NOTE_FILE,
+    "modeling_engram.py",
 )
-BACKBONE_ONLY_NOTE = """# Engram model exported by engram-titan
-
-`model.safetensors` and `config.json` hold the **backbone only**; the Engram weights are in
-`engram.safetensors`, which plain `transformers` does not read. Opened with
-`AutoModelForCausalLM.from_pretrained` this folder runs the backbone **without Engram**: not the
-model that was trained (other outputs). Load the whole model with engram-titan:
-`model.hf_checkpoint = "<this folder>"` (engram/hf_load.py reads engram.safetensors too).
-"""
 ENGRAM_FORMAT = "engram-safetensors/1"
+MODELING_FILE = Path(__file__).parent / "hf_remote" / "modeling_engram.py"
+# model.name -> (plain architecture, model_type, Engram architecture, Engram model_type)
 _ARCH = {
-    "llama3": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "llama3": ("LlamaForCausalLM", "llama", "EngramLlamaForCausalLM", "engram_llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", "EngramQwen2ForCausalLM", "engram_qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", "EngramQwen3ForCausalLM", "engram_qwen3"),
 }
 
 
@@ -67,8 +73,23 @@ class EngramExportError(ValueError):
 
 
 def hf_config(args: ModelArgs, family: str) -> dict[str, Any]:
-    """config.json for the backbone (the keys hf_load checks, plus what HF needs to build it)."""
-    arch, model_type = _ARCH[family]
+    """config.json for the backbone (transformers 5 layout: RoPE in `rope_parameters`)."""
+    if family not in _ARCH:
+        raise EngramExportError(
+            f"model.name {family!r} has no Hugging Face export: supported {', '.join(_ARCH)}"
+        )
+    # What transformers' class of the family computes: anything else would load silently wrong.
+    want = {"llama3": (False, False), "qwen2": (True, False), "qwen3": (False, True)}[family]
+    if (args.qkv_bias, args.qk_norm) != want:
+        raise EngramExportError(
+            f"a {family} model with qkv_bias = {args.qkv_bias}, qk_norm = {args.qk_norm} has no "
+            f"transformers class (its {_ARCH[family][0]} computes qkv_bias = {want[0]}, qk_norm = "
+            f"{want[1]}): export a shape of the family"
+        )
+    arch, model_type = _ARCH[family][:2]
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.rope_scaling is not None:
+        rope = {**rope, "rope_type": "llama3", **dataclasses.asdict(args.rope_scaling)}
     config: dict[str, Any] = {
         "architectures": [arch],
         "model_type": model_type,
@@ -80,23 +101,112 @@ def hf_config(args: ModelArgs, family: str) -> dict[str, Any]:
         "head_dim": args.head_dim,
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
+        "rope_parameters": rope,
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings,
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
-    if args.rope_scaling is not None:
-        config["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(args.rope_scaling)}
     if family == "qwen2":
         config["attention_bias"] = args.qkv_bias
     return config
+
+
+def engram_hf_config(model: nn.Module, hasher: Any) -> dict[str, Any]:
+    """config.json's `engram`: everything the modeling file needs to hash and build the blocks."""
+    cfg = model.engram_cfg
+    blocks = model.engram_blocks()
+    rows = {i: int(b.table.weight.shape[0]) for i, b in blocks.items()}
+    if rows != {int(i): int(r) for i, r in hasher.table_rows.items()}:
+        raise EngramExportError(f"table rows {rows} differ from the hasher's {hasher.table_rows}")
+    if cfg.hc_mult != 1:
+        raise EngramExportError(f"engram.hc_mult = {cfg.hc_mult}: the export computes hc_mult 1")
+    layers = hasher.layer_ids
+    return {
+        "layer_ids": layers,
+        "max_ngram": hasher.max_ngram,
+        "n_head_per_ngram": hasher.n_head_per_ngram,
+        "n_embed_per_ngram": cfg.n_embed_per_ngram,
+        "head_dim": cfg.head_dim,
+        "kernel_size": cfg.kernel_size,
+        "hc_mult": cfg.hc_mult,
+        "use_bias": cfg.use_bias,
+        "seed": cfg.seed,
+        "pad_id": hasher.pad_id,
+        "compressed_pad_id": hasher.compressed_pad_id,
+        "num_token_ids": hasher.num_ids,
+        "compressed_vocab": hasher.compressed_vocab,
+        "table_primes": {str(i): [int(p) for p in hasher.table_sizes[i]] for i in layers},
+        "table_rows": {str(i): rows[i] for i in layers},
+        "multipliers": {
+            str(i): [int(m) for m in hasher.multipliers[k]] for k, i in enumerate(layers)
+        },
+    }
+
+
+def provenance(config_toml: str, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """config.json's `engram_titan`: where the folder came from."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {
+        "version": metadata.version("engram-titan"),
+        "git_commit": commit,
+        "fingerprint": fingerprint,
+        "training_config": config_toml,
+    }
 
 
 def full_cpu(t: torch.Tensor) -> torch.Tensor:
     """The full tensor of a (DTensor) parameter, detached, on the CPU (collective for a DTensor)."""
     full = t.full_tensor() if hasattr(t, "full_tensor") else t
     return full.detach().to("cpu").contiguous()
+
+
+def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if bad:
+        raise EngramExportError(
+            f"not exporting non-finite weights (NaN/inf in {bad[:5]}): the checkpoint is damaged "
+            "or training diverged; export an earlier step (--step)"
+        )
+
+
+def _tokenizer_files(out: Path, tokenizer: Any, max_len: int, suppress: list[int]) -> None:
+    tokenizer.hf.save(str(out / "tokenizer.json"))
+    hf = tokenizer.hf
+
+    def token(i: int | None) -> str | None:
+        return None if i is None else hf.id_to_token(i)
+
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": token(tokenizer.eos_id),
+                "bos_token": token(tokenizer.bos_id),
+                "pad_token": token(tokenizer.pad_id),
+                "model_max_length": max_len,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    generation = {
+        "eos_token_id": tokenizer.eos_id,
+        "pad_token_id": tokenizer.pad_id,
+        **({"bos_token_id": tokenizer.bos_id} if tokenizer.bos_id is not None else {}),
+        # Rows past the tokenizer (padded embeddings) have no token to hash or decode.
+        **({"suppress_tokens": suppress} if suppress else {}),
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def export(
@@ -106,13 +216,15 @@ def export(
     fingerprint: dict[str, Any],
     out: str | Path,
     engram_only: bool = False,
-    tokenizer_file: str | Path | None = None,
+    tokenizer: Any = None,
+    hasher: Any = None,
+    config_toml: str = "",
 ) -> list[Path]:
-    """Write (a) the HF folder or (b) only engram.safetensors into `out`; returns the files.
+    """Write (a) the self-contained HF folder or (b) only engram.safetensors into `out`;
+    returns the files. (a) needs the run's `tokenizer` and, with Engram, its `hasher`.
 
     `model` must hold full (unsharded) tensors or DTensors (gathered here: collective then)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     sd = {name: full_cpu(p) for name, p in model.state_dict().items()}
     adapters = [name for name in sd if is_lora_param(name)]
     if adapters and not engram_only:
@@ -121,37 +233,59 @@ def export(
             "engram.export_peft.export_peft, or fold them in first (engram.models.lora.merge_lora_)"
         )
     sd = {name: t for name, t in sd.items() if not is_lora_param(name)}
+    _check_finite(sd)
     hf = to_hf_state_dict(sd, model.args)
     engram = {k: v for k, v in hf.items() if k.startswith(ENGRAM_PREFIX)}
-    backbone = {k: v for k, v in hf.items() if not k.startswith(ENGRAM_PREFIX)}
-    written = []
-    if engram:
+    if engram_only:
+        if not engram:
+            raise EngramExportError("--engram-only: this model has no Engram layers")
+        out.mkdir(parents=True, exist_ok=True)
         header = {
             "format": ENGRAM_FORMAT,
             "engram_config": json.dumps(engram_config, sort_keys=True),
             "fingerprint": json.dumps(fingerprint, sort_keys=True),
         }
         save_file(engram, str(out / ENGRAM_FILE), metadata=header)
-        written.append(out / ENGRAM_FILE)
-    if not engram_only:
-        save_file(backbone, str(out / "model.safetensors"), metadata={"format": "pt"})
-        (out / "config.json").write_text(
-            json.dumps(hf_config(model.args, family), indent=2, sort_keys=True) + "\n"
+        return [out / ENGRAM_FILE]
+    if tokenizer is None:
+        raise ValueError("export of a Hugging Face folder needs the run's tokenizer")
+    config = hf_config(model.args, family)
+    tensors = {k: v for k, v in hf.items() if not k.startswith(ENGRAM_PREFIX)}
+    if engram:
+        if hasher is None:
+            raise ValueError("export of an Engram model needs the run's NgramHasher")
+        # `engram.layers.<i>.engram.X` -> the modeling file's `model.layers.<i>.engram.X`.
+        tensors.update({"model." + k[len(ENGRAM_PREFIX) :]: v for k, v in engram.items()})
+        lookup = hasher.lookup if hasher.lookup is not None else range(hasher.num_ids)
+        tensors[HASH_LOOKUP] = torch.as_tensor(lookup, dtype=torch.int64).clone()
+        arch, model_type = _ARCH[family][2:]
+        name = MODELING_FILE.stem
+        config.update(
+            architectures=[arch],
+            model_type=model_type,
+            auto_map={
+                "AutoConfig": f"{name}.{arch.replace('ForCausalLM', 'Config')}",
+                "AutoModelForCausalLM": f"{name}.{arch}",
+            },
+            engram=engram_hf_config(model, hasher),
         )
-        written += [out / "model.safetensors", out / "config.json"]
-        if tokenizer_file is not None:
-            shutil.copyfile(tokenizer_file, out / "tokenizer.json")
-            written.append(out / "tokenizer.json")
-        if engram:
-            (out / NOTE_FILE).write_text(BACKBONE_ONLY_NOTE)
-            written.append(out / NOTE_FILE)
-            logger.warning(
-                "%s: plain transformers loads the backbone WITHOUT Engram (engram.safetensors is "
-                "not read by it): load it with model.hf_checkpoint (see %s there)",
-                out,
-                NOTE_FILE,
-            )
-    return written
+    config.update(
+        eos_token_id=tokenizer.eos_id,
+        bos_token_id=tokenizer.bos_id,
+        pad_token_id=tokenizer.pad_id,
+        engram_titan=provenance(config_toml, fingerprint),
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    written = [out / "model.safetensors", out / "config.json"]
+    if engram:
+        shutil.copyfile(MODELING_FILE, out / MODELING_FILE.name)
+        written.append(out / MODELING_FILE.name)
+    suppress = list(range(tokenizer.vocab_size, model.args.vocab_size))
+    _tokenizer_files(out, tokenizer, model.args.max_seq_len, suppress)
+    names = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+    return written + [out / n for n in names]
 
 
 def prepare_output_folder(out: str | Path, overwrite: bool) -> None:

@@ -7,8 +7,8 @@ Call it after `to_empty()` + `init_weights()`: parameters may then be FSDP2 / HS
 Each rank reads only the block of every tensor that it holds (safetensors slices of a memory-mapped
 file), so a 32B checkpoint is never materialised in full on any rank. Names are mapped by
 engram/models/hf_adapter.py (Llama / Qwen2 / Qwen3). Engram parameters are not part of an HF
-checkpoint and keep their init; a folder that does carry them (under the adapter's `engram.`
-prefix) loads them too. Values are cast to the parameter dtype. A tied model (one Parameter for
+checkpoint and keep their init; a folder that does carry them (engram/export.py's
+`model.layers.<i>.engram.*`, or the adapter's `engram.` prefix) loads them too. Values are cast to the parameter dtype. A tied model (one Parameter for
 the embedding and the head) takes model.embed_tokens.weight and needs no lm_head.weight.
 """
 

@@ -104,11 +104,6 @@ class MetricsLogger:
                 self.writer.add_text("config", "```\n" + text + "\n```", 0)
         self.jsonl = (self.run_folder / "metrics.jsonl").open("a")
 
-    def should_log(self, step: int, last_step: bool = False) -> bool:
-        """Log on step 1, every `log_freq` steps and at the last step (same on every rank, so
-        callers can gate collective metric reductions on it)."""
-        return step == 1 or last_step or step % self.cfg.log_freq == 0
-
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if self.rank != 0:
             return

@@ -26,7 +26,7 @@ STEPS = {  # parallelize_model step -> where its memory is modelled
     "apply_compile": "estimated as eager (inductor saves activation memory, never adds much)",
     "apply_fsdp": "measure (shards), fsdp_buffers, comm",
     "apply_lora": "measure (adapters are built parameters; the frozen backbone at its held dtype)",
-    "apply_training_mode": "measure (frozen parameters hold no grad / state)",
+    "apply_training_mode": "measure (frozen parameters hold no gradient or optimizer state)",
 }
 
 MODELLED = {  # setting -> where the planner models it

@@ -17,11 +17,12 @@ this order):
   hf          the Hugging Face folder in `model.hf_checkpoint` (backbone; Engram keeps its init)
   init        the deterministic random init of `job.seed` (a smoke test, not a language model)
 
-Decoding is token by token. There is no KV cache: every step runs the model on the whole sequence
-and recomputes the Engram hash ids of the whole sequence on the model's device with
-`NgramHasher.hash_torch`. That is O(T^2) per sequence, fine at debug scale; for long generations
-from big models add a KV cache (Engram then needs only the hash ids of the newest position, which
-depend on the last max_ngram tokens). Greedy at temperature 0, else sampling (optionally top-k).
+Decoding is token by token with a KV cache (engram/models/decode_cache.py): the prompt runs once,
+then each step runs only the newest token. Engram needs the hash ids of the new position, which
+depend on the last max_ngram tokens (hashed on the model's device with `NgramHasher.hash_torch`),
+and the ShortConv window of the last (kernel_size - 1) x dilation positions, kept in the cache.
+`--no_cache` recomputes the whole sequence every step instead (O(T^2); the reference the cached
+path is tested against). Greedy at temperature 0, else sampling (optionally top-k).
 Output rows past the tokenizer's vocabulary (padded embeddings, e.g. Qwen2.5) are never sampled.
 """
 
@@ -47,6 +48,7 @@ from engram.hashing import NgramHasher
 from engram.hf_load import load_frozen_backbone, load_hf_backbone
 from engram.metrics import init_logger
 from engram.models.builder import build_for_inference, build_hasher
+from engram.models.decode_cache import DecodeCache
 from engram.models.transformer import Transformer
 from engram.optim import saved_params
 
@@ -71,6 +73,8 @@ class GenerateArgs:
     """Token put before the prompt: eos (how our packer starts a document), bos, or none."""
     seed: int | None = None
     """Sampling seed; None: job.seed."""
+    no_cache: bool = False
+    """Recompute the whole sequence every step (no KV cache)."""
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[GenerateArgs, JobConfig]:
@@ -89,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[GenerateArgs, JobConfig]:
     parser.add_argument("--source", choices=SOURCES, default=d.source)
     parser.add_argument("--prefix", choices=("eos", "bos", "none"), default=d.prefix)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--no_cache", action="store_true")
     ns, rest = parser.parse_known_args(argv)
     args = GenerateArgs(**vars(ns))
     if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0:
@@ -199,13 +204,16 @@ def generate(
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
+    use_cache: bool = True,
 ) -> torch.Tensor:
     """input_ids [B, T] (or [T]) -> [B, T + n] with n <= max_new_tokens new tokens.
 
-    Each step runs the full sequence (no KV cache) with its Engram hash ids recomputed on the
-    model's device. Stops early once every row has produced `eos_id`; finished rows are padded
-    with it. `vocab_size` (the tokenizer's): output rows past it (padding, e.g. Qwen2.5's 152,064
-    rows for 151,665 tokens) are never chosen, so every id can be decoded and hashed."""
+    With `use_cache` the prompt runs once and each step runs the newest token against the KV
+    cache; else each step runs the full sequence. Hash ids are computed on the model's device
+    (for the newest positions: from the last max_ngram tokens only). Stops early once every
+    row has produced `eos_id`; finished rows are padded with it. `vocab_size` (the tokenizer's):
+    output rows past it (padding, e.g. Qwen2.5's 152,064 rows for 151,665 tokens) are never
+    chosen, so every id can be decoded and hashed."""
     ids = input_ids if input_ids.dim() == 2 else input_ids[None]
     device = model.rope_cache.device
     ids = ids.to(device=device, dtype=torch.long)
@@ -221,9 +229,14 @@ def generate(
             f"vocab_size {vocab_size} must be in 1..{model.args.vocab_size} (the output rows)"
         )
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
+    cache = DecodeCache() if use_cache else None
     for _ in range(max_new_tokens):
-        hash_ids = None if hasher is None else hasher.hash_torch(ids).to(device)
-        logits = model(ids, hash_ids=hash_ids)[:, -1]
+        start = 0 if cache is None else cache.pos
+        hash_ids = None
+        if hasher is not None:  # position t hashes tokens t - max_ngram + 1 .. t
+            window = ids[:, max(0, start - hasher.max_ngram + 1) :]
+            hash_ids = hasher.hash_torch(window)[:, start - ids.shape[1] :].to(device)
+        logits = model(ids[:, start:], hash_ids=hash_ids, cache=cache)[:, -1]
         if vocab_size is not None:
             logits[:, vocab_size:] = float("-inf")
         nxt = sample_next(logits, temperature, top_k, generator)
@@ -277,6 +290,7 @@ def main(argv: list[str] | None = None) -> str:
         eos_id=tokenizer.eos_id,
         generator=generator,
         vocab_size=tokenizer.vocab_size,
+        use_cache=not args.no_cache,
     )
     completion = tokenizer.decode(out[0, len(prompt_ids) :].tolist())
     print(f"{args.prompt}{completion}")

@@ -321,9 +321,9 @@ class Checker:
         model = self._tiny_model()
         ref = copy.deepcopy(model)
         rows = model.table.weight.shape[0]
-        tables = apply_engram_table_sharding(
-            model, self.mesh(), table_types=(nn.Embedding,)
-        )  # grad_scale = 1 / world: the data-parallel mean
+        tables = apply_engram_table_sharding(  # 1 / world: the data-parallel mean (no TP)
+            model, self.mesh(), grad_scale=1.0 / self.world, table_types=(nn.Embedding,)
+        )
         mp = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
         for layer in model.layers:
             fully_shard(layer, mesh=self.mesh(), mp_policy=mp)

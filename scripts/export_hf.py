@@ -3,10 +3,11 @@
     PYTHONPATH=. python scripts/export_hf.py --job.config_file train_configs/debug_model.toml \
         --out exported/ [--step N] [--engram-only] [--overwrite] [--section.key=value ...]
 
-(a) default: a Hugging Face folder (config.json, model.safetensors with the backbone in HF
-    Llama/Qwen names, tokenizer.json) plus engram.safetensors (Engram weights, with the Engram
-    config and the checkpoint fingerprint as JSON in its header). Load it into any layout with
-    model.hf_checkpoint = <folder> (engram/hf_load.py reads the Engram tensors too).
+(a) default: a self-contained Hugging Face folder (engram/export.py): transformers loads it as
+    the full Engram model with AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    (modeling_engram.py beside config.json) and AutoTokenizer.from_pretrained(out); this repo
+    loads it into any layout with model.hf_checkpoint = <folder>. config.json states the repo
+    version, the checkpoint fingerprint and the training config it came from.
 (b) --engram-only: engram.safetensors alone (engram.export.load_engram_safetensors reads it).
 (c) training.mode = "lora": a PEFT adapter folder (adapter_config.json, adapter_model.safetensors
     in PEFT's key names: `PeftModel.from_pretrained(base, folder)` on the transformers base model)
@@ -31,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engram.checkpoint import find_checkpoint, load_model_checkpoint  # noqa: E402
-from engram.config import load_config  # noqa: E402
+from engram.config import load_config, to_toml  # noqa: E402
 from engram.data.tokenizer import load_tokenizer  # noqa: E402
 from engram.export import export, prepare_output_folder  # noqa: E402
 from engram.export_peft import export_peft  # noqa: E402
@@ -84,7 +85,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
             fingerprint,
             ns.out,
             engram_only=ns.engram_only,
-            tokenizer_file=tokenizer.source or None,
+            tokenizer=tokenizer,
+            hasher=hasher,
+            config_toml=to_toml(cfg),
         )
     for f in files:
         print(f"wrote {f}")

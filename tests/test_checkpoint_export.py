@@ -1,6 +1,6 @@
 """Safetensors export round trip: a checkpoint saved at world 2 (FSDP), exported by
-scripts/export_hf.py, imported at world 3 (FSDP, row-sharded tables) through the HF loader gives
-the same logits as the checkpoint itself; the Engram-only file reads back and refuses another
+scripts/export_hf.py (the self-contained transformers folder), imported at world 3 (FSDP,
+row-sharded tables) through the HF loader gives the same logits as the checkpoint itself; the Engram-only file reads back and refuses another
 hashing config."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from engram.checkpoint import CheckpointError
 from engram.config import config_from_dict, to_toml
-from engram.export import EngramExportError, load_engram_safetensors, read_engram_header
+from engram.export import EngramExportError, load_engram_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,21 +125,30 @@ def test_export_at_one_layout_import_at_another(tmp_path):
     out = tmp_path / "hf"
     files = run_isolated(_export, ["--out", str(out), f"--job.config_file={toml}"])
     assert {Path(f).name for f in files} == {
-        "engram.safetensors",
         "model.safetensors",
         "config.json",
+        "modeling_engram.py",
         "tokenizer.json",
-        "README.md",  # says that plain transformers runs this backbone without Engram
+        "tokenizer_config.json",
+        "generation_config.json",
     }
-    assert "without Engram" in (out / "README.md").read_text()
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 4
+    assert (
+        config["architectures"] == ["EngramLlamaForCausalLM"] and config["num_hidden_layers"] == 4
+    )
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
-    assert "model.embed_tokens.weight" in keys and not any("engram" in k for k in keys)
-    header = read_engram_header(out / "engram.safetensors")
-    assert header["engram_config"]["layer_ids"] == [1, 2]
-    assert header["fingerprint"]["engram"]["table_primes"]["1"] == [1009, 1013, 997, 1019]
+    assert {"model.embed_tokens.weight", "model.layers.1.engram.table.weight"} <= keys
+    assert "engram_hash.lookup" in keys
+    assert config["engram"]["layer_ids"] == [1, 2]
+    assert config["engram"]["table_primes"]["1"] == [1009, 1013, 997, 1019]
+    assert config["engram_titan"]["fingerprint"]["engram"]["table_primes"]["1"] == [
+        1009,
+        1013,
+        997,
+        1019,
+    ]
+    assert "[engram]" in config["engram_titan"]["training_config"]
 
     ref = run_isolated(_reference, raw)
     imported = run_distributed(_import, 3, {**raw, "parallelism": {"dp_shard": 3}}, str(out))
@@ -175,6 +184,6 @@ def test_export_at_one_layout_import_at_another(tmp_path):
         run_isolated(_export, ["--out", str(stale), f"--job.config_file={toml}"])
     run_isolated(_export, ["--out", str(stale), "--overwrite", f"--job.config_file={toml}"])
     assert sorted(p.name for p in stale.iterdir()) == sorted(
-        ["README.md", "config.json", "engram.safetensors", "model.safetensors", "notes.txt",
-         "tokenizer.json"]
+        ["config.json", "generation_config.json", "model.safetensors", "modeling_engram.py",
+         "notes.txt", "tokenizer.json", "tokenizer_config.json"]
     )  # fmt: skip

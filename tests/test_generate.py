@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from engram.checkpoint import CheckpointError
 from engram.config import config_from_dict, to_toml
 from engram.data.tokenizer import load_tokenizer
+from engram.models.decode_cache import DecodeCache
 from engram.models.hf_adapter import to_hf_state_dict
 from recipes.generate import (
     build_for_generation,
@@ -92,6 +93,38 @@ def test_stepwise_agrees_with_one_full_forward(fresh):
     wrong = torch.zeros_like(hasher.hash_torch(out[:, :-1]))
     with torch.no_grad():
         assert not torch.allclose(model(out[:, :-1], hash_ids=wrong), logits)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 14])
+def test_cached_decoding_equals_uncached(fresh, prompt_len):
+    """KV cache + Engram windows: the same greedy tokens as recomputing the whole sequence, and
+    the same logits at every step up to float noise (prompts shorter and longer than the
+    hash and ShortConv windows)."""
+    model, _, hasher, _ = fresh
+    prompts = torch.randint(0, 2000, (2, prompt_len), generator=torch.Generator().manual_seed(1))
+    new = 24 - prompt_len
+    cached = generate(model, prompts, hasher, new)
+    assert torch.equal(cached, generate(model, prompts, hasher, new, use_cache=False))
+    cache = DecodeCache()
+    with torch.no_grad():
+        full = model(cached, hash_ids=hasher.hash_torch(cached))
+        steps = [
+            model(
+                cached[:, :prompt_len],
+                hash_ids=hasher.hash_torch(cached[:, :prompt_len]),
+                cache=cache,
+            )
+        ]
+        for t in range(prompt_len, cached.shape[1]):
+            window = cached[:, max(0, t - 2) : t + 1]
+            steps.append(
+                model(cached[:, t : t + 1], hash_ids=hasher.hash_torch(window)[:, -1:], cache=cache)
+            )
+    assert cache.pos == cached.shape[1]
+    with torch.no_grad():  # the prefill is the uncached forward of the prompt, bit for bit
+        prompt = cached[:, :prompt_len]
+        assert torch.equal(steps[0], model(prompt, hash_ids=hasher.hash_torch(prompt)))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
 def test_sampling(fresh):

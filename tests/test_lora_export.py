@@ -1,9 +1,10 @@
 """LoRA export: a lora run (FSDP2, 2 ranks, backbone from an HF folder) exported by
 scripts/export_hf.py as a PEFT adapter folder and as a merged HF folder.
 
-- HF PEFT (`PeftModel.from_pretrained`) on the transformers base model, and the merged folder in
-  transformers, give the trained model's logits with Engram disabled (its value projection
-  zeroed: the block then adds exactly 0);
+- HF PEFT (`PeftModel.from_pretrained`) on the transformers base model gives the trained model's
+  logits with Engram disabled (its value projection zeroed: the block then adds exactly 0); the
+  merged folder in transformers (trust_remote_code: Engram in its modeling file) gives them with
+  Engram on;
 - the merged folder loaded back by our recipe path (its engram.safetensors included) gives the
   trained model's logits with Engram on.
 
@@ -61,7 +62,7 @@ def _base_folder(raw: dict, out: str) -> None:
     model, _ = build_from_config(config_from_dict(plain), load_tokenizer(""))
     model.to_empty(device="cpu")
     model.init_weights(seed=9)
-    export(model, "llama3", {}, {}, out)
+    export(model, "llama3", {}, {}, out, tokenizer=load_tokenizer(""))
 
 
 def _train(rank: int, world: int, raw: dict) -> None:
@@ -96,7 +97,9 @@ def _transformers(base: str, peft_dir: str, merged: str, ids: np.ndarray) -> dic
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         out["base"] = model(x).logits.numpy()
         out["peft"] = PeftModel.from_pretrained(model, peft_dir)(input_ids=x).logits.numpy()
-        merged_model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+        merged_model = AutoModelForCausalLM.from_pretrained(
+            merged, dtype=torch.float32, trust_remote_code=True
+        )
         out["merged"] = merged_model(x).logits.numpy()
     return out
 
@@ -144,7 +147,8 @@ def test_peft_and_merged_exports_reproduce_the_trained_model(tmp_path):
     hf = run_isolated(_transformers, base, str(peft_dir), str(merged), ours["ids"])
     assert np.abs(hf["base"] - ours["off"]).max() > 1e-3, "the adapters changed nothing"
     np.testing.assert_allclose(hf["peft"], ours["off"], rtol=1e-5, atol=2e-5)
-    np.testing.assert_allclose(hf["merged"], ours["off"], rtol=1e-5, atol=2e-5)
+    # The merged folder is self-contained (Engram in its modeling file): Engram on.
+    np.testing.assert_allclose(hf["merged"], ours["on"], rtol=1e-5, atol=2e-5)
     assert np.abs(ours["on"] - ours["off"]).max() > 1e-4, "Engram contributed nothing"
     back = run_isolated(_ours_from_merged, raw, str(merged))
     np.testing.assert_allclose(back, ours["on"], rtol=1e-5, atol=2e-5)

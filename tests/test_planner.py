@@ -311,7 +311,8 @@ def test_every_step_and_setting_is_registered():
     listed = set(registry.MODELLED) | registry.NO_MEMORY_EFFECT | set(registry.MODELLED_VALUES)
     assert listed <= names, f"stale names in planner/registry.py: {sorted(listed - names)}"
     assert not set(registry.MODELLED) & registry.NO_MEMORY_EFFECT
-    assert set(registry.parallelize_steps()) == set(registry.STEPS)
+    unmodelled = set(registry.parallelize_steps()) - set(registry.STEPS)
+    assert not unmodelled, f"model and register in planner/registry.py STEPS: {unmodelled}"
 
 
 def test_unmodelled_step_or_setting_is_refused_by_name(monkeypatch):

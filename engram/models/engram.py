@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engram.config import Engram as EngramConfig
+from engram.models.decode_cache import LayerCache
 from engram.table_grad import embedding_lookup
 
 
@@ -100,12 +101,21 @@ class ShortConv(nn.Module):
             dilation=dilation,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, hc, D] -> [B, T, hc, D]."""
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """x: [B, T, hc, D] -> [B, T, hc, D]. `cache.conv`: the conv input of the window before
+        x (incremental decoding; None: x starts the sequence), replaced by the newest window."""
         b, t, g, d = x.shape
         normed = torch.cat([self.norms[i](x[:, :, i, :]) for i in range(g)], dim=-1)
-        # Symmetric padding then keeping the first T outputs = causal (left) padding.
-        y = self.conv(normed.transpose(1, 2))[..., :t]
+        normed = normed.transpose(1, 2)  # [B, channels, T]
+        if cache is None or cache.conv is None:
+            # Symmetric padding then keeping the first T outputs = causal (left) padding.
+            y = self.conv(normed)[..., :t]
+            if cache is not None:
+                cache.conv = F.pad(normed, (self.conv.padding[0], 0))[..., t:]
+        else:
+            full = torch.cat([cache.conv, normed], dim=-1)  # [B, channels, window + T]
+            y = F.conv1d(full, self.conv.weight, dilation=self.dilation, groups=full.shape[1])
+            cache.conv = full[..., t:]
         return F.silu(y).transpose(1, 2).reshape(b, t, g, d)
 
 
@@ -137,8 +147,11 @@ class EngramBlock(nn.Module):
             dim, engram_cfg.kernel_size, dilation=engram_cfg.max_ngram, hc_mult=self.hc_mult
         )
 
-    def forward(self, hidden: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
-        """hidden: [B, T, D] (hc_mult 1) or [B, T, hc, D]; hash_ids: [B, T, H] -> like hidden."""
+    def forward(
+        self, hidden: torch.Tensor, hash_ids: torch.Tensor, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        """hidden: [B, T, D] (hc_mult 1) or [B, T, hc, D]; hash_ids: [B, T, H] -> like hidden.
+        `cache`: the ShortConv window of earlier positions (incremental decoding)."""
         squeeze = hidden.dim() == 3
         if squeeze:
             hidden = hidden.unsqueeze(2)
@@ -163,7 +176,7 @@ class EngramBlock(nn.Module):
             gates.append(gate.sigmoid())
         gate = torch.stack(gates, dim=2).unsqueeze(-1)  # [B, T, hc, 1]
         value = gate * self.value_proj(e).unsqueeze(2)  # W_v shared over branches
-        out = value + self.short_conv(value)
+        out = value + self.short_conv(value, cache)
         return out.squeeze(2) if squeeze else out
 
     def init_weights(self, seed: int, prefix: str, std: float = 0.02) -> None:

@@ -1,8 +1,10 @@
 """State-dict names: ours <-> Hugging Face Llama / Qwen2 / Qwen3.
 
 Our RoPE is HF's rotate-half convention, so q/k weights map without any row permutation. Engram
-parameters have no HF counterpart; they travel under an `engram.` prefix on our own name
-(e.g. `engram.layers.1.engram.table.weight`).
+parameters have no HF counterpart: in engram.safetensors they travel under an `engram.` prefix on
+our own name (e.g. `engram.layers.1.engram.table.weight`); in the transformers export
+(engram/hf_remote/modeling_engram.py) they sit in their decoder layer,
+`model.layers.1.engram.table.weight`, beside the tokenizer compression table `engram_hash.lookup`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from engram.models.args import ModelArgs
 
 ENGRAM_PREFIX = "engram."
+HASH_LOOKUP = "engram_hash.lookup"  # the export's compression table (a buffer, not a weight)
 
 _TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -37,6 +40,7 @@ _LAYER_INV = {v: k for k, v in _LAYER.items()}
 _TOP_INV = {v: k for k, v in _TOP.items()}
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_HF_ENGRAM = re.compile(r"^model\.(layers\.\d+\.engram\..+)$")
 # Buffers some HF checkpoints carry; recomputed on our side.
 _HF_IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 
@@ -78,7 +82,11 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[
         if name.startswith(ENGRAM_PREFIX):
             out[name[len(ENGRAM_PREFIX) :]] = value
             continue
-        if _HF_IGNORED.search(name):
+        if _HF_IGNORED.search(name) or name == HASH_LOOKUP:
+            continue
+        engram = _HF_ENGRAM.match(name)
+        if engram is not None:
+            out[engram.group(1)] = value
             continue
         if name in _TOP_INV:
             if name == "lm_head.weight" and args.tie_embeddings:

@@ -23,8 +23,15 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # engram/export.py's transformers export (modeling_engram.py) on these backbones
+    "EngramLlamaForCausalLM": "llama3",
+    "EngramQwen2ForCausalLM": "qwen2",
+    "EngramQwen3ForCausalLM": "qwen3",
 }
-MODEL_TYPES = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen3"}
+MODEL_TYPES = {
+    "llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen3",
+    "engram_llama": "llama3", "engram_qwen2": "qwen2", "engram_qwen3": "qwen3",
+}  # fmt: skip
 # RoPE types rope_inv_freq computes ("default": no scaling).
 ROPE_TYPES = ("default", "llama3")
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from engram.config import Engram as EngramConfig
 from engram.models.args import ModelArgs, RopeScaling
+from engram.models.decode_cache import DecodeCache, LayerCache
 from engram.models.engram import EngramBlock, RMSNorm
 from engram.models.init import init_constant_, init_normal_
 from engram.models.lora import LoRAMixin
@@ -87,7 +88,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        """`cache`: keys / values of earlier positions (incremental decoding), extended here."""
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(b, t, -1, self.head_dim)
@@ -97,11 +101,19 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, H, T, Dh]
+        past = 0
+        if cache is not None:
+            past = 0 if cache.keys is None else cache.keys.shape[2]
+            k, v = cache.append_kv(k, v)
         if self.n_rep > 1:
             # repeat_kv instead of enable_gqa: every backend (incl. torch_npu) supports it.
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if past == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # query i sees keys 0 .. past + i
+            keep = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(past)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -139,12 +151,13 @@ class TransformerBlock(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         hash_ids: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         if self.engram is not None:
             if hash_ids is None:
                 raise ValueError(f"layer {self.layer_id} has an Engram block but got no hash_ids")
-            h = h + self.engram(h, hash_ids)
-        h = h + self.attention(self.attention_norm(h), cos, sin)
+            h = h + self.engram(h, hash_ids, cache)
+        h = h + self.attention(self.attention_norm(h), cos, sin, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -230,25 +243,34 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(
-        self, input_ids: torch.Tensor, *, hash_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        *,
+        hash_ids: torch.Tensor | None = None,
+        cache: DecodeCache | None = None,
     ) -> torch.Tensor:
         """input_ids [B, T] (or hidden states [B, T, D] on a later pipeline stage);
         hash_ids (keyword-only: a pipeline schedule forwards keyword arguments to every stage)
         [B, T, L, H] with L = len(engram_layer_order) -> logits [B, T, V] (or hidden
-        states when this stage has no output head)."""
+        states when this stage has no output head). With `cache` (an unsharded model only) the
+        input continues the cached positions, and the cache is extended by it."""
         b, t = input_ids.shape[0], input_ids.shape[1] * self.input_seq_shards
-        if t > self.args.max_seq_len:
+        start = 0 if cache is None else cache.pos
+        if start + t > self.args.max_seq_len:
             raise ValueError(
-                f"sequence length {t} exceeds max_seq_len {self.args.max_seq_len} of the RoPE "
-                "table; build the model with a larger max_seq_len"
+                f"sequence length {start + t} exceeds max_seq_len {self.args.max_seq_len} of the "
+                "RoPE table; build the model with a larger max_seq_len"
             )
         self._check_hash_ids(hash_ids, b, t)
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
-        cos, sin = self.rope_cache[0, :t], self.rope_cache[1, :t]
+        cos, sin = self.rope_cache[0, start : start + t], self.rope_cache[1, start : start + t]
         for layer in self.layers.values():
-            slot = self._engram_slot.get(unwrap_block(layer).layer_id)
+            layer_id = unwrap_block(layer).layer_id
+            slot = self._engram_slot.get(layer_id)
             ids = hash_ids[:, :, slot] if slot is not None and hash_ids is not None else None
-            h = layer(h, cos, sin, ids)
+            h = layer(h, cos, sin, ids, None if cache is None else cache.layer(layer_id))
+        if cache is not None:
+            cache.pos += t
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
