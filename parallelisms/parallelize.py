@@ -1,17 +1,19 @@
 """The documented order of application, in one place (the recipe and the memory estimator use it).
 
-build on meta -> converters (float8, then LoRA) -> tensor parallel -> Engram table row-sharding -> activation checkpointing -> compile -> FSDP2 /
-HSDP / DDP (then the caller materialises and initialises: init does not depend on the layout).
-Under pipeline parallelism this runs once per stage.
+build on meta -> converters (float8, then LoRA) -> tensor parallel -> Engram table row-sharding
+-> activation checkpointing -> compile -> FSDP2 / HSDP / DDP -> training mode (then the caller
+materialises and initialises: init does not depend on the layout). Under pipeline parallelism
+this runs once per stage.
 
 The converters come first, right after the build on meta (as torchtitan's model converters do):
-they swap modules in place, so they must run before anything wraps or shards those modules. float8
-swaps `nn.Linear` for torchao's `Float8Linear`; LoRA then swaps target linears (float8 ones
-included) for LoRA subclasses of their class, and tensor parallelism places the adapters with
-their base layer; in lora mode the frozen backbone is cast to the compute dtype there, before
-FSDP shards it. The training mode (`requires_grad`, engram.optim.is_trainable) is set last, once
-every parallelism has created its parameters. Compile comes after activation checkpointing and before
-FSDP (torchtitan's order), so FSDP's hooks and collectives stay outside the compiled blocks.
+they swap modules in place, so they must run before anything wraps or shards those modules.
+float8 swaps `nn.Linear` for torchao's `Float8Linear`; LoRA then swaps the target linears (float8
+ones included) for LoRA subclasses of their own class, which tensor parallelism shards with
+their base layer's plan; in lora mode the frozen backbone is cast to the compute dtype there,
+before FSDP shards it. The training mode (`requires_grad`, engram.optim.is_trainable) is set
+last, once every parallelism has created its parameters. Compile comes after activation
+checkpointing and before FSDP (torchtitan's order), so FSDP's hooks and collectives stay outside
+the compiled blocks.
 """
 
 from __future__ import annotations
