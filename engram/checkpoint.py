@@ -571,6 +571,23 @@ def find_checkpoint(folder: Path, step: int = -1, on_damaged: str = "error") -> 
     )
 
 
+def check_fingerprint(path: Path, fingerprint: dict[str, Any], ignore: Sequence[str] = ()) -> None:
+    """Refuse checkpoint folder `path` if its fingerprint differs from this job's (keys in
+    `ignore` aside), naming every difference."""
+    try:
+        saved = json.loads((path / _FINGERPRINT).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: {_FINGERPRINT} cannot be read: {e}") from None
+    saved = {k: v for k, v in saved.items() if k not in ignore}
+    diffs = fingerprint_mismatches(saved, fingerprint)
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {path} was written by a different configuration:\n  "
+            + "\n  ".join(diffs)
+            + "\nFix: pass the config file (and overrides) the run was trained with"
+        )
+
+
 def load_model_checkpoint(
     model: nn.Module,
     path: Path,
@@ -582,17 +599,7 @@ def load_model_checkpoint(
     this job's config_fingerprint; any difference is refused, as on a training resume.
     `keep` (engram.optim.saved_params): a trainable-only checkpoint holds only those entries; the
     rest keeps what `model` holds (engram.hf_load.load_frozen_backbone, read first)."""
-    try:
-        saved = json.loads((path / _FINGERPRINT).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: {_FINGERPRINT} cannot be read: {e}") from None
-    diffs = fingerprint_mismatches(saved, fingerprint)
-    if diffs:
-        raise CheckpointError(
-            f"checkpoint {path} was written by a different configuration:\n  "
-            + "\n  ".join(diffs)
-            + "\nFix: pass the config file (and overrides) the run was trained with"
-        )
+    check_fingerprint(path, fingerprint)
     with warnings.catch_warnings():  # one process on purpose: DCP's warning says just that
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp_load({"model": ModelState(model, keep=keep)}, path, no_dist=True)
@@ -607,7 +614,10 @@ class CheckpointManager:
     `states` maps names to Stateful objects (model, optimizer, lr_scheduler, dataloader,
     train_state, ...). Names in `per_rank` are stored as plain JSON per rank (their state_dict()
     must be JSON-serialisable: the data loader); this process's RNG state is added the same way
-    when `save_rng` is set. Every method is collective: call it on all ranks.
+    when `save_rng` is set. `folder_states` maps names to objects that write and read their own
+    files (`save(folder)` / `load(folder)`, collective) in sub-folder `<name>/` of the step folder
+    (a DeepSpeed engine's checkpoint): listed in the same manifest and committed with the DCP
+    shards. Every method is collective: call it on all ranks.
     """
 
     def __init__(
@@ -619,6 +629,7 @@ class CheckpointManager:
         per_rank: Iterable[str] = ("dataloader",),
         save_rng: bool = True,
         data_meta: dict[str, int] | None = None,
+        folder_states: dict[str, Any] | None = None,
     ):
         self.cfg = cfg
         # How the run consumes data ({"global_batch_samples": ..., "seq_len": ...}): stored in
@@ -640,6 +651,10 @@ class CheckpointManager:
                     f"checkpoint state name {name!r} is reserved or not [A-Za-z0-9_]+; rename it"
                 )
         self.states = dict(states)
+        self.folder_states = dict(folder_states or {})
+        for name in self.folder_states:
+            if name in self.states or not re.fullmatch(r"[A-Za-z0-9_]+", name):
+                raise ValueError(f"folder state name {name!r} is taken or not [A-Za-z0-9_]+")
         self.save_rng = save_rng
         self.rank = _rank()
         self.world_size = _world_size()
@@ -801,6 +816,8 @@ class CheckpointManager:
                 planner=TensorsOnlySavePlanner(),
             )
             future = getattr(response, "upload_completion", response)
+        for name, obj in self.folder_states.items():
+            obj.save(tmp / name)
         error = None
         try:
             for name in self._json_names():
@@ -819,7 +836,9 @@ class CheckpointManager:
 
     def _commit_collective(self, step: int, tmp: Path, final: Path) -> None:
         names = _broadcast_from_rank0(
-            sorted(p.name for p in tmp.iterdir()) if self.rank == 0 else None
+            sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+            if self.rank == 0
+            else None
         )
         checksums = _collective_checksums(tmp, names)
         error = None
@@ -881,7 +900,7 @@ class CheckpointManager:
             "step": step,
             "world_size": self.world_size,
             "json_states": self._json_names(),
-            "states": sorted(self.states),
+            "states": sorted([*self.states, *self.folder_states]),
             "torch_version": torch.__version__,
             "time": time.time(),
             "data": self.data_meta,
@@ -965,7 +984,10 @@ class CheckpointManager:
     def _remove_own_tmp(self, path: Path) -> None:
         """Remove a `step-<N>.tmp` folder only if every file in it has one of our names."""
         foreign = [
-            p.name for p in path.iterdir() if not (p.is_file() and _OWN_FILE_RE.match(p.name))
+            p.name
+            for p in path.iterdir()
+            if not (p.is_file() and _OWN_FILE_RE.match(p.name))
+            and not (p.is_dir() and p.name in self.folder_states)
         ]
         if foreign:
             raise CheckpointError(
@@ -1062,6 +1084,8 @@ class CheckpointManager:
         meta = self._check_compatible(path)
         self._warn_data_changed(path, meta.get("data", {}))
         begin = time.perf_counter()
+        for name, obj in self.folder_states.items():  # first: they refuse what they cannot load
+            obj.load(path / name)
         try:
             dcp_load(self._dcp_state(), path)
         except (Exception, CheckpointException) as e:  # name the checkpoint, not just DCP
@@ -1145,7 +1169,7 @@ class CheckpointManager:
                 + "\n  ".join(diffs)
                 + f"\n{fix}"
             )
-        missing = sorted(set(self.states) - set(meta["states"]))
+        missing = sorted((set(self.states) | set(self.folder_states)) - set(meta["states"]))
         if missing:
             raise CheckpointError(
                 f"checkpoint {path} has no state for {missing} (it holds {meta['states']}). {fix}"

@@ -218,6 +218,11 @@ class Training:
     max_nonfinite_steps: int = 3
     """A step with a non-finite loss or gradient norm is skipped (no optimizer update); this
     many in a row stop the run with an error naming the last good checkpoint."""
+    loss_chunks: int = 1
+    """Chunked output head + cross-entropy (engram/loss.py): the loss applies the output head to
+    at most this many sequence chunks of ceil(seq_len / loss_chunks) positions, one at a time,
+    so only one chunk's fp32 logits exist (long sequences, large vocabularies). 1: the whole
+    sequence at once. Same loss and gradients either way."""
 
     def __post_init__(self) -> None:
         _check(
@@ -229,6 +234,11 @@ class Training:
                 getattr(self, name) > 0, f"training.{name} must be > 0, got {getattr(self, name)}"
             )
         _check(self.max_nonfinite_steps > 0, "training.max_nonfinite_steps must be > 0")
+        _check(
+            1 <= self.loss_chunks <= self.seq_len,
+            f"training.loss_chunks must be between 1 (no chunking) and training.seq_len="
+            f"{self.seq_len}, got {self.loss_chunks}",
+        )
         _check_finite(self.max_norm, "training.max_norm", "(use 0 to disable clipping)")
 
 
@@ -629,6 +639,40 @@ class Lora:
 
 
 @dataclass
+class DeepSpeed:
+    """Read by recipes/train_deepspeed.py only (the main recipe does not use DeepSpeed)."""
+
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage of the dense model: 1 (optimizer state sharded), 2 (+ gradients),
+    3 (+ parameters). The Engram tables stay outside the engine, row-sharded as in train.py."""
+    offload_optimizer: str = "none"
+    """none | cpu: ZeRO-Offload of the optimizer state (and its step) to host memory."""
+    offload_param: str = "none"
+    """none | cpu: ZeRO-3 parameter offload to host memory (zero_stage = 3 only)."""
+    config_json: str = ""
+    """Path to an existing ds_config.json merged into the generated one; a setting it shares
+    with this TOML must agree (docs/deepspeed.md lists the mapping)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.zero_stage in (1, 2, 3),
+            f"deepspeed.zero_stage must be 1, 2 or 3, got {self.zero_stage} (stage 0 is plain "
+            "data parallel: use recipes/train.py)",
+        )
+        for name in ("offload_optimizer", "offload_param"):
+            _check(
+                getattr(self, name) in ("none", "cpu"),
+                f"deepspeed.{name} must be none or cpu, got {getattr(self, name)!r} (NVMe "
+                "offload is not wired in this recipe)",
+            )
+        _check(
+            self.offload_param == "none" or self.zero_stage == 3,
+            f"deepspeed.offload_param = {self.offload_param!r} needs deepspeed.zero_stage = 3 "
+            f"(got {self.zero_stage}): only ZeRO-3 partitions parameters",
+        )
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -645,6 +689,7 @@ class JobConfig:
     pipeline: Pipeline = field(default_factory=Pipeline)
     float8: Float8 = field(default_factory=Float8)
     compile: Compile = field(default_factory=Compile)
+    deepspeed: DeepSpeed = field(default_factory=DeepSpeed)
     lora: Lora = field(default_factory=Lora)
 
     @property

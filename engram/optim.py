@@ -56,12 +56,13 @@ def build_optimizers(model: nn.Module, cfg: JobConfig) -> list[torch.optim.Optim
     for name, p in model.named_parameters():  # module order: identical on every rank
         if not p.requires_grad:
             continue
+        ndim = len(getattr(p, "ds_shape", p.shape))  # DeepSpeed ZeRO-3 keeps it in ds_shape
         if is_table_param(name):
             tables.append(p)
         elif is_engram_param(name):
-            (engram_decay if p.ndim >= 2 else engram_no_decay).append(p)
+            (engram_decay if ndim >= 2 else engram_no_decay).append(p)
         else:
-            (backbone_decay if p.ndim >= 2 else backbone_no_decay).append(p)
+            (backbone_decay if ndim >= 2 else backbone_no_decay).append(p)
     groups = [
         {"params": backbone_decay, "lr": o.lr, "weight_decay": o.weight_decay, "name": "backbone"},
         {"params": backbone_no_decay, "lr": o.lr, "weight_decay": 0.0, "name": "backbone_no_decay"},

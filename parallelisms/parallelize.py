@@ -50,6 +50,21 @@ def frozen_dtype(cfg: JobConfig, dims: ParallelDims) -> torch.dtype:
     return torch.float32
 
 
+def shard_engram_tables(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> list[nn.Parameter]:
+    """Row-shard the Engram tables as configured (also used by recipes/train_deepspeed.py).
+
+    Tables over every rank of the stage (dp x tp). Each TP rank looks up only its own tokens, so
+    the owners receive the sum over the dp replicas: 1 / dp gives the data-parallel mean."""
+    return apply_engram_table_sharding(
+        model,
+        dims.mesh("engram"),
+        grad_scale=1.0 / dims.dp_size,
+        dedup=cfg.parallelism.engram_table_dedup,
+        row_sparse=table_optimizer_spec(cfg.optimizer.table_optimizer).row_sparse,
+        wire_dtype=DTYPES.get(cfg.parallelism.engram_a2a_dtype),
+    )
+
+
 def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> list[nn.Parameter]:
     """Apply every parallelism in place; returns the row-sharded Engram table parameters."""
     dims.check_model(model.args, cfg.training.seq_len, engram_halo(cfg))
@@ -66,16 +81,7 @@ def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> l
         )
         if cfg.parallelism.tp_sequence_parallel and model.tok_embeddings is None:
             model.input_seq_shards = dims.tp  # a later pipeline stage gets T / tp positions
-    # Tables over every rank of the stage (dp x tp). Each TP rank looks up only its own tokens,
-    # so the owners receive the sum over the dp replicas: 1 / dp gives the data-parallel mean.
-    table_params = apply_engram_table_sharding(
-        model,
-        dims.mesh("engram"),
-        grad_scale=1.0 / dims.dp_size,
-        dedup=cfg.parallelism.engram_table_dedup,
-        row_sparse=table_optimizer_spec(cfg.optimizer.table_optimizer).row_sparse,
-        wire_dtype=DTYPES.get(cfg.parallelism.engram_a2a_dtype),
-    )
+    table_params = shard_engram_tables(model, cfg, dims)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     apply_compile(model, cfg.compile)
     apply_fsdp(model, dims, cfg.parallelism, ignored_params=table_params)

@@ -213,11 +213,12 @@ def build_schedule(
     dims: ParallelDims,
     device: torch.device,
     loss_fn,
+    n_micro: int,
 ) -> _PipelineSchedule:
-    """The torch schedule over this rank's stages. `loss_fn(output, labels)` runs on the last
-    stage per micro-batch; grads are not rescaled by torch (scale_grads=False): the loss_fn
-    carries the 1 / (micro-batches x accumulation steps) factor itself."""
-    n_micro = check_schedule(cfg.pipeline, dims.pp, cfg.training.local_batch_size)
+    """The torch schedule over this rank's stages, `n_micro` micro-batches per step (from
+    check_schedule). `loss_fn(output, labels)` runs on the last stage per micro-batch; grads are
+    not rescaled by torch (scale_grads=False): the loss_fn carries the
+    1 / (micro-batches x accumulation steps) factor itself."""
     pp_mesh = dims.mesh("pp")
 
     def get_mesh(names, _layout):  # DTensor activations (TP) between stages: the stage's meshes
@@ -243,6 +244,7 @@ def build_eval_schedule(
     device: torch.device,
     loss_fn,
     train_schedule: _PipelineSchedule,
+    n_micro: int,
 ) -> _PipelineSchedule:
     """A forward-only schedule for the held-out loss (call its .eval()).
 
@@ -260,7 +262,7 @@ def build_eval_schedule(
         for part, s in zip(parts, stage_ids, strict=True)
     ]
     schedule = type(train_schedule)(
-        stages, n_microbatches=train_schedule._n_microbatches, loss_fn=loss_fn, scale_grads=False
+        stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False
     )
     keep = {
         _ComputationType.FORWARD,

@@ -74,7 +74,8 @@ def apply_tp(
     for layer in model.layers.values():
         block = unwrap_block(layer)
         plan = {
-            "attention": PrepareModuleInput(  # (x, cos, sin, decode cache)
+            "attention": PrepareModuleInput(
+                # (x, cos, sin, decode cache): Attention.forward's positional inputs
                 input_layouts=(stream, None, None, None),
                 desired_input_layouts=(Replicate(), None, None, None),
                 use_local_output=True,
@@ -201,11 +202,9 @@ class SequenceShardedEngram(nn.Module):
     _tp_mesh: DeviceMesh
     _tp_sequence_parallel: bool
 
-    def forward(
-        self, hidden: torch.Tensor, hash_ids: torch.Tensor, cache: object = None
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, hash_ids: torch.Tensor, cache=None) -> torch.Tensor:
         if cache is not None:
-            raise ValueError("incremental decoding (a decode cache) is not supported under TP")
+            raise ValueError("incremental decoding (a decode cache) runs on an unsharded model")
         mesh = self._tp_mesh
         if not self._tp_sequence_parallel:
             hidden = _split_sequence(hidden, mesh)
@@ -236,8 +235,8 @@ class HaloShortConv(nn.Module):
 
     _tp_mesh: DeviceMesh
 
-    def forward(self, x: torch.Tensor, cache: object = None) -> torch.Tensor:
-        assert isinstance(self, ShortConv) and cache is None  # training only: no decode cache
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        assert isinstance(self, ShortConv) and cache is None  # no decode cache under TP
         b, t, g, d = x.shape
         reach = (self.kernel_size - 1) * self.dilation
         normed = torch.cat([self.norms[i](x[:, :, i, :]) for i in range(g)], dim=-1)  # [B, t, C]

@@ -61,6 +61,30 @@ def _engram_bytes_per_token(cfg: JobConfig, dim: int, a: int) -> tuple[int, int]
     return saved, 3 * 8 * e.num_heads + 3 * 4 * engram_dim
 
 
+def loss_bytes(cfg: JobConfig, args: ModelArgs, a: int, tp: int, tokens: int) -> int:
+    """Peak bytes of the loss of one micro-batch of `tokens` (compute dtype `a`) on one of `tp`
+    ranks (the logits are vocabulary-parallel under TP).
+
+    Cross-entropy in fp32: log-softmax output saved, its gradient, the gradient of the fp32
+    logits (12 bytes/logit) dominate; the compute-dtype logits (a) and the fp32 upcast (4) exist
+    together with the saved log-softmax in forward (a + 8). With training.loss_chunks = n > 1
+    (engram/loss.py) that holds for one chunk of ceil(seq_len / n) positions of every sequence,
+    plus, for the whole micro-batch, the hidden states gathered over the sequence and their
+    accumulated gradient (2 a D per token, not divided by TP), and the head's weight gradient sum
+    and one chunk's share in the compute dtype (2 a V D / tp; a plain linear head needs only the
+    sum: an upper bound)."""
+    vocab = axis_divisors(tp, True).vocab  # the head is vocabulary-parallel in both TP modes
+    per_logit = max(12, a + 8) * args.vocab_size // vocab
+    chunks = cfg.training.loss_chunks
+    if chunks == 1:
+        return per_logit * tokens
+    seq = cfg.training.seq_len
+    chunk_tokens = tokens // seq * -(-seq // chunks)
+    hidden = 2 * a * args.dim * tokens
+    head_grad = 2 * a * args.vocab_size * args.dim // vocab
+    return per_logit * chunk_tokens + hidden + head_grad
+
+
 def activation_estimate(
     cfg: JobConfig,
     args: ModelArgs,
@@ -109,15 +133,11 @@ def activation_estimate(
     backward = (
         2 * a * args.ffn_dim // d.ffn_width + 2 * a * args.dim // stream_div + engram_transient
     )
-    # Cross-entropy in fp32: log-softmax output saved, its gradient, the gradient of the fp32
-    # logits (12 bytes/logit) dominate; the compute-dtype logits (a) and the fp32 upcast (4)
-    # exist together with the saved log-softmax in forward (a + 8).
-    loss = max(12, a + 8) * args.vocab_size // d.vocab if last else 0
     return ActivationEstimate(
         tokens=tokens,
         saved_bytes=saved * tokens,
         recompute_bytes=(recompute + backward) * tokens,
-        loss_bytes=loss * tokens,
+        loss_bytes=loss_bytes(cfg, args, a, tp, tokens) if last else 0,
         per_layer_full_bytes=layer * tokens,
         per_engram_layer_extra_bytes=engram_saved * tokens,
     )

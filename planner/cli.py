@@ -63,6 +63,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "1,2,4 (default: the config's training.local_batch_size)",
     )
     p.add_argument(
+        "--loss_chunks",
+        default="",
+        help="with --compare: training.loss_chunks values to try, e.g. 1,8 (default: the config's)",
+    )
+    p.add_argument(
         "--margin",
         type=float,
         default=0.15,
@@ -113,6 +118,7 @@ def main(argv: list[str] | None = None) -> MemoryEstimate | list[Row]:
             opts.node_size,
             machine,
             [int(n) for n in opts.local_batch_sizes.split(",") if n] or None,
+            [int(n) for n in opts.loss_chunks.split(",") if n] or None,
             device_memory_gib=opts.device_memory_gib,
             fragmentation=opts.fragmentation,
             reserve_gib=opts.reserve_gib,

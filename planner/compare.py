@@ -11,7 +11,8 @@ local_batch_size x grad_accum_steps x dp: without PP a layout keeps the config's
 changes grad_accum_steps; with PP one schedule step runs the dp rank's whole share as
 micro-batches of one sequence each (pipeline.microbatches = local_batch_size, more micro-batches
 = smaller bubble) and grad_accum_steps = 1. The schedule is the config's pipeline.schedule
-when it sets pp > 1, else 1F1B.
+when it sets pp > 1, else 1F1B. `--loss_chunks 1,8` adds a row per chunked-loss setting
+(training.loss_chunks: one chunk of fp32 logits instead of the whole sequence's).
 
 Layout names: FSDP<n>, HSDP<r>x<s>, DDP<n>, TP<t>x..., PP<p>x... (outermost first), e.g.
 PP2xTP4xFSDP8. TP needs parallelize_module / ColwiseParallel / RowwiseParallel, which torch_npu
@@ -20,6 +21,7 @@ does not yet list as supported on Atlas A2 / A3: on job.device = "npu" those lay
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from engram.config import ConfigError, JobConfig
@@ -58,20 +60,26 @@ def compare(
     node: int = 8,
     machine: Machine | None = None,
     local_batch_sizes: list[int] | None = None,
+    loss_chunks: list[int] | None = None,
     **estimate_kwargs,
 ) -> list[Row]:
-    """One row per layout (and, without PP, per micro-batch size in `local_batch_sizes`)."""
+    """One row per layout (and, without PP, per micro-batch size in `local_batch_sizes`) and
+    per training.loss_chunks in `loss_chunks` (default: the config's)."""
     machine = machine or MACHINES.get(cfg.job.device, MACHINES["cuda"])
     rows = []
     runs = []
     for name in layouts or default_layouts(world, node):
         pipelined = "PP" in name.upper()
         for lbs in [0] if pipelined else local_batch_sizes or [0]:
-            runs.append((name, lbs))
-    for name, lbs in runs:
+            for chunks in loss_chunks or [cfg.training.loss_chunks]:
+                runs.append((name, lbs, chunks))
+    for name, lbs, chunks in runs:
         try:
             layout = parse_layout(name)
             lcfg = layout_config(cfg, layout, world, lbs)
+            lcfg = dataclasses.replace(
+                lcfg, training=dataclasses.replace(lcfg.training, loss_chunks=chunks)
+            )
             stage_first = [c * (world // layout.pp) for c in range(layout.pp)]
             est = estimate(lcfg, world, ranks=stage_first, **estimate_kwargs)
             t = lcfg.training
@@ -79,7 +87,7 @@ def compare(
                 f"{t.local_batch_size} x 1 seq ({lcfg.pipeline.schedule})"
                 if layout.pp > 1
                 else f"{t.grad_accum_steps} x {t.local_batch_size} seq"
-            )
+            ) + (f", {chunks} loss chunks" if chunks > 1 else "")
             p = lcfg.pipeline
             bubble = (
                 bubble_fraction(p.schedule, layout.pp, p.virtual_stages, p.microbatches)

@@ -55,6 +55,7 @@ MODELLED = {  # setting -> where the planner models it
         ("training.seq_len", "training.local_batch_size", "training.grad_accum_steps"),
         "activations, fsdp_buffers (no-sync accumulation), comm",
     ),
+    "training.loss_chunks": "activations.loss_bytes (one chunk of logits, engram/loss.py)",
     "optimizer.name": "measure (AdamW: two fp32 moments)",
     "optimizer.table_optimizer": "tables (engram/table_optimizers.py)",
     **dict.fromkeys(
@@ -128,6 +129,10 @@ NO_MEMORY_EFFECT = frozenset(
         # host memory only
         *("profiling.enable_profiling", "profiling.profile_freq", "profiling.traces_folder"),
         "profiling.memory_snapshot",
+        # Read only by recipes/train_deepspeed.py; the planner models recipes/train.py, whose
+        # FSDP-over-all-ranks estimate docs/deepspeed.md uses for ZeRO-3 (not modelled itself).
+        *("deepspeed.zero_stage", "deepspeed.offload_optimizer", "deepspeed.offload_param"),
+        "deepspeed.config_json",
     }
 )
 

@@ -236,7 +236,7 @@ def generate(
         if hasher is not None:  # position t hashes tokens t - max_ngram + 1 .. t
             window = ids[:, max(0, start - hasher.max_ngram + 1) :]
             hash_ids = hasher.hash_torch(window)[:, start - ids.shape[1] :].to(device)
-        logits = model(ids[:, start:], hash_ids=hash_ids, cache=cache)[:, -1]
+        logits = model(ids[:, start:], hash_ids=hash_ids, cache=cache, last_positions=1)[:, -1]
         if vocab_size is not None:
             logits[:, vocab_size:] = float("-inf")
         nxt = sample_next(logits, temperature, top_k, generator)

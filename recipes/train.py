@@ -11,17 +11,14 @@ model first and then parallelised) and one optimizer step is `forward_backward` 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from engram import device as dev
 from engram.checkpoint import CheckpointManager, ModelState, OptimizerState, TrainState
@@ -31,6 +28,7 @@ from engram.data.tokenizer import load_tokenizer
 from engram.distributed import destroy_distributed, init_distributed
 from engram.fingerprint import config_fingerprint
 from engram.hf_load import load_frozen_backbone, load_hf_backbone
+from engram.loss import LanguageModelLoss, build_loss, local_value
 from engram.metrics import MetricsLogger, init_logger, logger
 from engram.models.builder import build_hasher, build_model_from_config
 from engram.nonfinite import NonFiniteGuard
@@ -46,7 +44,7 @@ from engram.table_check import warn_if_tables_collide
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.parallel_dims import parallel_dims_from_config
 from parallelisms.parallelize import parallelize_model
-from parallelisms.pipeline import build_eval_schedule, build_schedule, split_stages
+from parallelisms.pipeline import build_eval_schedule, build_schedule, check_schedule, split_stages
 
 
 @dataclass
@@ -61,23 +59,6 @@ class TrainResult:
     start_step: int = 0
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token loss; `logits` may be vocabulary-sharded (TP loss parallel: call it, and the
-    backward, under `loss_context`)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100)
-
-
-def loss_context(sharded_logits: bool) -> contextlib.AbstractContextManager:
-    """loss_parallel() when TP keeps the logits sharded over the vocabulary, else nothing."""
-    return loss_parallel() if sharded_logits else contextlib.nullcontext()
-
-
-def local_value(loss: torch.Tensor) -> torch.Tensor:
-    """A detached plain tensor (a loss-parallel loss is a replicated DTensor)."""
-    loss = loss.detach()
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
-
-
 def local_numel(p: torch.Tensor) -> int:
     """Elements this rank holds (a DTensor's numel() is its global size)."""
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
@@ -86,16 +67,15 @@ def local_numel(p: torch.Tensor) -> int:
 def forward_backward(
     model_parts: list[nn.Module],
     batch: dict[str, torch.Tensor],
+    loss_fn: LanguageModelLoss,
     loss_scale: float,
-    sharded_logits: bool = False,
 ) -> torch.Tensor:
     """One micro-batch: forward, loss, backward of `loss * loss_scale`; returns the detached
     loss. Hash ids go by keyword so a pipeline schedule can forward them to every stage."""
     (model,) = model_parts  # pp = 1: one part
-    with loss_context(sharded_logits):
-        logits = model(batch["input_ids"], hash_ids=batch.get("hash_ids"))
-        loss = cross_entropy(logits, batch["labels"])
-        (loss * loss_scale).backward()
+    output = model(batch["input_ids"], hash_ids=batch.get("hash_ids"))
+    loss = loss_fn(output, batch["labels"])
+    (loss * loss_scale).backward()
     return local_value(loss)
 
 
@@ -104,11 +84,12 @@ class PipelineLoss:
     grads (scale_grads=False): scale = 1 / (micro-batches x accumulation steps) makes the
     gradients those of the mean loss over the local batch, as without PP."""
 
-    def __init__(self) -> None:
+    def __init__(self, loss_fn: LanguageModelLoss) -> None:
+        self.loss_fn = loss_fn
         self.scale = 1.0
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, labels) * self.scale
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, labels) * self.scale
 
 
 @dataclass
@@ -117,6 +98,7 @@ class PipelineRun:
 
     schedule: Any  # a torch.distributed.pipelining schedule over this rank's stages
     eval_schedule: Any  # forward-only (see parallelisms/pipeline.py build_eval_schedule)
+    microbatches: int  # per schedule step
     loss: PipelineLoss
     has_first_stage: bool  # feeds input_ids
     group: dist.ProcessGroup  # the pp group
@@ -127,23 +109,18 @@ class PipelineRun:
 
 
 def pipeline_forward_backward(
-    pp: PipelineRun,
-    batch: dict[str, torch.Tensor],
-    loss_scale: float,
-    sharded_logits: bool = False,
-    train: bool = True,
+    pp: PipelineRun, batch: dict[str, torch.Tensor], loss_scale: float, train: bool = True
 ) -> torch.Tensor:
     """One local batch through the pipeline schedule (split into micro-batches by torch).
     Returns the mean loss over the batch on the rank holding the last stage, 0 elsewhere.
     Hash ids go by keyword: torch splits them along dim 0 and gives every stage its slice."""
     schedule = pp.schedule if train else pp.eval_schedule
-    pp.loss.scale = loss_scale / schedule._n_microbatches
+    pp.loss.scale = loss_scale / pp.microbatches
     args = (batch["input_ids"],) if pp.has_first_stage else ()
     kwargs = {"hash_ids": batch["hash_ids"]} if "hash_ids" in batch else {}
     losses: list[torch.Tensor] = []
-    with loss_context(sharded_logits):
-        run = schedule.step if train else schedule.eval
-        run(*args, target=batch["labels"], losses=losses, **kwargs)
+    run = schedule.step if train else schedule.eval
+    run(*args, target=batch["labels"], losses=losses, **kwargs)
     if not losses:
         return torch.zeros((), device=batch["labels"].device)
     return sum(local_value(x) for x in losses) / loss_scale
@@ -161,10 +138,8 @@ def dp_mean(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(
-    model_parts, loader, num_batches: int, device, dp_group, sharded_logits, pp=None
-) -> float:
-    """Held-out loss (`pp`: the PipelineRun under pipeline parallelism)."""
+def evaluate(model_parts, loader, num_batches: int, device, dp_group, loss_fn, pp=None) -> float:
+    """Held-out loss (`pp`: the PipelineRun under pipeline parallelism; its loss is loss_fn)."""
     for part in model_parts:
         part.eval()
     total = torch.zeros((), device=device)
@@ -172,12 +147,11 @@ def evaluate(
     for _ in range(num_batches):
         batch = to_device(next(it), device)
         if pp is not None:
-            total += pipeline_forward_backward(pp, batch, 1.0, sharded_logits, train=False)
+            total += pipeline_forward_backward(pp, batch, 1.0, train=False)
             continue
         (model,) = model_parts
-        with loss_context(sharded_logits):
-            logits = model(batch["input_ids"], hash_ids=batch.get("hash_ids"))
-            total += local_value(cross_entropy(logits, batch["labels"]))
+        output = model(batch["input_ids"], hash_ids=batch.get("hash_ids"))
+        total += local_value(loss_fn(output, batch["labels"]))
     for part in model_parts:
         part.train()
     if pp is not None:
@@ -222,7 +196,10 @@ def train(cfg: JobConfig) -> TrainResult:
         part.to_empty(device=device)
         part.init_weights(seed=cfg.job.seed)  # requires_grad: set by parallelize_model
     model = model_parts[0]
-    sharded_logits = dims.tp_enabled and cfg.parallelism.tp_loss_parallel  # see tensor_parallel.py
+    # One loss for every forward path (see engram/loss.py); TP loss parallel keeps the logits
+    # sharded over the vocabulary (see tensor_parallel.py).
+    sharded_logits = dims.tp_enabled and cfg.parallelism.tp_loss_parallel
+    loss_fn = build_loss(cfg.training.loss_chunks, model_parts, sharded_logits)
     n_params = sum(local_numel(p) for part in model_parts for p in part.parameters())
     logger.info(
         f"model {cfg.model.name}/{cfg.model.flavor}: {n_params:,} local parameters on this rank"
@@ -236,14 +213,18 @@ def train(cfg: JobConfig) -> TrainResult:
                 "parameters (no Engram layer on it): put an Engram layer on every stage "
                 "(engram.layer_ids / pipeline.split_points) or train with mode = 'full'"
             )
-        pp_loss = PipelineLoss()
-        schedule = build_schedule(model_parts, stage_ids, plan, cfg, dims, device, pp_loss)
+        pp_loss = PipelineLoss(loss_fn)
+        microbatches = check_schedule(cfg.pipeline, dims.pp, cfg.training.local_batch_size)
+        schedule = build_schedule(
+            model_parts, stage_ids, plan, cfg, dims, device, pp_loss, microbatches
+        )
         pp_group = dims.mesh("pp").get_group()
         pp = PipelineRun(
             schedule=schedule,
             eval_schedule=build_eval_schedule(
-                model_parts, stage_ids, plan, dims, device, pp_loss, schedule
+                model_parts, stage_ids, plan, dims, device, pp_loss, schedule, microbatches
             ),
+            microbatches=microbatches,
             loss=pp_loss,
             has_first_stage=0 in stage_ids,
             group=pp_group,
@@ -308,9 +289,13 @@ def train(cfg: JobConfig) -> TrainResult:
     step_grad_norms: list[torch.Tensor] = []
     dev.reset_peak_memory(device)
     window_start, window_steps = time.perf_counter(), 0
-    with maybe_profile(
-        cfg.profiling, cfg.run_folder, rank, device_type=device_type, start_step=start_step
-    ) as profiler:
+    # One loss context (TP loss parallel) around every forward path: train, pipeline, eval.
+    with (
+        loss_fn.context(),
+        maybe_profile(
+            cfg.profiling, cfg.run_folder, rank, device_type=device_type, start_step=start_step
+        ) as profiler,
+    ):
         for step in range(start_step + 1, cfg.training.steps + 1):
             last_step = step == cfg.training.steps
             log_step = step % cfg.metrics.log_freq == 0 or last_step
@@ -320,7 +305,7 @@ def train(cfg: JobConfig) -> TrainResult:
                 last_micro = micro == cfg.training.grad_accum_steps - 1
                 if pp is not None:  # the schedule toggles FSDP's reduction itself
                     loss_sum += pipeline_forward_backward(
-                        pp, batch, 1.0 / cfg.training.grad_accum_steps, sharded_logits
+                        pp, batch, 1.0 / cfg.training.grad_accum_steps
                     )
                     continue
                 # DDP reduces once per optimizer step; FSDP/HSDP every micro-batch (see fsdp.py).
@@ -328,7 +313,7 @@ def train(cfg: JobConfig) -> TrainResult:
                     for part in model_parts:
                         part.set_requires_gradient_sync(last_micro)
                 loss_sum += forward_backward(
-                    model_parts, batch, 1.0 / cfg.training.grad_accum_steps, sharded_logits
+                    model_parts, batch, loss_fn, 1.0 / cfg.training.grad_accum_steps
                 )
             if pp is not None:  # the loss lives on the last stage
                 pp.broadcast_loss(loss_sum)
@@ -384,7 +369,7 @@ def train(cfg: JobConfig) -> TrainResult:
                     cfg.data.eval_batches,
                     device,
                     dp_group,
-                    sharded_logits,
+                    loss_fn,
                     pp,
                 )
                 result.eval_losses[step] = eval_loss

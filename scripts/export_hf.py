@@ -19,7 +19,8 @@ The checkpoint is the run's newest one (or --step), verified against its manifes
 fingerprint first (engram/checkpoint.py find_checkpoint / load_model_checkpoint, as generation).
 --out must be new or empty; --overwrite removes its model files first (an export beside an
 earlier one's shards and index would mix two models). It runs in one process (no GPU needed);
-DCP reshards whatever layout the run was saved with.
+DCP reshards whatever layout the run was saved with. A checkpoint of recipes/train_deepspeed.py is
+read with DeepSpeed's zero_to_fp32 (docs/deepspeed.md).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from engram.metrics import init_logger  # noqa: E402
 from engram.models.builder import build_for_inference  # noqa: E402
 from engram.models.lora import merge_lora_  # noqa: E402
 from engram.optim import saved_params  # noqa: E402
+from parallelisms.deepspeed_engine import is_deepspeed_step, load_deepspeed_weights  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -70,8 +72,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
     fingerprint = config_fingerprint(cfg, tokenizer, hasher)
     if ns.merged and cfg.training.mode != "lora":
         raise SystemExit("--merged folds LoRA adapters: the run's training.mode is not lora")
-    load_frozen_backbone(model, cfg)
-    load_model_checkpoint(model, path, fingerprint, keep=saved_params(cfg))
+    if is_deepspeed_step(path):  # written by recipes/train_deepspeed.py
+        load_deepspeed_weights(model, path, fingerprint)
+    else:
+        load_frozen_backbone(model, cfg)
+        load_model_checkpoint(model, path, fingerprint, keep=saved_params(cfg))
     prepare_output_folder(ns.out, ns.overwrite)
     engram_config = dataclasses.asdict(cfg.engram)
     if cfg.training.mode == "lora" and not (ns.merged or ns.engram_only):

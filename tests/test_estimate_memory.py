@@ -154,13 +154,14 @@ def test_32b_npu_fits_in_64gb_with_per_micro_batch_sync(est_32b):
 
 @pytest.fixture(scope="module")
 def est_32b_recipe():
-    """The 32B NPU config at 64 ranks, gradient sync as recipes/train.py does it."""
-    return _estimate(_cfg(NPU_32B), 64, ranks=[63])
+    """The 32B NPU config at 64 ranks with 2 x 2 micro-batches (the shipped config runs 1 x 4),
+    gradient sync as recipes/train.py does it."""
+    cfg = _cfg(NPU_32B, "--training.local_batch_size=2", "--training.grad_accum_steps=2")
+    return _estimate(cfg, 64, ranks=[63])
 
 
 def test_32b_recipe_reduce_scatters_every_micro_batch(est_32b_recipe):
-    """Under FSDP the recipe never defers the reduce-scatter (grad_accum_steps = 2 in the 32B
-    config), so no unsharded fp32 gradient (4 B x 32.8 B params per rank) is kept between
+    """Under FSDP the recipe never defers the reduce-scatter (grad_accum_steps = 2 here), so no unsharded fp32 gradient (4 B x 32.8 B params per rank) is kept between
     micro-batches (parallelisms.fsdp.defer_grad_sync)."""
     est = est_32b_recipe
     assert not est.recipe_defers_grad_sync and not est.no_sync_accumulation

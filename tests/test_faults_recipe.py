@@ -45,17 +45,18 @@ def _raw(folder: str, steps: int = 2, **overrides: dict) -> dict:
 
 
 def _train(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) -> dict:
+    import engram.loss
     import recipes.train as recipe
 
     if nan_steps:  # fault injection: the loss of these steps is NaN (so are the gradients)
-        real, calls = recipe.cross_entropy, [0]
+        real, calls = engram.loss.cross_entropy, [0]
 
         def poisoned(logits, labels):
             calls[0] += 1
             loss = real(logits, labels)
             return loss * float("nan") if calls[0] in nan_steps else loss
 
-        recipe.cross_entropy = poisoned
+        engram.loss.cross_entropy = poisoned
     warned: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]

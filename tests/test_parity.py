@@ -144,7 +144,9 @@ def test_layouts_match_single_process(tmp_path, mode):
             _assert_matches(got, ref, init, f"{label} (world {world}, rank {rank}, {mode})")
 
 
-def _assert_losses_and_norms_match(got: dict, ref: dict, where: str) -> None:
+def _assert_losses_and_norms_match(
+    got: dict, ref: dict, where: str, grad_rtol: float = 1e-3
+) -> None:
     close = torch.testing.assert_close
     close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0, msg=where)
     # Step 1 runs on identical weights: its gradient norm must agree to fp32 rounding.
@@ -152,14 +154,15 @@ def _assert_losses_and_norms_match(got: dict, ref: dict, where: str) -> None:
     close(
         torch.tensor(got["grad_norms"]),
         torch.tensor(ref["grad_norms"]),
-        rtol=1e-3,
+        rtol=grad_rtol,
         atol=0,
         msg=where,
     )
 
 
-def _assert_matches(got: dict, ref: dict, init: dict, where: str) -> None:
-    _assert_losses_and_norms_match(got, ref, where)
+def _assert_matches(got: dict, ref: dict, init: dict, where: str, grad_rtol: float = 1e-3) -> None:
+    """`grad_rtol`: the grad norms of steps 2+ (step 1 is always 1e-6)."""
+    _assert_losses_and_norms_match(got, ref, where, grad_rtol)
     assert got["weights"].keys() == ref["weights"].keys(), where
     for name, w in ref["weights"].items():
         update = np.linalg.norm(w - init[name])

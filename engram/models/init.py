@@ -90,7 +90,7 @@ def init_normal_(param: torch.Tensor, std: float, seed: int, key: str, mean: flo
     """Fill `param` (or its local shard) with N(mean, std^2) values of the layout-independent
     global tensor identified by (seed, key)."""
     local, shape, offset = local_view(param)
-    if local.numel() == 0:
+    if local.numel() == 0 or local.is_meta:  # nothing held here (or not materialised yet)
         return
     global_shape = tuple(param.shape)
     if len(global_shape) == 0:  # a scalar is one row of one element

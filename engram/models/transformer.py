@@ -198,6 +198,9 @@ class Transformer(nn.Module):
         # A later pipeline stage under TP sequence parallel receives its input sharded along the
         # sequence (T / tp per rank); parallelize_model sets this to tp there.
         self.input_seq_shards = 1
+        # True when the loss applies the output head itself (engram/loss.py, chunked): the
+        # forward then returns the final hidden states (after the norm).
+        self.return_hidden = False
 
     # ------------------------------------------------------------------ tied embeddings
 
@@ -248,12 +251,15 @@ class Transformer(nn.Module):
         *,
         hash_ids: torch.Tensor | None = None,
         cache: DecodeCache | None = None,
+        last_positions: int | None = None,
     ) -> torch.Tensor:
         """input_ids [B, T] (or hidden states [B, T, D] on a later pipeline stage);
         hash_ids (keyword-only: a pipeline schedule forwards keyword arguments to every stage)
         [B, T, L, H] with L = len(engram_layer_order) -> logits [B, T, V] (or hidden
-        states when this stage has no output head). With `cache` (an unsharded model only) the
-        input continues the cached positions, and the cache is extended by it."""
+        states [B, T, D] when this stage has no output head, or `return_hidden` is set). With
+        `cache` (an unsharded model only) the input continues the cached positions, and the
+        cache is extended by it. `last_positions`: logits of only the last positions [B, n, V]
+        (generation samples from the last one; unsharded models only)."""
         b, t = input_ids.shape[0], input_ids.shape[1] * self.input_seq_shards
         start = 0 if cache is None else cache.pos
         if start + t > self.args.max_seq_len:
@@ -271,9 +277,11 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, ids, None if cache is None else cache.layer(layer_id))
         if cache is not None:
             cache.pos += t
+        if last_positions is not None:
+            h = h[:, -last_positions:]
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        return self.output(h) if self.output is not None and not self.return_hidden else h
 
     def _check_hash_ids(self, hash_ids: torch.Tensor | None, b: int, t: int) -> None:
         if not self.engram_layer_order:

@@ -1,0 +1,400 @@
+"""DeepSpeed ZeRO-1/2/3 for the dense model; the Engram tables stay outside the engine.
+
+Used by recipes/train_deepspeed.py (docs/deepspeed.md). What lives here, so the recipe holds
+only its loop:
+
+- `import_deepspeed`: the optional dependency, with the install command when it is missing;
+- `check_layout` / `build_ds_config`: the [deepspeed] section and the TOML turned into a
+  ds_config dict, merged with the user's `deepspeed.config_json`; a setting both give must agree;
+- `detach_tables`: the row-sharded Engram tables leave the module tree handed to
+  `deepspeed.initialize` (ZeRO-3 partitions every parameter of that tree and cannot exclude
+  any), and are gathered under their original names in a module of their own (their optimizer,
+  their DCP checkpoint);
+- `clip_engine_and_tables_`: one global gradient norm over the engine's ZeRO partitions and the
+  table shards, and clipping by it (DeepSpeed's own `gradient_clipping` is 0: it sees the
+  engine only);
+- `EngineCheckpoint`: the engine's own checkpoint as a folder state of CheckpointManager, so it
+  is committed with the table shards in one step folder.
+
+The engine gets a torch optimizer through DeepSpeed's client-optimizer path
+(`deepspeed.initialize(optimizer=torch.optim.AdamW(...))`, `zero_allow_untested_optimizer`,
+`zero_force_ds_cpu_optimizer = false` under offload): no DeepSpeed op is JIT-built.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from engram.checkpoint import CheckpointError
+from engram.config import ConfigError, JobConfig
+from engram.models.transformer import clean_fqn
+from engram.table_grad import row_grad, scale_row_grads_
+from parallelisms.engram_tables import ShardedEngramTable
+
+INSTALL = 'pip install -e ".[deepspeed]"'
+ENGINE_TAG = "model"  # engine checkpoint: <step folder>/engine/model/ (+ engine/latest)
+
+__all__ = [
+    "EngineCheckpoint",
+    "build_ds_config",
+    "check_layout",
+    "clip_engine_and_tables_",
+    "detach_tables",
+    "engine_grad_norm",
+    "import_deepspeed",
+]
+
+
+def import_deepspeed(device_type: str) -> Any:
+    """The deepspeed module, or an ImportError that says how to install it.
+
+    On CPU, DeepSpeed's communication backend would JIT-build its shared-memory all-reduce op
+    (minutes of C++ compilation; used only by its inference all-reduce) and probe a compiler for
+    every op: its table of compatible ops is set empty first, so training uses gloo's
+    collectives and nothing is compiled. Accelerators keep DeepSpeed's defaults."""
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ImportError(
+            f"recipes/train_deepspeed.py needs DeepSpeed, which is not installed ({e}). "
+            f"Install it with: {INSTALL}   (or use recipes/train.py, FSDP2, which does not)"
+        ) from e
+    if device_type == "cpu":
+        deepspeed.ops.__compatible_ops__ = {}
+    # DeepSpeed calls torch's older collective names every step; torch warns each time.
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`"
+    )
+    return deepspeed
+
+
+def check_layout(cfg: JobConfig) -> None:
+    """Refuse the [parallelism] / feature settings this variant does not compose with."""
+    p = cfg.parallelism
+    refusals = [
+        (p.pp > 1, f"parallelism.pp = {p.pp}", "DeepSpeed ZeRO-2/3 does not compose with "
+         "pipeline parallelism; use recipes/train.py (FSDP2 x PP)"),
+        (p.tp > 1, f"parallelism.tp = {p.tp}", "tensor parallelism is not wired into this "
+         "variant; use recipes/train.py (FSDP2 x TP)"),
+        (p.dp_replicate > 1, f"parallelism.dp_replicate = {p.dp_replicate}", "ZeRO shards over "
+         "every rank (no HSDP replica groups here); set it to 1 or use recipes/train.py"),
+        (p.cpu_offload, "parallelism.cpu_offload = true", "that is FSDP2's offload: use "
+         "deepspeed.offload_optimizer / deepspeed.offload_param"),
+        (cfg.float8.enable, "float8.enable = true", "float8 is not wired into this variant"),
+        (cfg.compile.enable, "compile.enable = true", "torch.compile is not wired into this "
+         "variant (DeepSpeed's ZeRO-3 hooks are untested under it here)"),
+        (cfg.training.loss_chunks > 1, f"training.loss_chunks = {cfg.training.loss_chunks}",
+         "the chunked loss applies the output head outside the model's forward, where ZeRO-3 "
+         "has not gathered it; set it to 1 or use recipes/train.py"),
+    ]  # fmt: skip
+    for bad, setting, why in refusals:
+        if bad:
+            raise ConfigError(f"{setting} is not supported by recipes/train_deepspeed.py: {why}")
+
+
+def _owned_settings(cfg: JobConfig, world_size: int) -> list[tuple[str, Any, str]]:
+    """(ds_config key path, value, the TOML setting it comes from) for every key we set."""
+    t, d, p = cfg.training, cfg.deepspeed, cfg.parallelism
+    bf16 = p.mixed_precision_param == "bfloat16"
+    owned = [
+        ("train_micro_batch_size_per_gpu", t.local_batch_size,
+         f"training.local_batch_size = {t.local_batch_size}"),
+        ("gradient_accumulation_steps", t.grad_accum_steps,
+         f"training.grad_accum_steps = {t.grad_accum_steps}"),
+        ("train_batch_size", t.local_batch_size * t.grad_accum_steps * world_size,
+         f"training.local_batch_size x training.grad_accum_steps x {world_size} ranks"),
+        ("gradient_clipping", 0.0, "training.max_norm (the recipe clips the engine and the "
+         "Engram tables together; DeepSpeed's clipping must stay 0)"),
+        ("zero_optimization.stage", d.zero_stage, f"deepspeed.zero_stage = {d.zero_stage}"),
+        ("zero_optimization.offload_optimizer.device", d.offload_optimizer,
+         f"deepspeed.offload_optimizer = {d.offload_optimizer!r}"),
+        ("bf16.enabled", bf16, f"parallelism.mixed_precision_param = {p.mixed_precision_param!r}"),
+        ("communication_data_type", "bf16" if p.mixed_precision_reduce == "bfloat16" else "fp32",
+         f"parallelism.mixed_precision_reduce = {p.mixed_precision_reduce!r}"),
+    ]  # fmt: skip
+    if d.zero_stage == 3:
+        owned.append(
+            ("zero_optimization.offload_param.device", d.offload_param,
+             f"deepspeed.offload_param = {d.offload_param!r}")
+        )  # fmt: skip
+    return owned
+
+
+def _get(tree: dict, path: str) -> Any:
+    for key in path.split("."):
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: str, value: Any) -> None:
+    *parents, leaf = path.split(".")
+    for key in parents:
+        tree = tree.setdefault(key, {})
+    tree[leaf] = value
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            user = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"deepspeed.config_json = {path!r} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"deepspeed.config_json = {path!r} is not a readable JSON file: {e}"
+        ) from None
+    if not isinstance(user, dict):
+        raise ConfigError(f"deepspeed.config_json = {path!r} must hold a JSON object")
+    return user
+
+
+def build_ds_config(cfg: JobConfig, world_size: int) -> dict[str, Any]:
+    """The ds_config for `deepspeed.initialize`: the TOML's settings, merged over the user's
+    `deepspeed.config_json` (kept for everything the TOML does not set: bucket sizes, overlap,
+    prefetch, ...). A key both set to different values is a ConfigError naming both; "auto" (the
+    HF convention) takes the TOML's value."""
+    src = cfg.deepspeed.config_json
+    user = _read_json(src) if src else {}
+    if user:
+        if _get(user, "fp16.enabled") is True:
+            raise ConfigError(
+                f"{src} enables fp16: refused. DeepSpeed's fp16 loss scaler would scale the "
+                "Engram table gradients it does not own (the tables live outside the engine). "
+                "Use bf16: parallelism.mixed_precision_param = 'bfloat16'"
+            )
+        for section, why in (
+            ("optimizer", "[optimizer] in the TOML defines it (a torch optimizer is handed to "
+             "the engine)"),
+            ("scheduler", "[lr_scheduler] in the TOML defines it (one schedule for the engine "
+             "and the tables)"),
+        ):  # fmt: skip
+            if section in user:
+                raise ConfigError(f"{src} has an {section!r} section: remove it; {why}")
+    merged = copy.deepcopy(user)
+    for path, value, setting in _owned_settings(cfg, world_size):
+        theirs = _get(user, path)
+        if theirs is not None and theirs != "auto" and theirs != value:
+            raise ConfigError(
+                f"{src} sets {path} = {json.dumps(theirs)} but the TOML gives {json.dumps(value)} "
+                f"({setting}): make them agree (or drop the key from the JSON)"
+            )
+        _set(merged, path, value)
+    merged.setdefault("zero_allow_untested_optimizer", True)  # a torch optimizer, see above
+    merged.setdefault("zero_force_ds_cpu_optimizer", False)  # no JIT-built DeepSpeedCPUAdam
+    merged.setdefault("steps_per_print", 2**31 - 1)  # metrics are ours
+    if merged["bf16"]["enabled"]:
+        merged["bf16"].setdefault("check_grad_overflow", True)  # skip non-finite steps
+    return merged
+
+
+# ----------------------------------------------------------------------------- the tables
+
+
+def _mirror(root: nn.Module, fqn: str, module: nn.Module) -> None:
+    """Register `module` under `root` at the dotted path `fqn`, creating empty parents."""
+    *parents, leaf = fqn.split(".")
+    node = root
+    for name in parents:
+        if name not in node._modules:
+            node.add_module(name, nn.Module())
+        node = node._modules[name]
+    node.add_module(leaf, module)
+
+
+def detach_tables(model: nn.Module) -> nn.Module:
+    """Take the row-sharded Engram tables out of `model`'s module tree; return a module that
+    holds them under their original names (`layers.1.engram.table.weight`, as in train.py's
+    checkpoints). Each Engram block keeps a plain attribute reference to its table, so the
+    forward is unchanged, while `model.parameters()` / `state_dict()` (and so DeepSpeed) no
+    longer see the tables."""
+    tables = nn.Module()
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, ShardedEngramTable)]
+    for fqn, table in found:
+        parent_name, _, attr = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        del parent._modules[attr]
+        object.__setattr__(parent, attr, table)  # an attribute, not a registered submodule
+        _mirror(tables, clean_fqn(fqn), table)  # without activation-checkpoint wrapper names
+    return tables
+
+
+def materialize_into_partitions(
+    model: nn.Module, tables: nn.Module, device: torch.device, seed: int, ds_config: dict
+) -> None:
+    """ZeRO-3: materialise and initialise a meta-built model one top-level block at a time
+    (embedding, each decoder layer, final norm, output), handing each block to
+    `deepspeed.zero.Init(module=block)` before the next: the peak is one block plus the
+    partitions, not the whole model. `tables` (detached, row-sharded) are materialised after.
+    The weights equal those of `to_empty` + `init_weights` (the init is per parameter and layout
+    independent; meta and already-partitioned parameters are skipped by it)."""
+    import deepspeed
+
+    blocks = [model.tok_embeddings, *model.layers.values(), model.norm]
+    if not model.args.tie_embeddings:  # tied: the output shares the embedding weight
+        blocks.append(model.output)
+    bf16 = ds_config["bf16"]["enabled"]
+    for block in blocks:
+        block.to_empty(device=device)
+        model.init_weights(seed=seed, buffer_device=device)
+        if bf16:  # what deepspeed.initialize does to a whole module (zero.Init does not cast)
+            block.bfloat16()
+        deepspeed.zero.Init(module=block, config_dict_or_path=ds_config, mem_efficient_linear=False)
+    tables.to_empty(device=device)
+    model.init_weights(seed=seed, buffer_device=device)  # the tables; the rest is partitioned
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def engine_grad_norm(engine: Any) -> torch.Tensor:
+    """Global L2 norm of the engine's gradients after the last backward of an optimizer step
+    (every rank's ZeRO partition counted once): the value DeepSpeed's step computes again for
+    its clipping. Collective over the engine's data-parallel group."""
+    opt = engine.optimizer
+    if engine.zero_optimization_stage() == 3:
+        from deepspeed.runtime.utils import combine_grad_norm_groups
+
+        norm = combine_grad_norm_groups(opt._get_norm_groups())
+    else:
+        norm = opt.scaled_global_norm()
+    return norm.float() / float(opt.loss_scale)
+
+
+def _table_grad_norm_sq(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    """Squared gradient norm of the row-sharded tables (dense or row-sparse gradients), each
+    shard once: all-reduced over the tables' mesh on every rank, even one without gradients."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            total += g.float().pow(2).sum().to(device)
+        rg = row_grad(p)
+        if rg is not None:
+            total += rg[1].float().pow(2).sum().to(device)
+    if params and params[0].device_mesh.size() > 1:
+        dist.all_reduce(total, group=params[0].device_mesh.get_group())
+    return total
+
+
+@torch.no_grad()
+def clip_engine_and_tables_(
+    engine: Any, table_params: list[nn.Parameter], max_norm: float
+) -> torch.Tensor:
+    """The global gradient norm over the engine and the Engram tables (each element once), and
+    clipping of both to `max_norm` (> 0) with train.py's rule: grads x min(1, max_norm / (norm +
+    1e-6)). The tables are scaled here; the engine is scaled inside its next `step()`: its clip
+    threshold is set so that DeepSpeed's own factor, (engine norm + 1e-6) / threshold, is the
+    same global factor. Collective: call on every rank before `engine.step()` at the boundary."""
+    engine_norm = engine_grad_norm(engine)
+    total = (engine_norm.pow(2) + _table_grad_norm_sq(table_params, engine_norm.device)).sqrt()
+    opt = engine.optimizer
+    opt.clip_grad = 0.0
+    if max_norm > 0 and torch.isfinite(total) and total + 1e-6 > max_norm:
+        coef = max_norm / (total + 1e-6)
+        for p in table_params:
+            if p.grad is not None:
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                g.mul_(coef.to(g.device))
+        scale_row_grads_(table_params, coef)
+        opt.clip_grad = float(max_norm * (engine_norm + 1e-6) / (total + 1e-6))
+    return total
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _saved_world_size(folder: Path) -> int | None:
+    """Data-parallel ranks that wrote the engine checkpoint in `folder` (its ZeRO optimizer
+    files, one per rank), or None when it has none (then DeepSpeed decides)."""
+    files = list(folder.glob("*zero_pp_rank_*_optim_states.pt"))
+    return len(files) or None
+
+
+class EngineCheckpoint:
+    """A DeepSpeed engine's checkpoint (module weights, ZeRO-partitioned optimizer state) as a
+    folder state of engram.checkpoint.CheckpointManager: written into `<step folder>/engine/`
+    (DeepSpeed's layout: `model/` plus `latest` and `zero_to_fp32.py`), listed in the step's
+    manifest, loaded after the DCP states. Resume needs the same data-parallel world size, or a
+    universal checkpoint (the error says how to convert)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def save(self, folder: Path) -> None:
+        self.engine.save_checkpoint(str(folder), tag=ENGINE_TAG, save_latest=True)
+
+    def load(self, folder: Path) -> None:
+        universal = bool(self.engine.load_universal_checkpoint())
+        tag = f"{ENGINE_TAG}_universal" if universal else ENGINE_TAG
+        saved = _saved_world_size(folder / ENGINE_TAG)
+        world = dist.get_world_size()
+        if not universal and saved is not None and saved != world:
+            raise CheckpointError(
+                f"the DeepSpeed engine checkpoint in {folder} was written by {saved} ranks, this "
+                f"run has {world}: ZeRO partitions resume only at the same world size. Convert "
+                "it to DeepSpeed's universal format and resume from that:\n"
+                f"  python -m deepspeed.checkpoint.ds_to_universal --input_folder "
+                f"{folder / ENGINE_TAG} --output_folder {folder / tag}_universal\n"
+                'then add {"checkpoint": {"load_universal": true}} to the file named by '
+                "deepspeed.config_json (the Engram tables reshard by themselves)"
+            )
+        if not (folder / tag).is_dir():
+            raise CheckpointError(f"{folder / tag} is missing: no DeepSpeed engine checkpoint")
+        path, _ = self.engine.load_checkpoint(
+            str(folder), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load the engine checkpoint {folder / tag}")
+
+
+def is_deepspeed_step(step_dir: Path) -> bool:
+    """`step_dir` was written by recipes/train_deepspeed.py (it holds an engine checkpoint)."""
+    return (Path(step_dir) / "engine" / ENGINE_TAG).is_dir()
+
+
+def load_deepspeed_weights(
+    model: nn.Module, step_dir: Path, fingerprint: dict[str, Any] | None = None
+) -> None:
+    """Fill an unsharded model (export, generation) from a step folder of train_deepspeed.py,
+    in one process: the engine's fp32 master weights consolidated by DeepSpeed's zero_to_fp32
+    (any ZeRO stage, any saved world size) and the Engram tables from their DCP shards.
+    `fingerprint` (this job's config_fingerprint): any difference but the engine is refused."""
+    import torch.distributed.checkpoint as dcp
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from engram.checkpoint import ModelState, check_fingerprint
+    from engram.models.engram import EngramTable
+
+    step_dir = Path(step_dir)
+    if fingerprint is not None:
+        check_fingerprint(step_dir, fingerprint, ignore=("engine",))
+    dense = get_fp32_state_dict_from_zero_checkpoint(str(step_dir / "engine"), tag=ENGINE_TAG)
+    dense = {clean_fqn(k): v for k, v in dense.items()}
+    tables = nn.Module()
+    for fqn, table in model.named_modules():
+        if isinstance(table, EngramTable):
+            _mirror(tables, clean_fqn(fqn), table)
+    table_keys = {f"{clean_fqn(n)}" for n, _ in tables.named_parameters()}
+    missing, unexpected = model.load_state_dict(dense, strict=False)
+    missing = {clean_fqn(k) for k in missing} - table_keys
+    if missing or unexpected:
+        raise CheckpointError(
+            f"the engine checkpoint in {step_dir} does not fit this model: missing "
+            f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}. Fix: pass the config "
+            "file the run was trained with"
+        )
+    if table_keys:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"tables": ModelState(tables)}, checkpoint_id=str(step_dir), no_dist=True)

@@ -1,0 +1,468 @@
+"""recipes/train_deepspeed.py: DeepSpeed ZeRO-1/2/3 with the Engram tables outside the engine.
+
+Parity: on 2 real gloo ranks, ZeRO-1, ZeRO-2 and ZeRO-3 (and ZeRO-2 with 2 accumulation
+steps, ZeRO-2 with optimizer offload, ZeRO-3 with optimizer + parameter offload, ZeRO-3 with
+full activation checkpointing) reproduce the main recipe's FSDP2 run (same global batch of 8, fp32, lr 1e-3 / tables
+5e-3, 5 steps, clipping at 1.0 engaged from step 1) with `adam` and `lazy_adam` tables:
+
+- per-step losses to rtol 1e-5 (measured worst 6.3e-6, lazy_adam; adam 1.4e-7);
+- the global gradient norm (engine + tables, before clipping) of step 1 to rtol 1e-6 (measured:
+  equal), later steps to 2e-3 (measured worst 1.0e-3, lazy_adam step 4; adam 3.7e-4);
+- final weights per tensor: |final - FSDP2 final| <= 3e-3 x |FSDP2 update| (measured worst
+  4.8e-4), 1e-2 for lazy_adam tables (measured 4.2e-3). The dense gradients are reduced in
+  another order (flat ZeRO buckets vs FSDP2's per-parameter reduce-scatter); Adam turns that
+  fp32 noise in near-zero gradient entries into a fraction of a step, and lazy Adam, which steps
+  every touched row by ~lr whatever its gradient's size, more so (test_parity.py's reasoning).
+
+bf16 weights (ZeRO-2 and ZeRO-3) change the losses and track fp32 to rtol 2e-3.
+
+Resume from step 3 replays steps 4-5 bit-exactly (losses, norms, weights) for ZeRO-1 / adam,
+ZeRO-2 / lazy_adam and ZeRO-3 / adam. One 2-rank launch runs all of it; a second, one-rank
+launch checks that a 2-rank checkpoint is refused (with the conversion steps), that a damaged
+engine file is named, and that NaN steps are skipped by both the tables and the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from launcher import free_port, run_distributed
+from test_parity import _config as parity_config
+from torch.distributed.tensor import DTensor
+
+from engram.checkpoint import CheckpointError
+from engram.config import ConfigError, config_from_dict, load_config
+from engram.models.transformer import clean_fqn
+from parallelisms.deepspeed_engine import load_deepspeed_weights
+
+pytest.importorskip("deepspeed")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config(folder: str, world: int, table_optimizer: str, **sections) -> dict:
+    """test_parity.py's job (debug model, Engram at layers 0 and 2, global batch 8, lr 1e-3, eps
+    1e-6, 5 steps, max_norm 1.0) with the given table optimizer and sections."""
+    raw = parity_config(folder, world, "full", {})
+    raw["job"]["run_name"] = "run"
+    raw["data"]["eval_batches"] = 0
+    raw["optimizer"]["table_optimizer"] = table_optimizer
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    return raw
+
+
+def _full(p: torch.Tensor) -> np.ndarray:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    if isinstance(p, DTensor):
+        return p.full_tensor().detach().numpy().copy()
+    full = safe_get_full_fp32_param(p)  # collective under ZeRO; None for a plain tensor
+    return (p if full is None else full).detach().numpy().copy()
+
+
+def _run_fsdp(raw: dict) -> dict:
+    from recipes.train import train
+
+    result = train(config_from_dict(raw))
+    weights = {clean_fqn(n): _full(p) for n, p in result.model.named_parameters()}
+    return {"losses": result.losses, "grad_norms": result.grad_norms, "weights": weights}
+
+
+def _run_deepspeed(raw: dict) -> dict:
+    from recipes.train_deepspeed import train
+
+    result = train(config_from_dict(raw))
+    weights = {clean_fqn(n): _full(p) for n, p in result.engine.module.named_parameters()}
+    weights.update({clean_fqn(n): _full(p) for n, p in result.tables.named_parameters()})
+    return {"losses": result.losses, "grad_norms": result.grad_norms, "weights": weights}
+
+
+# label -> (zero stage, table optimizer, extra config sections)
+VARIANTS = {
+    "zero1_adam": (1, "adam", {}),
+    "zero2_adam": (2, "adam", {}),
+    "zero3_adam": (3, "adam", {}),
+    "zero1_lazy_adam": (1, "lazy_adam", {}),
+    "zero2_lazy_adam": (2, "lazy_adam", {}),
+    "zero3_lazy_adam": (3, "lazy_adam", {}),
+    "zero2_adam_offload_optimizer": (
+        2,
+        "adam",
+        {"deepspeed": {"zero_stage": 2, "offload_optimizer": "cpu"}},
+    ),
+    "zero3_adam_offload_param": (
+        3,
+        "adam",
+        {"deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}},
+    ),
+    "zero3_adam_activation_checkpoint": (3, "adam", {"activation_checkpoint": {"mode": "full"}}),
+    "zero2_adam_grad_accum": (
+        2,
+        "adam",
+        {"training": {"local_batch_size": 2, "grad_accum_steps": 2}},
+    ),
+}
+# Resumed from step 3 of the run above (checkpoint interval 3): steps 4-5 must be identical.
+RESUMED = ("zero1_adam", "zero2_lazy_adam", "zero3_adam")
+
+
+def _parity_and_resume(rank: int, world: int, root: str) -> dict:
+    out: dict = {}
+    for opt in ("adam", "lazy_adam"):
+        ref = _config(f"{root}/fsdp_{opt}", world, opt, parallelism={"dp_shard": world})
+        out[f"fsdp_{opt}"] = _run_fsdp(ref)
+    for label, (stage, opt, extra) in VARIANTS.items():
+        raw = _config(
+            f"{root}/{label}",
+            world,
+            opt,
+            checkpoint={"enable": True, "interval": 3, "keep_latest_k": 0},
+            **{"deepspeed": {"zero_stage": stage}, **extra},
+        )
+        out[label] = _run_deepspeed(raw)
+        if label in RESUMED:
+            raw["checkpoint"]["load_step"] = 3
+            resumed = _run_deepspeed(raw)
+            out[f"{label}_resumed"] = resumed
+    # bf16 weights (the accelerator setting): ZeRO-2 (cast by deepspeed.initialize) and ZeRO-3
+    # (cast per block before partitioning) hold the same bf16 weights.
+    for stage in (2, 3):
+        raw = _config(
+            f"{root}/bf16_zero{stage}",
+            world,
+            "adam",
+            deepspeed={"zero_stage": stage},
+            parallelism={"mixed_precision_param": "bfloat16"},
+        )
+        out[f"bf16_zero{stage}"] = _run_deepspeed(raw)
+    # model.hf_checkpoint: the ZeRO-3 run's weights as an HF folder, loaded by FSDP2 and ZeRO-3.
+    hf = f"{root}/hf"
+    if rank == 0:
+        _export_hf(f"{root}/zero3_adam/run/checkpoint/step-5", hf)
+    torch.distributed.barrier()
+    for label, run, sections in (
+        ("hf_fsdp", _run_fsdp, {"parallelism": {"dp_shard": world}}),
+        ("hf_zero3", _run_deepspeed, {"deepspeed": {"zero_stage": 3}}),
+    ):
+        raw = _config(f"{root}/{label}", world, "adam", **sections)
+        raw["model"]["hf_checkpoint"] = hf
+        raw["training"]["steps"] = 2
+        out[label] = run(raw)
+    return out
+
+
+def _export_hf(step_dir: str, out: str) -> None:
+    from engram.data.tokenizer import load_tokenizer
+    from engram.export import export
+    from engram.models.builder import build_hasher
+
+    raw = _config("unused", 1, "adam")
+    model = _unsharded_model(raw)
+    load_deepspeed_weights(model, Path(step_dir))
+    tokenizer = load_tokenizer("")
+    hasher = build_hasher(config_from_dict(raw), tokenizer)
+    export(model, "llama3", raw["engram"], {}, out, tokenizer=tokenizer, hasher=hasher)
+
+
+def _unsharded_model(raw: dict) -> torch.nn.Module:
+    from engram.data.tokenizer import load_tokenizer
+    from engram.models.builder import build_from_config
+
+    cfg = config_from_dict(raw)
+    model, _ = build_from_config(cfg, load_tokenizer(""))
+    model.to_empty(device="cpu")
+    model.init_weights(seed=cfg.job.seed)
+    return model
+
+
+def _initial_weights(raw: dict) -> dict[str, np.ndarray]:
+    """The weights every layout starts from (init is layout-independent)."""
+    return {n: p.detach().numpy().copy() for n, p in _unsharded_model(raw).named_parameters()}
+
+
+def _refusals(rank: int, world: int, root: str, saved: str) -> dict:
+    """A 2-rank ZeRO-3 checkpoint resumed by this 1-rank run: refused with the conversion
+    steps; with one engine file damaged: refused naming that file."""
+    raw = _config(
+        f"{root}/resize", world, "adam", deepspeed={"zero_stage": 3}, checkpoint={"enable": True}
+    )
+    shutil.copytree(saved, f"{root}/resize/run/checkpoint")
+    errors = {}
+    try:
+        _run_deepspeed(raw)
+    except CheckpointError as e:
+        errors["resize"] = str(e)
+    raw["job"]["dump_folder"] = f"{root}/damaged"
+    shutil.copytree(saved, f"{root}/damaged/run/checkpoint")
+    victim = sorted(Path(f"{root}/damaged/run/checkpoint/step-5/engine/model").glob("*optim*"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    try:
+        _run_deepspeed(raw)
+    except CheckpointError as e:
+        errors["damaged"] = str(e)
+    errors["victim"] = victim.name
+    errors["nonfinite"] = _nonfinite(f"{root}/nonfinite", world)
+    return errors
+
+
+def _nonfinite(folder: str, world: int) -> dict:
+    """Steps 2 and 3 with a NaN loss (so NaN gradients): both updates skipped, engine and tables."""
+    import recipes.train_deepspeed as recipe
+
+    real, calls = recipe.cross_entropy, [0]
+
+    def poisoned(logits, labels):
+        calls[0] += 1
+        return real(logits, labels) * (float("nan") if calls[0] in (2, 3) else 1.0)
+
+    recipe.cross_entropy = poisoned
+    try:
+        raw = _config(folder, world, "lazy_adam", deepspeed={"zero_stage": 2})
+        raw["training"]["steps"] = 4
+        result = recipe.train(config_from_dict(raw))
+    finally:
+        recipe.cross_entropy = real
+    params = [*result.engine.module.parameters(), *result.tables.parameters()]
+    finite = all(bool(torch.isfinite(_full_tensor(p)).all()) for p in params)
+    return {
+        "losses": result.losses,
+        "finite": finite,
+        "engine_skipped": result.engine.skipped_steps,
+    }
+
+
+def _full_tensor(p: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(_full(p))
+
+
+@pytest.mark.slow
+def test_zero_stages_match_fsdp2_and_resume_exactly(tmp_path):
+    init = _initial_weights(_config(str(tmp_path), 1, "adam"))
+    got = run_distributed(_parity_and_resume, 2, str(tmp_path), timeout=900)[0]
+    close = torch.testing.assert_close
+    for label, (_, opt, _) in VARIANTS.items():
+        ref, run = got[f"fsdp_{opt}"], got[label]
+        where = f"{label} vs FSDP2 ({opt} tables)"
+        assert ref["losses"][-1] < ref["losses"][0], "reference run did not learn"
+        assert max(ref["grad_norms"]) > 1.0, "clipping (max_norm 1.0) never engaged"
+        losses, norms = torch.tensor(run["losses"]), torch.tensor(run["grad_norms"])
+        close(losses, torch.tensor(ref["losses"]), rtol=1e-5, atol=0, msg=where)
+        # Step 1 (identical weights): the global norm over engine + tables to fp32 rounding.
+        close(norms[0].item(), ref["grad_norms"][0], rtol=1e-6, atol=0, msg=where)
+        close(norms, torch.tensor(ref["grad_norms"]), rtol=2e-3, atol=0, msg=where)
+        assert run["weights"].keys() == ref["weights"].keys(), where
+        for name, w in ref["weights"].items():
+            err = np.linalg.norm(run["weights"][name] - w)
+            update = np.linalg.norm(w - init[name])
+            assert update > 0, f"{where}: {name} not trained"
+            tol = 1e-2 if opt == "lazy_adam" and ".table." in name else 3e-3
+            assert err <= tol * update, f"{where}: {name} update differs by {err / update:.2e}"
+    for label in RESUMED:
+        resumed, full = got[f"{label}_resumed"], got[label]
+        assert resumed["losses"] == full["losses"][3:], label  # bit-exact
+        assert resumed["grad_norms"] == full["grad_norms"][3:], label
+        for name, w in full["weights"].items():
+            assert np.array_equal(resumed["weights"][name], w), f"{label} resumed: {name}"
+
+    fp32 = got["zero3_adam"]["losses"]
+    for stage in (2, 3):
+        bf16 = got[f"bf16_zero{stage}"]["losses"]
+        assert bf16[0] != fp32[0], f"ZeRO-{stage}: bf16 had no effect"
+        close(torch.tensor(bf16), torch.tensor(fp32), rtol=2e-3, atol=0)
+    close(got["bf16_zero3"]["losses"][0], got["bf16_zero2"]["losses"][0], rtol=1e-6, atol=0)
+    # HF backbone load: ZeRO-3 (loaded, then partitioned) starts where FSDP2 does, from the
+    # trained weights (a lower loss than a fresh init).
+    hf_fsdp, hf_zero3 = got["hf_fsdp"], got["hf_zero3"]
+    close(torch.tensor(hf_zero3["losses"]), torch.tensor(hf_fsdp["losses"]), rtol=1e-5, atol=0)
+    close(hf_zero3["grad_norms"][0], hf_fsdp["grad_norms"][0], rtol=1e-6, atol=0)
+    assert hf_fsdp["losses"][0] < got["zero3_adam"]["losses"][-1] + 0.05, hf_fsdp["losses"]
+    # The export path (scripts/export_hf.py): one process, zero_to_fp32 + the tables' DCP shards.
+    for label in ("zero2_lazy_adam", "zero3_adam"):
+        model = _unsharded_model(_config(str(tmp_path), 1, "adam"))
+        load_deepspeed_weights(model, tmp_path / label / "run" / "checkpoint" / "step-5")
+        for name, p in model.named_parameters():
+            assert np.array_equal(p.detach().numpy(), got[label]["weights"][name]), (label, name)
+
+    saved = str(tmp_path / "zero3_adam" / "run" / "checkpoint")
+    (errors,) = run_distributed(_refusals, 1, str(tmp_path / "one"), saved)
+    assert "written by 2 ranks, this run has 1" in errors["resize"], errors
+    assert "ds_to_universal" in errors["resize"], errors
+    assert "damaged" in errors["damaged"] and errors["victim"] in errors["damaged"], errors
+    nonfinite = errors["nonfinite"]
+    losses = nonfinite["losses"]
+    assert np.isfinite(losses[0]) and np.isnan(losses[1]) and np.isnan(losses[2]), losses
+    assert np.isfinite(losses[3]) and nonfinite["finite"], nonfinite
+    assert nonfinite["engine_skipped"] == 2, nonfinite
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _ds_config(tmp_path, user: dict | str | None = None, **sections):
+    from parallelisms.deepspeed_engine import build_ds_config
+
+    raw = _config(str(tmp_path), 2, "adam", **sections)
+    if user is not None:
+        path = tmp_path / "ds_config.json"
+        path.write_text(user if isinstance(user, str) else json.dumps(user))
+        raw.setdefault("deepspeed", {})["config_json"] = str(path)
+    return build_ds_config(config_from_dict(raw), world_size=2)
+
+
+def test_ds_config_from_the_toml(tmp_path):
+    ds = _ds_config(tmp_path, deepspeed={"zero_stage": 3, "offload_param": "cpu"})
+    assert ds["zero_optimization"] == {
+        "stage": 3,
+        "offload_optimizer": {"device": "none"},
+        "offload_param": {"device": "cpu"},
+    }
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["train_batch_size"] == 8
+    assert ds["gradient_clipping"] == 0.0 and ds["bf16"] == {"enabled": False}
+    assert ds["zero_allow_untested_optimizer"] is True
+
+
+def test_ds_config_json_merges_and_auto_takes_the_toml(tmp_path):
+    user = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 12345},
+        "wall_clock_breakdown": False,
+    }
+    ds = _ds_config(tmp_path, user, deepspeed={"zero_stage": 2})
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 12345
+    assert ds["train_micro_batch_size_per_gpu"] == 4
+    assert ds["wall_clock_breakdown"] is False
+
+
+@pytest.mark.parametrize(
+    "user, match",
+    [
+        (
+            {"zero_optimization": {"stage": 3}},
+            r"zero_optimization.stage = 3 .*deepspeed.zero_stage = 2",
+        ),
+        ({"gradient_clipping": 1.0}, r"gradient_clipping = 1.0 .*training.max_norm"),
+        ({"train_batch_size": 16}, r"train_batch_size = 16 .*training.local_batch_size"),
+        ({"fp16": {"enabled": True}}, r"fp16: refused.*loss scaler.*Engram table"),
+        ({"optimizer": {"type": "Adam"}}, r"'optimizer' section.*\[optimizer\]"),
+        ("{not json", r"deepspeed.config_json = .* is not a readable JSON file"),
+    ],
+)
+def test_ds_config_json_conflicts_are_errors(tmp_path, user, match):
+    with pytest.raises(ConfigError, match=match):
+        _ds_config(tmp_path, user)
+
+
+def test_missing_config_json(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        config = _config(str(tmp_path), 2, "adam", deepspeed={"config_json": "/nope.json"})
+        from parallelisms.deepspeed_engine import build_ds_config
+
+        build_ds_config(config_from_dict(config), 2)
+
+
+@pytest.mark.parametrize(
+    "section, match",
+    [
+        ({"zero_stage": 0}, r"deepspeed.zero_stage must be 1, 2 or 3, got 0"),
+        ({"zero_stage": 4}, r"deepspeed.zero_stage must be 1, 2 or 3, got 4"),
+        (
+            {"zero_stage": 2, "offload_param": "cpu"},
+            r"offload_param = 'cpu' needs deepspeed.zero_stage = 3",
+        ),
+        ({"offload_optimizer": "nvme"}, r"deepspeed.offload_optimizer must be none or cpu"),
+    ],
+)
+def test_deepspeed_section_checks(tmp_path, section, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict(_config(str(tmp_path), 2, "adam", deepspeed=section))
+
+
+@pytest.mark.parametrize(
+    "sections, match",
+    [
+        ({"parallelism": {"pp": 2}}, r"parallelism.pp = 2 .*pipeline"),
+        ({"parallelism": {"tp": 2}}, r"parallelism.tp = 2 .*tensor parallel"),
+        ({"parallelism": {"dp_replicate": 2}}, r"parallelism.dp_replicate = 2"),
+        ({"training": {"loss_chunks": 4}}, r"training.loss_chunks = 4 .*ZeRO-3"),
+    ],
+)
+def test_layouts_this_variant_refuses(tmp_path, sections, match):
+    from parallelisms.deepspeed_engine import check_layout
+
+    with pytest.raises(ConfigError, match=match):
+        check_layout(config_from_dict(_config(str(tmp_path), 2, "adam", **sections)))
+
+
+def test_missing_deepspeed_names_the_install_command(monkeypatch):
+    from parallelisms.deepspeed_engine import import_deepspeed
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[deepspeed\]"'):
+        import_deepspeed("cpu")
+
+
+@pytest.mark.slow
+def test_run_train_sh_zero3_trains_and_exports(tmp_path):
+    """The README-style command of docs/deepspeed.md on this CPU machine, then the export."""
+    env = {
+        **os.environ,
+        "NGPU": "2",
+        "TRAIN_SCRIPT": "recipes/train_deepspeed.py",
+        "CONFIG_FILE": "train_configs/debug_model.toml",
+        "MASTER_PORT": str(free_port()),
+    }
+    args = [f"--job.dump_folder={tmp_path}", "--training.steps=6", "--checkpoint.enable=true"]
+    proc = subprocess.run(
+        ["./run_train.sh", "--deepspeed.zero_stage=3", "--metrics.log_freq=1", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [
+        json.loads(x) for x in (tmp_path / "debug" / "metrics.jsonl").read_text().splitlines()
+    ]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    step = tmp_path / "debug" / "checkpoint" / "step-6"
+    assert (step / "engine" / "model").is_dir() and (step / "manifest.json").is_file()
+    out = tmp_path / "hf"
+    export = subprocess.run(
+        [sys.executable, "scripts/export_hf.py", "--out", str(out), "--job.config_file",
+         "train_configs/debug_model.toml", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert export.returncode == 0, export.stdout[-3000:] + export.stderr[-3000:]
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+
+
+def test_shipped_32b_deepspeed_config_builds_its_ds_config():
+    from parallelisms.deepspeed_engine import build_ds_config, check_layout
+
+    cfg = load_config([f"--job.config_file={ROOT / 'train_configs/32b_npu_deepspeed.toml'}"])
+    check_layout(cfg)
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # config_json is relative to the repository root, where run_train.sh runs
+    try:
+        ds = build_ds_config(cfg, world_size=64)
+    finally:
+        os.chdir(cwd)
+    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"] is True
+    assert ds["train_batch_size"] == 2 * 2 * 64 and ds["communication_data_type"] == "fp32"
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 50_000_000
