@@ -1,7 +1,11 @@
 """Training step time per Engram table optimizer, side by side with engram-peft 1.2.7.
 
     python benchmarks/bench_table_step.py --epeft-python $EPEFT_VENV/bin/python \
-        [--steps 20 --warmup 5 --configs plain,full_engram,engram_only --worlds 1,2,4]
+        [--steps 20 --warmup 5 --configs plain,full_engram,engram_only,lora_engram --worlds 1,2,4]
+
+lora_engram (issue 20): LoRA r 8, alpha 16 on all seven projections + Engram; engram-peft stacks
+PEFT's LoRA (get_peft_model) and then Engram with train_mode "preserve_trainable", ours runs
+training.mode = "lora".
 
 Workload (issue 13): Llama shape dim 256, 4 layers, 4 heads, 2 KV heads, SwiGLU 768, untied, one
 byte-level BPE of 8,192 tokens trained here and shared by both; Engram at layers 1 and 2, orders
@@ -40,6 +44,7 @@ from engram.table_optimizers import TABLE_OPTIMIZERS  # noqa: E402
 
 VOCAB = 8192
 BATCH, SEQ = 8, 256
+MODES = {"engram_only": "engram_only", "lora_engram": "lora"}  # configuration -> training.mode
 
 
 # ------------------------------------------------------------------------------- data
@@ -98,12 +103,14 @@ def _config(data: str, config: str, table_optimizer: str, world: int) -> dict:
             "init": "identity",
         },
         "training": {
-            "mode": "engram_only" if config == "engram_only" else "full",
+            "mode": MODES.get(config, "full"),
             "seq_len": SEQ,
             "local_batch_size": BATCH,
             "max_norm": 1.0,
         },
         "optimizer": {"table_optimizer": table_optimizer},
+        # engram_peft_worker.py's LORA_RANK / LORA_ALPHA; all seven projections (the default)
+        **({"lora": {"rank": 8, "alpha": 16.0}} if config == "lora_engram" else {}),
         "parallelism": {"dp_shard": world},
         "metrics": {"enable_tensorboard": False},
     }
@@ -249,14 +256,15 @@ def _interleave(workers: list[Worker], warmup: int, steps: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument(
-        "--epeft-python", required=True, help="python of a venv with engram-peft==1.2.7"
-    )
+    # Required of the driver only: the workers this script starts run without it.
+    ap.add_argument("--epeft-python", default="", help="python of a venv with engram-peft==1.2.7")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--worlds", default="1,2,4", help="our sharded path; empty: skip")
-    ap.add_argument("--configs", default="plain,full_engram,engram_only", help="empty: skip")
+    ap.add_argument(
+        "--configs", default="plain,full_engram,engram_only,lora_engram", help="empty: skip"
+    )
     ap.add_argument("--table-optimizers", default=",".join(TABLE_OPTIMIZERS))
     ap.add_argument("--sharded-optimizers", default=",".join(TABLE_OPTIMIZERS))
     ap.add_argument("--step-log", default="", help="append every timed step to this file")
@@ -267,6 +275,8 @@ def main() -> None:
     if args.worker:
         our_worker(args.data, args.worker, args.table_optimizer, args.threads)
         return
+    if not args.epeft_python:
+        ap.error("--epeft-python is required: the python of a venv with engram-peft==1.2.7")
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp)
         prepare_data(data, n_batches=16)

@@ -23,6 +23,15 @@ typing.override = lambda f: f  # engram-peft imports typing.override (Python 3.1
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+# LoRA of the lora_engram configuration (the same on our side: benchmarks/bench_table_step.py).
+LORA_RANK, LORA_ALPHA = 8, 16
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TRAIN_MODES = {
+    "full_engram": "full_finetune",
+    "engram_only": "engram_only",
+    "lora_engram": "preserve_trainable",  # keeps the LoRA adapters trainable
+}
+
 
 def build(config: str, vocab: int):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -41,6 +50,11 @@ def build(config: str, vocab: int):
         rope_theta=500000.0,
     )
     model = LlamaForCausalLM(cfg)
+    if config == "lora_engram":  # its documented stacking: PEFT LoRA first, then Engram on top
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS)
+        model = get_peft_model(model, lora)
     if config == "plain":
         return model, torch.optim.AdamW(model.parameters(), lr=3e-4), None
     from engram_peft import get_engram_model
@@ -59,7 +73,7 @@ def build(config: str, vocab: int):
             pad_id=0,
             seed=0,
         ),
-        train_mode="full_finetune" if config == "full_engram" else "engram_only",
+        train_mode=TRAIN_MODES[config],
     )
     em._hook_handles[0].remove()  # the re-hashing model hook; precomputed ids are used instead
     return em, em.create_optimizer(base_learning_rate=3e-4), em.hash_mapping
@@ -83,7 +97,7 @@ def clip(model: torch.nn.Module, max_norm: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
-    ap.add_argument("--config", choices=["plain", "full_engram", "engram_only"], required=True)
+    ap.add_argument("--config", choices=["plain", *TRAIN_MODES], required=True)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -39,7 +39,7 @@ import shutil
 import time
 import warnings
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,18 +199,27 @@ class ModelState(Stateful):
     Sharded parameters stay DTensors in the state dict, so DCP writes each shard once and
     reshards on load (different world size or parallel layout)."""
 
-    def __init__(self, model: nn.Module | Sequence[nn.Module]):
+    def __init__(
+        self,
+        model: nn.Module | Sequence[nn.Module],
+        keep: Callable[[str], bool] | None = None,
+    ):
+        """`keep`: save / load only the entries whose name it accepts (checkpoint.trainable_only:
+        the frozen backbone comes from the HF folder or the seed instead)."""
         self.parts = [model] if isinstance(model, nn.Module) else list(model)
+        self.keep = keep
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         for part in self.parts:
             merged.update(get_model_state_dict(part))
+        if self.keep is not None:
+            merged = {k: v for k, v in merged.items() if self.keep(k)}
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Each pipeline part takes its own keys from the merged dict.
-        strict = len(self.parts) == 1
+        strict = len(self.parts) == 1 and self.keep is None
         for part in self.parts:
             set_model_state_dict(part, state_dict, options=StateDictOptions(strict=strict))
 
@@ -579,14 +588,21 @@ def check_fingerprint(path: Path, fingerprint: dict[str, Any], ignore: Sequence[
         )
 
 
-def load_model_checkpoint(model: nn.Module, path: Path, fingerprint: dict[str, Any]) -> None:
+def load_model_checkpoint(
+    model: nn.Module,
+    path: Path,
+    fingerprint: dict[str, Any],
+    keep: Callable[[str], bool] | None = None,
+) -> None:
     """Load the model state of checkpoint folder `path` (from find_checkpoint) into an unsharded
     `model`, in one process (no collectives; DCP reshards any saved layout). `fingerprint` is
-    this job's config_fingerprint; any difference is refused, as on a training resume."""
+    this job's config_fingerprint; any difference is refused, as on a training resume.
+    `keep` (engram.optim.saved_params): a trainable-only checkpoint holds only those entries; the
+    rest keeps what `model` holds (engram.hf_load.load_frozen_backbone, read first)."""
     check_fingerprint(path, fingerprint)
     with warnings.catch_warnings():  # one process on purpose: DCP's warning says just that
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_load({"model": ModelState(model)}, path, no_dist=True)
+        dcp_load({"model": ModelState(model, keep=keep)}, path, no_dist=True)
 
 
 # ----------------------------------------------------------------------------- manager

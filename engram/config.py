@@ -218,10 +218,14 @@ class Engram:
         return (self.max_ngram - 1) * self.n_head_per_ngram
 
 
+TRAINING_MODES = ("full", "engram_only", "lora")
+
+
 @dataclass
 class Training:
     mode: str = "full"
-    """full: train everything. engram_only: freeze the backbone, train Engram blocks."""
+    """full: train everything. engram_only: freeze the backbone, train Engram blocks. lora: freeze
+    the backbone, train LoRA adapters on lora.target_modules and every Engram parameter."""
     seq_len: int = 128
     local_batch_size: int = 8
     """Sequences per data-parallel rank per micro-batch."""
@@ -242,8 +246,8 @@ class Training:
 
     def __post_init__(self) -> None:
         _check(
-            self.mode in ("full", "engram_only"),
-            f"training.mode must be full or engram_only, got {self.mode!r}",
+            self.mode in TRAINING_MODES,
+            f"training.mode must be one of {', '.join(TRAINING_MODES)}, got {self.mode!r}",
         )
         for name in ("seq_len", "local_batch_size", "grad_accum_steps", "steps"):
             _check(
@@ -524,6 +528,10 @@ class Checkpoint:
     memory (staging: one extra copy of this rank's model + optimizer state in host memory), DCP
     writes it in a background thread, and the checkpoint is verified and committed at the next
     save (which waits for it); the last step's save is synchronous."""
+    trainable_only: bool = False
+    """Save only the trainable parameters (LoRA adapters, Engram) and their optimizer state, not
+    the frozen backbone (training.mode lora / engram_only): a resume rebuilds the backbone from
+    model.hf_checkpoint (the same folder) or, without one, from job.seed."""
 
     def __post_init__(self) -> None:
         _check(self.interval >= 1, "checkpoint.interval must be >= 1")
@@ -600,6 +608,60 @@ class Compile:
         _check(bool(self.backend), "compile.backend must not be empty (e.g. inductor)")
 
 
+# HF projection names (what PEFT's target_modules use) -> this repo's module names.
+LORA_TARGETS = {
+    "q_proj": "attention.wq",
+    "k_proj": "attention.wk",
+    "v_proj": "attention.wv",
+    "o_proj": "attention.wo",
+    "gate_proj": "feed_forward.w1",
+    "up_proj": "feed_forward.w3",
+    "down_proj": "feed_forward.w2",
+}
+
+
+@dataclass
+class Lora:
+    """LoRA adapters (training.mode = "lora"): y = W x + (alpha / rank) B A dropout(x), A [rank,
+    in] normal(0, 1 / in), B [out, rank] zero, so the model is unchanged at step 0."""
+
+    rank: int = 8
+    """Adapter rank r (PEFT's `r`)."""
+    alpha: float = 16.0
+    """Scaling numerator: the adapter output is multiplied by alpha / rank (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input, in [0, 1) (PEFT's lora_dropout)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Projections that get adapters, by their Hugging Face names: q_proj k_proj v_proj o_proj
+    (attention), gate_proj up_proj down_proj (MLP). Default: all of them."""
+    frozen_dtype: str = "compute"
+    """dtype the frozen backbone is held in: compute (parallelism.mixed_precision_param where FSDP
+    applies, e.g. bfloat16 on accelerators: half the bytes, no fp32 master copy, no gradient, no
+    optimizer state) | float32."""
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 1, f"lora.rank must be >= 1, got {self.rank}")
+        _check_finite(self.alpha, "lora.alpha")
+        _check(self.alpha > 0, f"lora.alpha must be > 0, got {self.alpha}")
+        _check_finite(self.dropout, "lora.dropout")
+        _check(0 <= self.dropout < 1, f"lora.dropout must be in [0, 1), got {self.dropout}")
+        unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
+        _check(
+            not unknown,
+            f"lora.target_modules {unknown} match no module; valid names: "
+            f"{', '.join(LORA_TARGETS)}",
+        )
+        _check(bool(self.target_modules), "lora.target_modules must name at least one projection")
+        _check(
+            self.frozen_dtype in ("compute", "float32"),
+            f"lora.frozen_dtype must be compute or float32, got {self.frozen_dtype!r}",
+        )
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
 @dataclass
 class DeepSpeed:
     """Read by recipes/train_deepspeed.py only (the main recipe does not use DeepSpeed)."""
@@ -652,6 +714,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     compile: Compile = field(default_factory=Compile)
     deepspeed: DeepSpeed = field(default_factory=DeepSpeed)
+    lora: Lora = field(default_factory=Lora)
 
     def __post_init__(self) -> None:
         _check(
@@ -759,7 +822,25 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> JobConfig:
             )
         converted = {k: _convert(v, hints[k], f"{name}.{k}") for k, v in values.items()}
         kwargs[name] = cls(**converted)
-    return JobConfig(**kwargs)
+    cfg = JobConfig(**kwargs)
+    # Refused, not warned: without lora mode no adapter exists, so the settings would do nothing.
+    changed = [
+        f.name
+        for f in dataclasses.fields(Lora)
+        if getattr(cfg.lora, f.name) != getattr(Lora(), f.name)
+    ]
+    _check(
+        not changed or cfg.training.mode == "lora",
+        f"{source}: lora.{', lora.'.join(changed)} set but training.mode = "
+        f"{cfg.training.mode!r} builds no adapters (the settings would do nothing): set "
+        'training.mode = "lora" or remove them',
+    )
+    _check(
+        not cfg.checkpoint.trainable_only or cfg.training.mode != "full",
+        "checkpoint.trainable_only = true with training.mode = 'full' would save nothing of the "
+        "backbone it trains: set training.mode to lora or engram_only, or trainable_only = false",
+    )
+    return cfg
 
 
 def _merge(raw: dict[str, dict[str, Any]], overrides: list[str]) -> dict[str, dict[str, Any]]:

@@ -39,6 +39,7 @@ from engram.models.args import ModelArgs
 from engram.models.engram import is_engram_param
 from engram.models.hf_adapter import ENGRAM_PREFIX, HASH_LOOKUP, to_hf_state_dict
 from engram.models.init import local_view
+from engram.models.lora import is_lora_param
 from engram.models.transformer import clean_fqn
 
 logger = logging.getLogger("engram")
@@ -163,7 +164,8 @@ def provenance(config_toml: str, fingerprint: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_cpu(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a (DTensor) parameter, detached, on the CPU (collective for a DTensor)."""
     full = t.full_tensor() if hasattr(t, "full_tensor") else t
     return full.detach().to("cpu").contiguous()
 
@@ -223,7 +225,14 @@ def export(
 
     `model` must hold full (unsharded) tensors or DTensors (gathered here: collective then)."""
     out = Path(out)
-    sd = {name: _full(p) for name, p in model.state_dict().items()}
+    sd = {name: full_cpu(p) for name, p in model.state_dict().items()}
+    adapters = [name for name in sd if is_lora_param(name)]
+    if adapters and not engram_only:
+        raise ValueError(
+            f"the model has LoRA adapters ({adapters[0]}, ...): write them with "
+            "engram.export_peft.export_peft, or fold them in first (engram.models.lora.merge_lora_)"
+        )
+    sd = {name: t for name, t in sd.items() if not is_lora_param(name)}
     _check_finite(sd)
     hf = to_hf_state_dict(sd, model.args)
     engram = {k: v for k, v in hf.items() if k.startswith(ENGRAM_PREFIX)}

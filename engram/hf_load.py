@@ -25,12 +25,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from engram.config import JobConfig
 from engram.export import ENGRAM_FILE
 from engram.models.args import ModelArgs
 from engram.models.engram import is_engram_param
 from engram.models.hf_adapter import from_hf_state_dict
 from engram.models.hf_config import CONFIG_FILE, HFConfigError, args_from_hf_config, read_hf_config
 from engram.models.init import local_view
+from engram.models.lora import is_lora_param
 from engram.models.transformer import clean_fqn
 
 logger = logging.getLogger("engram")
@@ -96,16 +98,26 @@ def load_hf_backbone(model: nn.Module, hf_dir: str | Path, model_args: ModelArgs
                         block = f.get_slice(hf_name)[index]
                     local.copy_(block)  # casts to the parameter dtype and device
                     read_bytes += block.numel() * block.element_size()
-    kept = sorted(set(params) - set(plan))
+    kept = sorted(set(params) - set(plan))  # Engram and LoRA parameters
     logger.info(
         "loaded %d tensors from %s (%.2f GiB read on this rank) in %.1f s; %d Engram "
-        "parameters keep their init",
+        "/ LoRA parameters keep their init",
         len(plan),
         folder,
         read_bytes / 2**30,
         time.perf_counter() - begin,
         len(kept),
     )
+
+
+def load_frozen_backbone(model: nn.Module, cfg: JobConfig) -> bool:
+    """checkpoint.trainable_only: read the frozen backbone, which such a checkpoint does not hold,
+    from model.hf_checkpoint into `model` (call before reading the checkpoint). Returns whether
+    it read anything (without an HF folder the backbone is the job.seed init)."""
+    if not (cfg.checkpoint.trainable_only and cfg.model.hf_checkpoint):
+        return False
+    load_hf_backbone(model, cfg.model.hf_checkpoint, model.args)
+    return True
 
 
 # ----------------------------------------------------------------------------- folder
@@ -257,7 +269,8 @@ def _plan(
                 unexpected.append(
                     f"{hf_name} (in {file}): maps to {ours}, which this model does not have"
                 )
-    backbone = [n for n in params if not is_engram_param(n)]
+    # LoRA adapters have no HF counterpart: like Engram parameters they keep their init.
+    backbone = [n for n in params if not is_engram_param(n) and not is_lora_param(n)]
     engram = [n for n in params if is_engram_param(n)]
     missing = [n for n in backbone if n not in plan]
     engram_found = [n for n in engram if n in plan]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -25,14 +25,29 @@ from torch.optim.lr_scheduler import LambdaLR
 from engram.config import JobConfig
 from engram.host_worker import is_host_resident
 from engram.models.engram import is_engram_param, is_table_param
+from engram.models.lora import is_lora_param
 from engram.table_grad import row_grad_norm_sq, scale_row_grads_
 from engram.table_optimizers import table_optimizer_spec
 
 
+def is_trainable(name: str, mode: str) -> bool:
+    """Whether parameter `name` trains in training.mode `mode` (the one statement of the rule):
+    full trains everything, engram_only the Engram parameters, lora those and the adapters."""
+    return mode == "full" or is_engram_param(name) or (mode == "lora" and is_lora_param(name))
+
+
+def saved_params(cfg: JobConfig) -> Callable[[str], bool] | None:
+    """What a checkpoint holds of the model: everything (None), or with checkpoint.trainable_only
+    the parameters training.mode trains (the frozen backbone comes from the HF folder / seed)."""
+    if not cfg.checkpoint.trainable_only:
+        return None
+    return functools.partial(is_trainable, mode=cfg.training.mode)
+
+
 def apply_training_mode(model: nn.Module, mode: str) -> None:
-    """engram_only freezes every non-Engram parameter; full trains everything."""
+    """Set requires_grad of every parameter by `is_trainable`."""
     for name, p in model.named_parameters():
-        p.requires_grad_(mode == "full" or is_engram_param(name))
+        p.requires_grad_(is_trainable(name, mode))
 
 
 def build_optimizers(model: nn.Module, cfg: JobConfig) -> list[torch.optim.Optimizer]:

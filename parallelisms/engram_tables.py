@@ -420,4 +420,3 @@ def apply_engram_table_sharding(
         module._engram_row_sparse = row_sparse
         params.append(module.weight)
     return params
-

@@ -1,27 +1,35 @@
 """The documented order of application, in one place (the recipe and the memory estimator use it).
 
-build on meta -> float8 -> tensor parallel -> Engram table row-sharding -> activation
-checkpointing -> compile -> FSDP2 / HSDP / DDP (then the caller materialises and initialises: init
-does not depend on the layout). Under pipeline parallelism this runs once per stage.
+build on meta -> converters (float8, then LoRA) -> tensor parallel -> Engram table row-sharding
+-> activation checkpointing -> compile -> FSDP2 / HSDP / DDP -> training mode (then the caller
+materialises and initialises: init does not depend on the layout). Under pipeline parallelism
+this runs once per stage.
 
-float8 comes first, right after the build on meta (as torchtitan's model converters do): it swaps
-`nn.Linear` modules for torchao's `Float8Linear`, so it must run before anything wraps or shards
-those modules; in particular before tensor parallelism, whose float8-aware styles expect the
-`Float8Linear` modules already in place. Compile comes after activation checkpointing and before
-FSDP (torchtitan's order), so FSDP's hooks and collectives stay outside the compiled blocks.
+The converters come first, right after the build on meta (as torchtitan's model converters do):
+they swap modules in place, so they must run before anything wraps or shards those modules.
+float8 swaps `nn.Linear` for torchao's `Float8Linear`; LoRA then swaps the target linears (float8
+ones included) for LoRA subclasses of their own class, which tensor parallelism shards with
+their base layer's plan; in lora mode the frozen backbone is cast to the compute dtype there,
+before FSDP shards it. The training mode (`requires_grad`, engram.optim.is_trainable) is set
+last, once every parallelism has created its parameters. Compile comes after activation
+checkpointing and before FSDP (torchtitan's order), so FSDP's hooks and collectives stay outside
+the compiled blocks.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from engram.config import JobConfig
+from engram.optim import apply_training_mode
 from engram.table_optimizers import table_optimizer_spec
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import apply_compile
 from parallelisms.engram_tables import apply_engram_table_sharding
 from parallelisms.float8 import apply_float8
 from parallelisms.fsdp import DTYPES, apply_fsdp
+from parallelisms.lora import apply_lora, hold_frozen_in
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import apply_tp
 
@@ -32,6 +40,14 @@ def engram_halo(cfg: JobConfig) -> int:
     if not (e.enabled and e.layer_ids):
         return 0
     return (e.kernel_size - 1) * e.max_ngram
+
+
+def frozen_dtype(cfg: JobConfig, dims: ParallelDims) -> torch.dtype:
+    """dtype of the frozen backbone in lora mode: FSDP's compute dtype where FSDP applies (with
+    lora.frozen_dtype = "compute"), else float32 (without FSDP nothing casts parameters)."""
+    if cfg.lora.frozen_dtype == "compute" and dims.dp_size > 1:
+        return DTYPES[cfg.parallelism.mixed_precision_param]
+    return torch.float32
 
 
 def shard_engram_tables(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> list[nn.Parameter]:
@@ -54,6 +70,9 @@ def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> l
     """Apply every parallelism in place; returns the row-sharded Engram table parameters."""
     dims.check_model(model.args, cfg.training.seq_len, engram_halo(cfg))
     apply_float8(model, cfg.float8, dims.mesh().device_type, compiled=cfg.compile.enable)
+    if cfg.training.mode == "lora":
+        apply_lora(model, cfg.lora)
+        hold_frozen_in(model, frozen_dtype(cfg, dims))
     if dims.tp_enabled:
         apply_tp(
             model,
@@ -67,4 +86,6 @@ def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> l
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     apply_compile(model, cfg.compile)
     apply_fsdp(model, dims, cfg.parallelism, ignored_params=table_params)
+    # Last: torch's SequenceParallel style re-creates the norms' parameters trainable.
+    apply_training_mode(model, cfg.training.mode)
     return table_params

@@ -24,7 +24,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -80,16 +80,16 @@ def apply_tp(
                 desired_input_layouts=(Replicate(), None, None, None),
                 use_local_output=True,
             ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=stream),
+            "attention.wq": Colwise(),
+            "attention.wk": Colwise(),
+            "attention.wv": Colwise(),
+            "attention.wo": Rowwise(output_layouts=stream),
             "feed_forward": PrepareModuleInput(
                 input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=True
             ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
-            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w1": Colwise(),
+            "feed_forward.w2": Rowwise(output_layouts=stream),
+            "feed_forward.w3": Colwise(),
         }
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
@@ -101,6 +101,46 @@ def apply_tp(
         parallelize_module(block, tp_mesh, plan)
         if block.engram is not None:
             _shard_engram_sequence(block.engram, tp_mesh, sequence_parallel)
+
+
+# ----------------------------------------------------------------------------- LoRA adapters
+
+
+def _place_adapters(module: nn.Module, mesh: DeviceMesh, partition, placements: dict) -> None:
+    """Run the base style's `partition` on the weight / bias alone, then distribute the LoRA
+    adapters (engram/models/lora.py) with `placements` (name -> placement)."""
+    adapters = {n: module._parameters.pop(n) for n in placements if n in module._parameters}
+    partition(module)
+    for name, p in adapters.items():
+        dist_p = distribute_tensor(p, mesh, [placements[name]])
+        module.register_parameter(name, nn.Parameter(dist_p, requires_grad=p.requires_grad))
+
+
+class Colwise(ColwiseParallel):
+    """ColwiseParallel whose LoRA adapters follow the base layer: A [r, in] replicated (it reads
+    the whole replicated input), B [out, r] sharded like the output (Shard(0))."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _place_adapters(
+            module,
+            device_mesh,
+            lambda m: super(Colwise, self)._partition_linear_fn(name, m, device_mesh),
+            {"lora_A": Replicate(), "lora_B": Shard(0)},
+        )
+
+
+class Rowwise(RowwiseParallel):
+    """RowwiseParallel whose LoRA adapters follow the base layer: A [r, in] sharded like the input
+    (Shard(1)), B [out, r] replicated; the adapter output is a partial sum like the base output
+    and is reduced with it."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _place_adapters(
+            module,
+            device_mesh,
+            lambda m: super(Rowwise, self)._partition_linear_fn(name, m, device_mesh),
+            {"lora_A": Shard(1), "lora_B": Replicate()},
+        )
 
 
 def _stream_own_storage(_module: nn.Module, _inputs, output: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,6 @@ from torch.distributed.tensor import DTensor
 from engram.config import ConfigError, JobConfig
 from engram.data.tokenizer import load_tokenizer
 from engram.models.builder import build_model, flavor_args
-from engram.optim import apply_training_mode
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.host_tables import STAGING_CHUNK_BYTES
 from parallelisms.parallel_dims import ParallelDims
@@ -42,8 +41,8 @@ def build_rank_parts(
     cfg: JobConfig, dims: ParallelDims, vocab_size: int, table_rows: dict[int, int]
 ) -> tuple[StagePlan | None, list[int], list[nn.Module], list[nn.Parameter]]:
     """recipes/train.py's model section, on meta, for the rank of the current (fake) process
-    group: build, split into this rank's pipeline stages (pp > 1), parallelize_model and
-    training mode per part. Returns (plan or None, stage ids, parts, row-sharded tables)."""
+    group: build, split into this rank's pipeline stages (pp > 1), parallelize_model per part
+    (converters, training mode). Returns (plan or None, stage ids, parts, row-sharded tables)."""
     model = build_model(
         cfg.model, cfg.engram, vocab_size, table_rows, "meta", max_seq_len=cfg.training.seq_len
     )
@@ -52,8 +51,7 @@ def build_rank_parts(
         plan, stage_ids, parts = split_stages(model, cfg, dims)
     table_params = []
     for part in parts:
-        table_params += parallelize_model(part, cfg, dims)
-        apply_training_mode(part, cfg.training.mode)
+        table_params += parallelize_model(part, cfg, dims)  # sets requires_grad by the mode
     return plan, stage_ids, parts, table_params
 
 

@@ -25,6 +25,7 @@ STEPS = {  # parallelize_model step -> where its memory is modelled
     "apply_activation_checkpointing": "activations (is_checkpointed)",
     "apply_compile": "estimated as eager (inductor saves activation memory, never adds much)",
     "apply_fsdp": "measure (shards), fsdp_buffers, comm",
+    "apply_lora": "measure (adapters are built parameters; the frozen backbone at its held dtype)",
     "apply_training_mode": "measure (frozen parameters hold no gradient or optimizer state)",
 }
 
@@ -95,10 +96,16 @@ MODELLED = {  # setting -> where the planner models it
         "activations.float8_cast_bytes",
     ),
     **dict.fromkeys(("compile.enable", "compile.backend"), "estimated as eager"),
+    **dict.fromkeys(
+        ("lora.rank", "lora.target_modules", "lora.frozen_dtype"),
+        "measure (built adapters, held dtype); adapter activations (B x T x rank) not counted",
+    ),
+    "lora.dropout": "estimated without the dropout masks of the adapters' inputs",
+    "checkpoint.trainable_only": "measure (async staging counts the whole model: upper bound)",
 }
 
 MODELLED_VALUES = {  # setting -> the values the planner models (others are refused)
-    "training.mode": ("full", "engram_only"),
+    "training.mode": ("full", "engram_only", "lora"),
     # Without loss parallel the logits are all-gathered; the planner divides them by tp.
     "parallelism.tp_loss_parallel": (True,),
 }
@@ -107,6 +114,7 @@ NO_MEMORY_EFFECT = frozenset(
     {
         *("job.config_file", "job.dump_folder", "job.run_name", "job.description", "job.seed"),
         "job.deterministic",
+        "lora.alpha",  # a scale factor
         "model.hf_checkpoint",  # loaded into the same parameters
         *("engram.seed", "engram.pad_id", "engram.compress_tokenizer"),
         *("engram.respect_doc_boundaries", "engram.init", "engram.table_init_std"),

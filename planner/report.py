@@ -85,7 +85,9 @@ def to_markdown(est: MemoryEstimate) -> str:
         )
     row("dense parameters (FSDP shard), count", [_count(m.dense_params) for m in rs], "exact")
     row(
-        "dense parameters fp32 = master weights, GiB",
+        "dense parameters fp32 = master weights, GiB"
+        if est.training_mode != "lora"  # lora.frozen_dtype: the frozen backbone in compute dtype
+        else "dense parameters (frozen backbone as held, adapters fp32), GiB",
         [_gib(m.dense_param_bytes) for m in rs],
         "exact",
     )

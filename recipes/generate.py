@@ -45,11 +45,12 @@ from engram.config import JobConfig, load_config
 from engram.data.tokenizer import Tokenizer, load_tokenizer
 from engram.fingerprint import config_fingerprint
 from engram.hashing import NgramHasher
-from engram.hf_load import load_hf_backbone
+from engram.hf_load import load_frozen_backbone, load_hf_backbone
 from engram.metrics import init_logger
 from engram.models.builder import build_for_inference, build_hasher
 from engram.models.decode_cache import DecodeCache
 from engram.models.transformer import Transformer
+from engram.optim import saved_params
 
 logger = logging.getLogger("engram")
 
@@ -139,7 +140,8 @@ def load_weights(
             if fingerprint is None:
                 tokenizer = load_tokenizer(cfg.model.tokenizer_path)
                 fingerprint = config_fingerprint(cfg, tokenizer, build_hasher(cfg, tokenizer))
-            load_model_checkpoint(model, path, fingerprint)
+            load_frozen_backbone(model, cfg)
+            load_model_checkpoint(model, path, fingerprint, keep=saved_params(cfg))
             return f"checkpoint {path}"
         if source == "checkpoint" or checkpoint_step >= 0:
             raise CheckpointError(

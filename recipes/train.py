@@ -28,7 +28,7 @@ from engram.data.loader import build_dataloader
 from engram.data.tokenizer import load_tokenizer
 from engram.distributed import destroy_distributed, init_distributed
 from engram.fingerprint import config_fingerprint
-from engram.hf_load import load_hf_backbone
+from engram.hf_load import load_frozen_backbone, load_hf_backbone
 from engram.host_worker import wait_host_work
 from engram.loss import LanguageModelLoss, build_loss, local_value
 from engram.metrics import MetricsLogger, init_logger, logger
@@ -36,10 +36,10 @@ from engram.models.builder import build_hasher, build_model_from_config
 from engram.nonfinite import NonFiniteGuard
 from engram.optim import (
     SchedulersState,
-    apply_training_mode,
     build_lr_schedulers,
     build_optimizers,
     clip_grad_norm_,
+    saved_params,
 )
 from engram.profiling import maybe_profile
 from engram.table_check import warn_if_tables_collide
@@ -206,8 +206,7 @@ def train(cfg: JobConfig) -> TrainResult:
     )
     for part in model_parts:
         part.to_empty(device=device)  # host tables materialise on the host
-        part.init_weights(seed=cfg.job.seed)
-        apply_training_mode(part, cfg.training.mode)
+        part.init_weights(seed=cfg.job.seed)  # requires_grad: set by parallelize_model
     model = model_parts[0]
     # One loss for every forward path (see engram/loss.py); TP loss parallel keeps the logits
     # sharded over the vocabulary (see tensor_parallel.py).
@@ -260,7 +259,7 @@ def train(cfg: JobConfig) -> TrainResult:
         cfg.checkpoint,
         cfg.run_folder,
         states={
-            "model": ModelState(model_parts),
+            "model": ModelState(model_parts, keep=saved_params(cfg)),
             "optimizer": OptimizerState(model_parts, part_optimizers),
             "lr_scheduler": SchedulersState(schedulers),
             "dataloader": train_loader,
@@ -274,6 +273,8 @@ def train(cfg: JobConfig) -> TrainResult:
             "seq_len": cfg.training.seq_len,
         },
     )
+    # A trainable-only checkpoint holds no backbone: read first, a resume overwrites what trains.
+    hf_first = any([load_frozen_backbone(part, cfg) for part in model_parts])
     start_step = checkpointer.load()
     # Only now: a refused resume must leave the run folder's config record untouched.
     metrics = MetricsLogger(cfg.run_folder, cfg.metrics, rank, config_dict=cfg.to_dict())
@@ -283,7 +284,7 @@ def train(cfg: JobConfig) -> TrainResult:
             logger.warning(
                 "engram.init is not 'identity': the pretrained function changes at step 0"
             )
-        for part in model_parts:  # under PP each stage loads only its own layers
+        for part in model_parts if not hf_first else ():  # under PP each stage its own layers
             load_hf_backbone(part, cfg.model.hf_checkpoint, model.args)
     result = TrainResult(start_step=start_step, model=model, model_parts=model_parts)
 

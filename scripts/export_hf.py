@@ -9,6 +9,11 @@
     loads it into any layout with model.hf_checkpoint = <folder>. config.json states the repo
     version, the checkpoint fingerprint and the training config it came from.
 (b) --engram-only: engram.safetensors alone (engram.export.load_engram_safetensors reads it).
+(c) training.mode = "lora": a PEFT adapter folder (adapter_config.json, adapter_model.safetensors
+    in PEFT's key names: `PeftModel.from_pretrained(base, folder)` on the transformers base model)
+    plus engram.safetensors; with --merged instead the HF folder of (a) with the adapters folded
+    into the base weights (W + alpha / r * B A). A checkpoint.trainable_only checkpoint is read on
+    top of model.hf_checkpoint.
 
 The checkpoint is the run's newest one (or --step), verified against its manifest and its
 fingerprint first (engram/checkpoint.py find_checkpoint / load_model_checkpoint, as generation).
@@ -31,9 +36,13 @@ from engram.checkpoint import find_checkpoint, load_model_checkpoint  # noqa: E4
 from engram.config import load_config, to_toml  # noqa: E402
 from engram.data.tokenizer import load_tokenizer  # noqa: E402
 from engram.export import export, prepare_output_folder  # noqa: E402
+from engram.export_peft import export_peft  # noqa: E402
 from engram.fingerprint import config_fingerprint  # noqa: E402
+from engram.hf_load import load_frozen_backbone  # noqa: E402
 from engram.metrics import init_logger  # noqa: E402
 from engram.models.builder import build_for_inference  # noqa: E402
+from engram.models.lora import merge_lora_  # noqa: E402
+from engram.optim import saved_params  # noqa: E402
 from parallelisms.deepspeed_engine import is_deepspeed_step, load_deepspeed_weights  # noqa: E402
 
 
@@ -44,6 +53,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--out", required=True, help="output folder (new or empty)")
     parser.add_argument("--step", type=int, default=-1, help="checkpoint step (-1: newest)")
     parser.add_argument("--engram-only", action="store_true", help="write engram.safetensors only")
+    parser.add_argument(
+        "--merged",
+        action="store_true",
+        help="lora mode: fold the adapters into the base weights and write the HF folder",
+    )
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -56,22 +70,30 @@ def main(argv: list[str] | None = None) -> list[Path]:
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     model, hasher = build_for_inference(cfg, tokenizer, cfg.training.seq_len)
     fingerprint = config_fingerprint(cfg, tokenizer, hasher)
+    if ns.merged and cfg.training.mode != "lora":
+        raise SystemExit("--merged folds LoRA adapters: the run's training.mode is not lora")
     if is_deepspeed_step(path):  # written by recipes/train_deepspeed.py
         load_deepspeed_weights(model, path, fingerprint)
     else:
-        load_model_checkpoint(model, path, fingerprint)
+        load_frozen_backbone(model, cfg)
+        load_model_checkpoint(model, path, fingerprint, keep=saved_params(cfg))
     prepare_output_folder(ns.out, ns.overwrite)
-    files = export(
-        model,
-        cfg.model.name,
-        dataclasses.asdict(cfg.engram),
-        fingerprint,
-        ns.out,
-        engram_only=ns.engram_only,
-        tokenizer=tokenizer,
-        hasher=hasher,
-        config_toml=to_toml(cfg),
-    )
+    engram_config = dataclasses.asdict(cfg.engram)
+    if cfg.training.mode == "lora" and not (ns.merged or ns.engram_only):
+        files = export_peft(model, cfg, engram_config, fingerprint, ns.out)
+    else:
+        merge_lora_(model)
+        files = export(
+            model,
+            cfg.model.name,
+            engram_config,
+            fingerprint,
+            ns.out,
+            engram_only=ns.engram_only,
+            tokenizer=tokenizer,
+            hasher=hasher,
+            config_toml=to_toml(cfg),
+        )
     for f in files:
         print(f"wrote {f}")
     return files

@@ -71,7 +71,7 @@ def test_cli_overrides_toml(tmp_path):
         ({"engram": {"vocab_size_per_ngram": [10, 0]}}, "must be > 0"),
         ({"engram": {"n_embed_per_ngram": 30}}, "divisible"),
         ({"engram": {"layer_ids": [1, 1]}}, "duplicates"),
-        ({"training": {"mode": "lora"}}, "full or engram_only"),
+        ({"training": {"mode": "qlora"}}, "full, engram_only, lora"),
         ({"data": {"dataset": "jsonl"}}, "data.path is required"),
         ({"parallelism": {"fsdp_reshard_after_forward": "sometimes"}}, "always, never or default"),
     ],

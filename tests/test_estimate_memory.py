@@ -322,3 +322,43 @@ def test_async_checkpoint_staging_is_counted_on_the_host():
             mem.dense_param_bytes + mem.table_param_bytes + mem.optimizer_bytes
         )
         assert mem.persistent_bytes == ref.persistent_bytes and mem.peak_bytes == ref.peak_bytes
+
+
+def test_lora_mode_frozen_backbone_in_compute_dtype():
+    """training.mode = "lora" at FSDP 2 with bf16 compute: the frozen backbone is counted at 2
+    bytes per parameter, adapters and Engram at 4, and gradients / Adam state exist for the
+    adapters and Engram only; references from the unsharded meta model with adapters, ceil
+    split over the 2 ranks (FSDP2's split), tables by torch.chunk."""
+    from engram.config import config_from_dict
+    from engram.models.lora import is_lora_param
+    from parallelisms.lora import apply_lora
+
+    raw = {
+        "model": {"flavor": "debug"},
+        "engram": {"layer_ids": [1], "vocab_size_per_ngram": [1009, 997], "n_head_per_ngram": 2},
+        "training": {"mode": "lora", "seq_len": 64, "local_batch_size": 1},
+        "lora": {"rank": 4, "target_modules": ["q_proj", "down_proj"]},
+        "parallelism": {"dp_shard": 2, "mixed_precision_param": "bfloat16"},
+    }
+    cfg = config_from_dict(raw)
+    est = _estimate(cfg, 2, ranks=[0, 1])
+    model = build_model(
+        cfg.model, cfg.engram, load_tokenizer("").vocab_size, engram_table_rows(cfg.engram),
+        "meta", cfg.training.seq_len,
+    )  # fmt: skip
+    apply_lora(model, cfg.lora)
+    for m in est.ranks:
+        frozen = trainable = table = 0
+        for name, p in model.named_parameters():
+            if name.endswith("engram.table.weight"):
+                table += _chunk_rows(p.shape[0], 2, m.rank) * p.shape[1]
+                continue
+            n = _ceil_split(p.shape[0], 2, m.rank) * math.prod(p.shape[1:])
+            if is_lora_param(name) or ".engram." in name:
+                trainable += n
+            else:
+                frozen += n
+        assert m.dense_param_bytes == 2 * frozen + 4 * trainable
+        assert m.grad_bytes == 4 * (trainable + table)
+        assert m.optimizer_bytes == 8 * (trainable + table)
+    assert est.training_mode == "lora"

@@ -6,12 +6,13 @@ import logging
 
 import torch
 
+from engram.config import LORA_TARGETS, JobConfig
 from engram.config import Engram as EngramConfig
-from engram.config import JobConfig
 from engram.config import Model as ModelConfig
 from engram.hashing import NgramHasher, engram_table_rows
 from engram.models.args import ModelArgs, get_model_args
 from engram.models.hf_config import HF_FLAVOR, check_flavor_against_hf, hf_flavor_args
+from engram.models.lora import add_lora_adapters
 from engram.models.transformer import Transformer
 
 logger = logging.getLogger("engram")
@@ -138,9 +139,14 @@ def build_from_config(
 def build_for_inference(
     cfg: JobConfig, tokenizer, max_seq_len: int, device: torch.device | str = "cpu"
 ) -> tuple[Transformer, NgramHasher | None]:
-    """The training recipe's model, unsharded on `device`, initialised with job.seed, in eval
+    """The training recipe's model (LoRA adapters in lora mode), unsharded on `device`,
+    initialised with job.seed, in eval
     mode (generation, export). `max_seq_len` sizes the RoPE table."""
     model, hasher = build_from_config(cfg, tokenizer, max_seq_len=max_seq_len)
+    if cfg.training.mode == "lora":  # the adapters a lora run's checkpoint holds
+        lora = cfg.lora
+        paths = [LORA_TARGETS[t] for t in lora.target_modules]
+        add_lora_adapters(model, paths, lora.rank, lora.alpha, lora.dropout)
     model.to_empty(device=device)
     model.init_weights(seed=cfg.job.seed)
     model.eval()

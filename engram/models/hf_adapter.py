@@ -45,6 +45,15 @@ _HF_ENGRAM = re.compile(r"^model\.(layers\.\d+\.engram\..+)$")
 _HF_IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 
 
+def hf_module_name(ours: str) -> str:
+    """`layers.<i>.<our module path>` -> HF's `model.layers.<i>.<module path>` (a module, not a
+    parameter: PEFT's adapter keys hang off it)."""
+    m = re.match(r"^layers\.(\d+)\.(.+)$", ours)
+    if m is None or m.group(2) not in _LAYER:
+        raise KeyError(f"no Hugging Face name for module {ours!r}")
+    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+
+
 def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Our names -> HF names. Tied models omit lm_head.weight (as HF checkpoints do)."""
     out: dict[str, torch.Tensor] = {}

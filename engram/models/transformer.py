@@ -21,6 +21,7 @@ from engram.models.args import ModelArgs, RopeScaling
 from engram.models.decode_cache import DecodeCache, LayerCache
 from engram.models.engram import EngramBlock, RMSNorm
 from engram.models.init import init_constant_, init_normal_
+from engram.models.lora import LoRAMixin
 
 # Prefixes that wrappers insert into parameter names; stripped so init keys (and hence the
 # weights) do not depend on activation checkpointing or torch.compile.
@@ -319,6 +320,9 @@ class Transformer(nn.Module):
             if isinstance(module, EngramBlock):
                 module.init_weights(seed, clean_fqn(name), std)
                 done.update(id(p) for p in module.parameters())
+            elif isinstance(module, LoRAMixin):  # the base weight takes the rules below
+                module.init_lora(seed, clean_fqn(name))
+                done.update((id(module.lora_A), id(module.lora_B)))
         for raw_name, param in self.named_parameters():
             if id(param) in done:
                 continue

@@ -1,0 +1,112 @@
+"""LoRA adapters on a linear: y = base(x) + scaling * B(A(dropout(x))), scaling = alpha / rank.
+
+`add_lora` swaps the class of an existing `nn.Linear` (or a subclass such as torchao's
+`Float8Linear`) for a LoRA subclass of it, in place and on any device (meta included), as
+torchtitan's LoRA converter does: the base weight keeps its name (`...wq.weight`, so HF loading
+and checkpoints see the same keys) and the base forward stays the parent class's (float8 matmul
+included). The adapters are two direct parameters:
+
+    lora_A  [rank, in_features]   normal(0, 1 / in_features)   (PEFT: lora_A.weight)
+    lora_B  [out_features, rank]  zeros                        (PEFT: lora_B.weight)
+
+B = 0 makes the adapter output exactly 0 at step 0. The adapters compute in high precision (the
+parent's float8 recipe is not applied to them). Under tensor parallelism they are DTensors placed
+by parallelisms/tensor_parallel.py (column-wise base: A replicated, B sharded like the output;
+row-wise base: A sharded like the input, B replicated); the matmuls below then run on DTensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engram.models.init import init_constant_, init_normal_
+
+LORA_PARAMS = ("lora_A", "lora_B")
+
+_CLASSES: dict[type, type] = {}
+
+
+def is_lora_param(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in LORA_PARAMS
+
+
+class LoRAMixin:
+    """Put in front of a Linear class by `add_lora`; holds only the adapter logic."""
+
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
+    lora_rank: int
+    lora_scaling: float
+    lora_dropout: float  # a float, not a Dropout child: TP styles partition every child module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = super().forward(x)  # type: ignore[misc]
+        adapter = F.linear(F.linear(self._dropped(x), self.lora_A), self.lora_B)
+        return base + adapter * self.lora_scaling
+
+    def _dropped(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora_dropout == 0:
+            return x
+        return F.dropout(x, self.lora_dropout, self.training)  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def init_lora(self, seed: int, fqn: str) -> None:
+        """Layout-independent init (engram/models/init.py): A normal(0, 1/in), B zero."""
+        init_normal_(self.lora_A, 1.0 / math.sqrt(self.lora_A.shape[1]), seed, f"{fqn}.lora_A")
+        init_constant_(self.lora_B, 0.0)
+
+    def delta_weight(self) -> torch.Tensor:
+        """scaling * B @ A, the [out, in] update a merged export adds to the base weight (full
+        tensors: call on an unsharded model)."""
+        return (self.lora_B.float() @ self.lora_A.float()) * self.lora_scaling
+
+
+def add_lora(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> nn.Linear:
+    """Turn `linear` into a LoRA linear in place (class swap + two adapter parameters)."""
+    if isinstance(linear, LoRAMixin):
+        raise ValueError("add_lora: this linear already has LoRA adapters")
+    base_cls = type(linear)
+    if base_cls not in _CLASSES:
+        _CLASSES[base_cls] = type(f"LoRA{base_cls.__name__}", (LoRAMixin, base_cls), {})
+    w = linear.weight
+    linear.__class__ = _CLASSES[base_cls]
+    kw = {"device": w.device, "dtype": torch.float32}
+    linear.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, **kw))
+    linear.lora_B = nn.Parameter(torch.empty(linear.out_features, rank, **kw))
+    linear.lora_rank = rank
+    linear.lora_scaling = alpha / rank
+    linear.lora_dropout = float(dropout)
+    return linear
+
+
+def add_lora_adapters(
+    model: nn.Module, paths: list[str], rank: int, alpha: float, dropout: float
+) -> list[str]:
+    """`add_lora` on every `layers.<i>.<path>` linear of `model` for `path` in `paths` (our module
+    paths, e.g. attention.wq); before any wrapper (names unprefixed). Returns the names."""
+    adapted = []
+    for name, module in list(model.named_modules()):
+        head, _, rest = name.partition(".")
+        if head != "layers" or rest.partition(".")[2] not in paths:
+            continue
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"LoRA target {name} is a {type(module).__name__}, not a linear")
+        add_lora(module, rank, alpha, dropout)
+        adapted.append(name)
+    return adapted
+
+
+@torch.no_grad()
+def merge_lora_(model: nn.Module) -> int:
+    """Fold every adapter into its base weight (W += scaling * B A) and turn the module back into
+    its base class, in place; on full (unsharded) tensors. Returns how many were merged."""
+    merged = [m for m in model.modules() if isinstance(m, LoRAMixin)]
+    for module in merged:
+        module.weight.add_(module.delta_weight().to(module.weight.dtype))
+        del module.lora_A, module.lora_B
+        module.__class__ = type(module).__bases__[1]
+    return len(merged)
