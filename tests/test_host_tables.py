@@ -257,7 +257,15 @@ def test_host_memory_too_small_fails_at_start(tmp_path):
 def test_planner_models_host_tables():
     """Host tables leave the device (only one micro-batch's rows stay), appear in host memory
     per rank and per node, are refused when the node's memory is too small, and --compare tries
-    both locations."""
+    both locations. In a spawned process: the planner's fake process group must not leak into
+    the processes later tests fork from this one."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        pool.apply(_planner_checks)
+
+
+def _planner_checks() -> None:
     from planner.compare import compare
     from planner.estimate import estimate
 
