@@ -5,9 +5,7 @@ by 2 / 4 real gloo ranks under DDP, FSDP2 (both reshard policies) and HSDP 2x2, 
 `engram_only` modes, and must match the single-process run:
 
 - per-step losses to rtol 1e-5; the global (pre-clip) gradient norm of step 1 (identical weights)
-  to rtol 1e-6, later steps to 3e-3 (measured up to 2.3e-3: DDP engram_only, step 5, where the
-  Engram gate amplifies the all-reduce's fp32 summation order; docs/parallelisms.md "TP and the
-  Engram gate"). The gradient norm is what catches a wrong divisor or a shard
+  to rtol 1e-6, later steps to 1e-3. The gradient norm is what catches a wrong divisor or a shard
   counted twice: Adam itself is blind to gradient scale.
 - final fp32 weights: per tensor, the update (final - initial) agrees to 0.3% relative (Frobenius;
   measured worst 1.1e-3 for a table under grad accumulation, where one process with vs without
@@ -146,7 +144,9 @@ def test_layouts_match_single_process(tmp_path, mode):
             _assert_matches(got, ref, init, f"{label} (world {world}, rank {rank}, {mode})")
 
 
-def _assert_losses_and_norms_match(got: dict, ref: dict, where: str) -> None:
+def _assert_losses_and_norms_match(
+    got: dict, ref: dict, where: str, grad_rtol: float = 1e-3
+) -> None:
     close = torch.testing.assert_close
     close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0, msg=where)
     # Step 1 runs on identical weights: its gradient norm must agree to fp32 rounding.
@@ -154,14 +154,15 @@ def _assert_losses_and_norms_match(got: dict, ref: dict, where: str) -> None:
     close(
         torch.tensor(got["grad_norms"]),
         torch.tensor(ref["grad_norms"]),
-        rtol=3e-3,  # steps 2+: see the module docstring
+        rtol=grad_rtol,
         atol=0,
         msg=where,
     )
 
 
-def _assert_matches(got: dict, ref: dict, init: dict, where: str) -> None:
-    _assert_losses_and_norms_match(got, ref, where)
+def _assert_matches(got: dict, ref: dict, init: dict, where: str, grad_rtol: float = 1e-3) -> None:
+    """`grad_rtol`: the grad norms of steps 2+ (step 1 is always 1e-6)."""
+    _assert_losses_and_norms_match(got, ref, where, grad_rtol)
     assert got["weights"].keys() == ref["weights"].keys(), where
     for name, w in ref["weights"].items():
         update = np.linalg.norm(w - init[name])
