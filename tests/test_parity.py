@@ -5,7 +5,8 @@ by 2 / 4 real gloo ranks under DDP, FSDP2 (both reshard policies) and HSDP 2x2, 
 `engram_only` modes, and must match the single-process run:
 
 - per-step losses to rtol 1e-5; the global (pre-clip) gradient norm of step 1 (identical weights)
-  to rtol 1e-6, later steps to 1e-3. The gradient norm is what catches a wrong divisor or a shard
+  to rtol 1e-6, later steps to 1e-3 (3e-3 in `engram_only` mode: measured 2.3e-3, DDP step 5,
+  where only the gated Engram path trains). The gradient norm is what catches a wrong divisor or a shard
   counted twice: Adam itself is blind to gradient scale.
 - final fp32 weights: per tensor, the update (final - initial) agrees to 0.3% relative (Frobenius;
   measured worst 1.1e-3 for a table under grad accumulation, where one process with vs without
@@ -140,8 +141,13 @@ def test_layouts_match_single_process(tmp_path, mode):
         ref = refs[key]
         raw = _with(_config(str(tmp_path / label), world, mode, layout), extra)
         raw["training"]["local_batch_size"] = _local_batch(world, extra)
+        # engram_only, steps 2+: measured up to 2.3e-3 (DDP, step 5). Only the Engram path trains,
+        # so the signed-sqrt gate's amplification of the all-reduce's fp32 summation order is not
+        # diluted by the backbone's gradients (docs/parallelisms.md, "TP and the Engram gate").
+        grad_rtol = 3e-3 if mode == "engram_only" else 1e-3
         for rank, got in enumerate(run_distributed(_train, world, raw)):
-            _assert_matches(got, ref, init, f"{label} (world {world}, rank {rank}, {mode})")
+            where = f"{label} (world {world}, rank {rank}, {mode})"
+            _assert_matches(got, ref, init, where, grad_rtol)
 
 
 def _assert_losses_and_norms_match(
