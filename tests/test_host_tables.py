@@ -2,8 +2,9 @@
 
 `host` must train bitwise like `device` (losses, grad norms, table rows after several steps) for
 both row-sparse table optimizers, at 1 / 2 / 4 gloo ranks, with grad accumulation, activation
-checkpointing (which must not re-run a lookup), FSDP2 x TP2, PP2 and the non-finite guard;
-checkpoints interchange host <-> device exactly; dense adam is refused. On this CPU machine host
+checkpointing (which must not re-run a lookup), DDP, FSDP2 x TP2, PP2 and the non-finite guard;
+checkpoints interchange host <-> device exactly, async saves wait for queued host updates, and
+host checkpoints reshard to other world sizes like device ones; dense adam is refused. On this CPU machine host
 and device memory are the same, so these tests check the host code path (host gather through the
 FIFO worker, prefetch, async host update, replay under recompute), not page-locked copies.
 """
@@ -308,3 +309,58 @@ def test_deepspeed_recipe_refuses_host_tables():
     raw = {"engram": {"table_location": "host"}, "optimizer": {"table_optimizer": "lazy_adam"}}
     with pytest.raises(ConfigError, match='table_location = "host" is not supported'):
         check_layout(config_from_dict(raw))
+
+
+@pytest.mark.slow
+def test_host_equals_device_ddp(tmp_path):
+    """Pure data parallel (dp_replicate 2, dp_shard 1: DDP) at 2 ranks."""
+    extra = {"parallelism": {"dp_replicate": 2, "dp_shard": 1}}
+    host, device = _pair(tmp_path, "ddp", 2, "lazy_adam", extra)
+    _assert_bitwise(host, device, "DDP 2")
+    assert host[0]["counts"] == {"route": 4, "gather": 4, "prefetch": 4}
+
+
+def _saved(folder, step: int) -> dict:
+    """Every tensor of a committed DCP checkpoint step, read in this (non-distributed) process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    (path,) = [p for p in folder.rglob(f"step-{step}") if p.is_dir()]
+    dcp_to_torch_save(str(path), str(folder / f"saved{step}.pt"))
+    flat = {}
+
+    def walk(prefix, obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(obj, torch.Tensor):
+            flat[prefix] = obj
+
+    walk("", torch.load(folder / f"saved{step}.pt", weights_only=False))
+    return flat
+
+
+@pytest.mark.slow
+def test_host_checkpoint_async_save_and_reshard(tmp_path):
+    """Steps 1-4 at 2 ranks saving at 2 and 4: device tables with a sync save, host tables with
+    checkpoint.async_mode = "async" (step 2's save runs in the background while step 3's host
+    update is queued on the worker). Both step-2 checkpoints hold the same tensors bitwise. Each
+    resumes at 1 and at 4 ranks for steps 3-4: host and device resharded runs equal bitwise, and
+    their losses replay the 2-rank run's steps 3-4 to float32 reduction order."""
+    first = {}
+    for loc, mode in (("device", "disabled"), ("host", "async")):
+        raw = _ckpt_raw(str(tmp_path / loc), 2, loc, -1)
+        raw["checkpoint"]["async_mode"] = mode
+        first[loc] = run_distributed(_train, 2, raw)
+    dev, host = _saved(tmp_path / "device", 2), _saved(tmp_path / "host", 2)
+    assert dev.keys() == host.keys() and any(".table." in k for k in dev)
+    for k, t in dev.items():
+        assert torch.equal(host[k], t), f"async host checkpoint differs at {k}"
+    for world in (1, 4):
+        resumed = {
+            loc: run_distributed(_train, world, _ckpt_raw(str(tmp_path / loc), world, loc, 2))
+            for loc in ("device", "host")
+        }
+        _assert_bitwise(resumed["host"], resumed["device"], f"resumed 2 -> {world}")
+        np.testing.assert_allclose(
+            resumed["host"][0]["losses"], first["host"][0]["losses"][2:], rtol=1e-5
+        )
