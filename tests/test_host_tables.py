@@ -62,14 +62,16 @@ def _train(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) ->
     ht._gather = counted("gather", ht._gather)
     ht.HostShardedEngramTable.prefetch = counted("prefetch", ht.HostShardedEngramTable.prefetch)
     if nan_steps:  # fault injection: the loss (and every gradient) of these steps is NaN
-        real, calls = recipe.cross_entropy, [0]
+        import engram.loss
+
+        real, calls = engram.loss.cross_entropy, [0]
 
         def poisoned(logits, labels):
             calls[0] += 1
             loss = real(logits, labels)
             return loss * float("nan") if calls[0] in nan_steps else loss
 
-        recipe.cross_entropy = poisoned
+        engram.loss.cross_entropy = poisoned
     result = recipe.train(config_from_dict(raw))
     tables, where = {}, {}
     for part in result.model_parts:
