@@ -3,11 +3,11 @@
     python benchmarks/bench_table_step.py --epeft-python $EPEFT_VENV/bin/python \
         [--steps 20 --warmup 5 --configs plain,full_engram,engram_only,lora_engram --worlds 1,2,4]
 
-lora_engram (issue 20): LoRA r 8, alpha 16 on all seven projections + Engram; engram-peft stacks
+lora_engram: LoRA r 8, alpha 16 on all seven projections + Engram; engram-peft stacks
 PEFT's LoRA (get_peft_model) and then Engram with train_mode "preserve_trainable", ours runs
 training.mode = "lora".
 
-Workload (issue 13): Llama shape dim 256, 4 layers, 4 heads, 2 KV heads, SwiGLU 768, untied, one
+Workload: Llama shape dim 256, 4 layers, 4 heads, 2 KV heads, SwiGLU 768, untied, one
 byte-level BPE of 8,192 tokens trained here and shared by both; Engram at layers 1 and 2, orders
 2-3, 4 heads per order, 32 wide per head (n_embed_per_ngram 128; engram-peft embedding_dim 256),
 vocab_size_per_ngram [50000, 50000] (engram-peft [200000, 200000] split over its heads: the same

@@ -1,4 +1,4 @@
-"""The small debug job that the float8 and compile tests train (one shared definition)."""
+"""The small debug job that several training tests share (one definition)."""
 
 from __future__ import annotations
 

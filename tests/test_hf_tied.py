@@ -16,6 +16,7 @@ import pytest
 import torch
 from launcher import run_distributed
 from safetensors.torch import save_file
+from small_job import small_job
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
@@ -30,26 +31,18 @@ STEPS = 4
 
 
 def _raw(folder: str, world: int, **sections: dict) -> dict:
-    raw = {
-        "job": {"dump_folder": folder, "run_name": f"w{world}", "device": "cpu", "seed": 5},
+    """The shared small job on the tied qwen3 debug model; `sections` are merged per section."""
+    tied = {
+        "job": {"seed": 5},
         "model": {"name": "qwen3", "flavor": "debug_tied"},
-        "engram": {
-            "layer_ids": [1],
-            "n_head_per_ngram": 2,
-            "vocab_size_per_ngram": [1009, 997],
-            "n_embed_per_ngram": 32,
-            "init": "paper",
-        },
-        "training": {"seq_len": 32, "local_batch_size": 8 // world, "steps": STEPS},
         "data": {"synthetic_num_entities": 32},
         "optimizer": {"lr": LR, "eps": 1e-6},
         "lr_scheduler": {"warmup_steps": 1},
-        "metrics": {"log_freq": 1, "enable_tensorboard": False},
-        "parallelism": {"dp_shard": world},
+        "metrics": {"log_freq": 1},
     }
     for name, values in sections.items():
-        raw[name] = {**raw.get(name, {}), **values}
-    return raw
+        tied[name] = {**tied.get(name, {}), **values}
+    return small_job(folder, f"w{world}", world, STEPS, tied)
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
