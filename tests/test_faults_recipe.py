@@ -44,19 +44,26 @@ def _raw(folder: str, steps: int = 2, **overrides: dict) -> dict:
     return raw
 
 
-def _train(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) -> dict:
+def poison_loss(nan_steps: tuple[int, ...]) -> None:
+    """Fault injection for this (forked) process: the loss of the `nan_steps`-th loss calls is
+    NaN, and so are their gradients."""
     import engram.loss
+
+    real, calls = engram.loss.cross_entropy, [0]
+
+    def poisoned(logits, labels):
+        calls[0] += 1
+        loss = real(logits, labels)
+        return loss * float("nan") if calls[0] in nan_steps else loss
+
+    engram.loss.cross_entropy = poisoned
+
+
+def _train(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) -> dict:
     import recipes.train as recipe
 
-    if nan_steps:  # fault injection: the loss of these steps is NaN (so are the gradients)
-        real, calls = engram.loss.cross_entropy, [0]
-
-        def poisoned(logits, labels):
-            calls[0] += 1
-            loss = real(logits, labels)
-            return loss * float("nan") if calls[0] in nan_steps else loss
-
-        engram.loss.cross_entropy = poisoned
+    if nan_steps:
+        poison_loss(nan_steps)
     warned: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
