@@ -205,3 +205,52 @@ def test_lora_settings_with_another_mode_are_refused(tmp_path):
     assert load_config(["--training.mode=lora", "--lora.rank=8"]).lora.rank == 8
     with pytest.raises(ConfigError, match="trainable_only = true with training.mode = 'full'"):
         config_from_dict({"checkpoint": {"trainable_only": True}})
+
+
+def _lora_linear(bias: bool, dropout: float = 0.0) -> torch.nn.Linear:
+    from engram.models.lora import add_lora
+
+    torch.manual_seed(0)
+    linear = add_lora(torch.nn.Linear(24, 40, bias=bias), rank=4, alpha=8.0, dropout=dropout)
+    torch.nn.init.normal_(linear.lora_A)
+    torch.nn.init.normal_(linear.lora_B)  # non-zero B: every gradient path is exercised
+    return linear
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("x_grad", [False, True])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_fused_lora_linear_matches_the_generic_path(bias, x_grad, frozen):
+    """The fused autograd Function (plain nn.Linear base, plain tensors) gives the generic
+    path's output and every gradient (fp32 noise: addmm_ sums in another order)."""
+    linear = _lora_linear(bias)
+    linear.weight.requires_grad_(not frozen)
+    if bias:
+        linear.bias.requires_grad_(not frozen)
+    x = torch.randn(3, 5, 24, requires_grad=x_grad)
+    grad_out = torch.randn(3, 5, 40)
+    results = []
+    for fused in (True, False):
+        linear._fusable = lambda fused=fused: fused  # the only switch between the two paths
+        y = linear(x)
+        assert ("_FusedLoRALinear" in type(y.grad_fn).__name__) == fused
+        params = [p for p in linear.parameters() if p.requires_grad]
+        inputs = params + ([x] if x_grad else [])
+        results.append([y.detach(), *torch.autograd.grad(y, inputs, grad_out)])
+    del linear._fusable
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_path_is_taken_only_where_it_is_exact():
+    linear = _lora_linear(bias=False)
+    assert linear._fusable()
+    with_dropout = _lora_linear(bias=False, dropout=0.1)
+    assert not with_dropout._fusable()
+    assert with_dropout.eval()._fusable()  # dropout is the identity in eval
+    from torchao.float8.float8_linear import Float8Linear
+
+    from engram.models.lora import add_lora
+
+    f8 = Float8Linear.from_float(torch.nn.Linear(32, 32))
+    assert not add_lora(f8, rank=4, alpha=8.0, dropout=0.0)._fusable()  # keeps float8's forward

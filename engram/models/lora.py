@@ -22,6 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from engram.models.init import init_constant_, init_normal_
 
@@ -44,9 +45,27 @@ class LoRAMixin:
     lora_dropout: float  # a float, not a Dropout child: TP styles partition every child module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fusable():
+            return _FusedLoRALinear.apply(
+                x, self.weight, self.bias, self.lora_A, self.lora_B, self.lora_scaling  # type: ignore[attr-defined]
+            )
         base = super().forward(x)  # type: ignore[misc]
-        adapter = F.linear(F.linear(self._dropped(x), self.lora_A), self.lora_B)
-        return base + adapter * self.lora_scaling
+        h = F.linear(self._dropped(x), self.lora_A)  # [..., rank]
+        # One GEMM adds scaling * h B^T onto the base output: no full-size scale or add pass.
+        out = torch.addmm(
+            base.flatten(0, -2), h.flatten(0, -2), self.lora_B.t(), alpha=self.lora_scaling
+        )
+        return out.view(base.shape)
+
+    def _fusable(self) -> bool:
+        """A plain nn.Linear base on plain tensors without active dropout: the fused path. A
+        subclass's own forward (float8), DTensor (TP) weights and dropout take the generic one."""
+        base_forward = type(self).__bases__[1].forward
+        return (
+            base_forward is nn.Linear.forward
+            and not isinstance(self.weight, DTensor)  # type: ignore[attr-defined]
+            and (self.lora_dropout == 0 or not self.training)  # type: ignore[attr-defined]
+        )
 
     def _dropped(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_dropout == 0:
@@ -63,6 +82,43 @@ class LoRAMixin:
         """scaling * B @ A, the [out, in] update a merged export adds to the base weight (full
         tensors: call on an unsharded model)."""
         return (self.lora_B.float() @ self.lora_A.float()) * self.lora_scaling
+
+
+class _FusedLoRALinear(torch.autograd.Function):
+    """y = x W^T + b + s (x A^T) B^T as 3 GEMMs forward; backward writes the base and adapter
+    input gradients into one tensor (addmm_) instead of autograd's two full-size gradients and
+    their sum, and skips the frozen base weight's gradient. Same math as the generic path."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling):  # type: ignore[override]
+        x2 = x.reshape(-1, x.shape[-1])
+        h = x2 @ lora_a.t()  # [N, rank]
+        base = F.linear(x2, weight, bias)
+        out = base.addmm_(h, lora_b.t(), alpha=scaling)
+        ctx.save_for_backward(x2, weight, lora_a, lora_b, h)
+        ctx.scaling = scaling
+        ctx.has_bias = bias is not None
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x2, weight, lora_a, lora_b, h = ctx.saved_tensors
+        s = ctx.scaling
+        g2 = grad.reshape(-1, grad.shape[-1])
+        need_x, need_w, need_b, need_a, need_lb = ctx.needs_input_grad[:5]
+        grad_h = (g2 @ lora_b).mul_(s) if (need_x or need_a) else None  # [N, rank]
+        grad_x = grad_w = grad_bias = grad_a = grad_lb = None
+        if need_x:
+            grad_x = (g2 @ weight).addmm_(grad_h, lora_a).view(*grad.shape[:-1], x2.shape[-1])
+        if need_w:
+            grad_w = g2.t() @ x2
+        if need_b and ctx.has_bias:
+            grad_bias = g2.sum(0)
+        if need_a:
+            grad_a = grad_h.t() @ x2
+        if need_lb:
+            grad_lb = (g2.t() @ h).mul_(s)
+        return grad_x, grad_w, grad_bias, grad_a, grad_lb, None
 
 
 def add_lora(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> nn.Linear:
