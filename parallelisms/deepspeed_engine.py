@@ -26,6 +26,8 @@ from __future__ import annotations
 import copy
 import json
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,7 @@ __all__ = [
     "clip_engine_and_tables_",
     "detach_tables",
     "engine_grad_norm",
+    "engine_update_discarded",
     "import_deepspeed",
 ]
 
@@ -312,6 +315,30 @@ def clip_engine_and_tables_(
         scale_row_grads_(table_params, coef)
         opt.clip_grad = float(max_norm * (engine_norm + 1e-6) / (total + 1e-6))
     return total
+
+
+@contextmanager
+def engine_update_discarded(engine: Any) -> Iterator[None]:
+    """The engine's `step()` inside this block discards its update as DeepSpeed does on an
+    overflow (gradients zeroed, `skipped_steps` + 1, `was_step_applied()` False): its gradient
+    norm reads as inf, the sentinel its own overflow check acts on. For a step the recipe's guard
+    skips although the engine's gradients are finite (only the tables' are not): without this
+    the backbone would update while the tables do not. Call at a boundary step only."""
+    opt = engine.optimizer
+    if engine.zero_optimization_stage() == 3:  # combine_grad_norm_groups(_get_norm_groups())
+        name, inf = "_get_norm_groups", lambda: [torch.tensor(float("inf"))]
+    else:  # stage 1 / 2: scaled_global_norm()
+        name, inf = "scaled_global_norm", lambda *a, **k: torch.tensor(float("inf"))
+    setattr(opt, name, inf)  # an instance attribute shadows the method for this step only
+    try:
+        yield
+    finally:
+        delattr(opt, name)
+    if engine.was_step_applied():
+        raise RuntimeError(
+            "DeepSpeed applied an update the non-finite guard skipped: this DeepSpeed version "
+            "no longer discards a step whose gradient norm is inf (pin deepspeed<0.20)"
+        )
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ from parallelisms.deepspeed_engine import (  # noqa: E402
     check_layout,
     clip_engine_and_tables_,
     detach_tables,
+    engine_update_discarded,
     import_deepspeed,
     materialize_into_partitions,
 )
@@ -184,14 +186,10 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
             grad_norm = grad_norm.detach().float().to(loss.device)
             skip = guard.skip(step, torch.stack([loss, grad_norm]))  # before any update
             applied_lr = schedulers[0].get_last_lr()[0]
-            # DeepSpeed skips the engine's update itself when its gradients are not finite.
-            engine.step()
-            if skip and engine.was_step_applied():
-                logger.error(
-                    "step %d: the engine's gradients were finite, so DeepSpeed applied its "
-                    "update; only the Engram tables' update was skipped",
-                    step,
-                )
+            # A skipped step skips the engine too, also when only the tables' gradients are
+            # not finite (DeepSpeed would see finite gradients and apply its update).
+            with engine_update_discarded(engine) if skip else nullcontext():
+                engine.step()
             for opt in table_optimizers:
                 if not skip:
                     opt.step()

@@ -25,6 +25,7 @@ engine file is named, and that NaN steps are skipped by both the tables and the 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -234,11 +235,51 @@ def _nonfinite(folder: str, world: int) -> dict:
         recipe.cross_entropy = real
     params = [*result.engine.module.parameters(), *result.tables.parameters()]
     finite = all(bool(torch.isfinite(_full_tensor(p)).all()) for p in params)
-    return {
+    out = {
         "losses": result.losses,
         "finite": finite,
         "engine_skipped": result.engine.skipped_steps,
     }
+    out["tables_only"] = {stage: _nonfinite_tables_only(folder, world, stage) for stage in (2, 3)}
+    return out
+
+
+def _nonfinite_tables_only(folder: str, world: int, stage: int) -> dict:
+    """Two 3-step runs: (a) step 2's table gradients alone are NaN (the engine's are finite);
+    (b) step 2's loss is NaN (every gradient NaN: DeepSpeed itself discards its update). In both
+    step 2 must change nothing, so step 3's loss and the final weights agree bit for bit; had
+    the engine applied its step-2 update in (a), they would not."""
+    import recipes.train_deepspeed as recipe
+
+    real_clip, real_loss, calls = recipe.clip_engine_and_tables_, recipe.cross_entropy, [0]
+
+    def nan_table_grads(engine, table_params, max_norm):
+        calls[0] += 1
+        if calls[0] == 2:
+            for p in table_params:
+                if p.grad is not None:
+                    (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).fill_(math.nan)
+        return real_clip(engine, table_params, max_norm)
+
+    def nan_loss(logits, labels):
+        calls[0] += 1
+        return real_loss(logits, labels) * (math.nan if calls[0] == 2 else 1.0)
+
+    out = {}
+    for label, attr, fault in (
+        ("tables", "clip_engine_and_tables_", nan_table_grads),
+        ("loss", "cross_entropy", nan_loss),
+    ):
+        calls[0] = 0
+        real = getattr(recipe, attr)
+        setattr(recipe, attr, fault)
+        try:
+            raw = _config(f"{folder}/{label}{stage}", world, "adam", deepspeed={"zero_stage": stage})
+            raw["training"]["steps"] = 3
+            out[label] = _run_deepspeed(raw)
+        finally:
+            setattr(recipe, attr, real)
+    return out
 
 
 def _full_tensor(p: torch.Tensor) -> torch.Tensor:
@@ -303,6 +344,13 @@ def test_zero_stages_match_fsdp2_and_resume_exactly(tmp_path):
     assert np.isfinite(losses[0]) and np.isnan(losses[1]) and np.isnan(losses[2]), losses
     assert np.isfinite(losses[3]) and nonfinite["finite"], nonfinite
     assert nonfinite["engine_skipped"] == 2, nonfinite
+    for stage, runs in nonfinite["tables_only"].items():
+        tables, loss = runs["tables"], runs["loss"]
+        assert np.isfinite(tables["losses"][1]) and np.isnan(tables["grad_norms"][1]), tables
+        assert np.isnan(loss["losses"][1]), loss
+        assert tables["losses"][2] == loss["losses"][2], (stage, tables, loss)
+        for name, w in loss["weights"].items():
+            assert np.array_equal(tables["weights"][name], w), f"ZeRO-{stage}: {name}"
 
 
 # ----------------------------------------------------------------------------- bad input
