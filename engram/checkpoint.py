@@ -530,6 +530,22 @@ def verify_checkpoint(path: Path, checksums: bool = True, collective: bool = Tru
     return problems
 
 
+def add_to_manifest(path: Path, names: Iterable[str]) -> None:
+    """List files `names` (relative to checkpoint folder `path`, already written) in its
+    manifest with their size and CRC-32, so that a load verifies them like the rest. For a
+    derived copy added to a committed checkpoint (a DeepSpeed universal checkpoint); the
+    manifest is replaced atomically, one process (no collectives)."""
+    manifest = read_manifest(path)
+    for name in names:
+        manifest["files"][name] = {
+            "size": (path / name).stat().st_size,
+            "crc32": file_checksum(path / name),
+        }
+    _write_json(path / (_MANIFEST + ".tmp"), manifest)
+    os.replace(path / (_MANIFEST + ".tmp"), path / _MANIFEST)
+    _fsync_dir(path)
+
+
 # ----------------------------------------------------------------------------- one step folder
 
 

@@ -14,7 +14,9 @@ only its loop:
   table shards, and clipping by it (DeepSpeed's own `gradient_clipping` is 0: it sees the
   engine only);
 - `EngineCheckpoint`: the engine's own checkpoint as a folder state of CheckpointManager, so it
-  is committed with the table shards in one step folder.
+  is committed with the table shards in one step folder; `convert_to_universal` (the command
+  scripts/deepspeed_universal.py) adds DeepSpeed's universal format to a step folder, which
+  the engine loads at another world size.
 
 The engine gets a torch optimizer through DeepSpeed's client-optimizer path
 (`deepspeed.initialize(optimizer=torch.optim.AdamW(...))`, `zero_allow_untested_optimizer`,
@@ -23,8 +25,12 @@ The engine gets a torch optimizer through DeepSpeed's client-optimizer path
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
+import logging
+import os
+import shutil
 import time
 import warnings
 from collections.abc import Iterator
@@ -37,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from engram.checkpoint import CheckpointError
+from engram.checkpoint import CheckpointError, add_to_manifest, read_manifest, verify_checkpoint
 from engram.config import ConfigError, JobConfig
 from engram.hf_load import HFLoadPlan
 from engram.models.transformer import clean_fqn
@@ -46,12 +52,16 @@ from parallelisms.engram_tables import ShardedEngramTable
 
 INSTALL = 'pip install -e ".[deepspeed]"'
 ENGINE_TAG = "model"  # engine checkpoint: <step folder>/engine/model/ (+ engine/latest)
+UNIVERSAL_TAG = f"{ENGINE_TAG}_universal"  # <step folder>/engine/model_universal/ (converted)
+CONVERT = "python scripts/deepspeed_universal.py"  # convert_to_universal on the command line
+logger = logging.getLogger("engram")
 
 __all__ = [
     "EngineCheckpoint",
     "build_ds_config",
     "check_layout",
     "clip_engine_and_tables_",
+    "convert_to_universal",
     "detach_tables",
     "engine_grad_norm",
     "engine_update_discarded",
@@ -370,12 +380,91 @@ def _saved_world_size(folder: Path) -> int | None:
     return len(files) or None
 
 
+def _universal_listed(step_dir: Path) -> bool:
+    """The manifest of `step_dir` lists a universal engine checkpoint (convert_to_universal
+    wrote it and added it): a load that verified the manifest verified its files."""
+    prefix = f"engine/{UNIVERSAL_TAG}/"
+    return any(name.startswith(prefix) for name in read_manifest(step_dir)["files"])
+
+
+def convert_to_universal(step_dir: Path, workers: int = 1) -> Path:
+    """Convert the engine checkpoint of step folder `step_dir` (recipes/train_deepspeed.py,
+    written by any number of ranks) into DeepSpeed's universal format with DeepSpeed's own
+    converter (deepspeed.checkpoint.ds_to_universal: one process, CPU; fp32 weights and Adam
+    moments per parameter), in `<step>/engine/model_universal/`, and list its files in the
+    step's manifest so that a resume verifies them. Returns that folder; a second call finds
+    it listed and returns at once. A damaged step folder is refused; an unlisted
+    `model_universal/` (an interrupted conversion, or ds_to_universal run by hand) is replaced.
+    `workers` > 1: DeepSpeed's process pools for extraction and merging."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    step_dir = Path(step_dir)
+    if not is_deepspeed_step(step_dir):
+        raise CheckpointError(
+            f"{step_dir} holds no DeepSpeed engine checkpoint (engine/{ENGINE_TAG}/): pass a "
+            "step-<N> folder written by recipes/train_deepspeed.py"
+        )
+    problems = verify_checkpoint(step_dir, collective=False)
+    if problems:
+        raise CheckpointError(
+            "refusing to convert a damaged or incomplete checkpoint:\n  " + "\n  ".join(problems)
+        )
+    engine = step_dir / "engine"
+    out, tmp = engine / UNIVERSAL_TAG, engine / f"{UNIVERSAL_TAG}.tmp"
+    if _universal_listed(step_dir):
+        return out
+    for stale in (out, tmp):
+        if stale.exists():
+            logger.warning("replacing %s: the manifest of %s does not list it", stale, step_dir)
+            shutil.rmtree(stale)
+    args = argparse.Namespace(
+        input_folder=str(engine / ENGINE_TAG),
+        output_folder=str(tmp),
+        num_extract_workers=workers,
+        num_merge_workers=workers,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,  # the version marker ZeRO-1/2 checkpoints of a plain model lack
+    )
+    ds_to_universal.main(args)
+    os.rename(tmp, out)
+    (engine / "latest_universal").write_text(UNIVERSAL_TAG)  # the converter wrote the tmp name
+    names = sorted(str(p.relative_to(step_dir)) for p in out.rglob("*") if p.is_file())
+    add_to_manifest(step_dir, [*names, "engine/latest_universal"])
+    return out
+
+
+def _repair_zero3_universal_load(optimizer: Any, folder: Path) -> None:
+    """Undo two defects of DeepSpeed 0.19's ZeRO-3 universal load (runtime/zero/stage3.py,
+    `load_hp_checkpoint_state_from_checkpoint_dir_stage3`): it gives every param group the
+    hyperparameters of group 0 (`optim_sd[...]["param_groups"][0]`: the no-weight-decay groups
+    would decay), and it puts one and the same `step` tensor into the state of every sub-group
+    (torch's Adam increments it in place once per group and step: wrong bias correction). Each
+    group gets its saved values back, as the same-world-size load restores them, and each state
+    its own step."""
+    sd = torch.load(folder / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    saved = sd["optimizer_state_dict"]["param_groups"]
+    live = optimizer.optimizer.param_groups
+    if len(saved) != len(live):
+        raise CheckpointError(
+            f"{folder} holds {len(saved)} optimizer param groups, this run's engine has "
+            f"{len(live)}: it was written by another model or optimizer configuration"
+        )
+    for group, want in zip(live, saved, strict=True):
+        group.update({k: v for k, v in want.items() if k != "params"})
+    for state in optimizer.optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
+
+
 class EngineCheckpoint:
     """A DeepSpeed engine's checkpoint (module weights, ZeRO-partitioned optimizer state) as a
     folder state of engram.checkpoint.CheckpointManager: written into `<step folder>/engine/`
     (DeepSpeed's layout: `model/` plus `latest` and `zero_to_fp32.py`), listed in the step's
-    manifest, loaded after the DCP states. Resume needs the same data-parallel world size, or a
-    universal checkpoint (the error says how to convert)."""
+    manifest, loaded after the manifest is verified and before the DCP states. At the saving
+    world size it loads `model/`; at another one (or with `checkpoint.load_universal` in the
+    ds_config JSON) the universal checkpoint `model_universal/` that convert_to_universal
+    added, and refuses with the conversion command when there is none."""
 
     def __init__(self, engine: Any):
         self.engine = engine
@@ -384,27 +473,48 @@ class EngineCheckpoint:
         self.engine.save_checkpoint(str(folder), tag=ENGINE_TAG, save_latest=True)
 
     def load(self, folder: Path) -> None:
-        universal = bool(self.engine.load_universal_checkpoint())
-        tag = f"{ENGINE_TAG}_universal" if universal else ENGINE_TAG
+        # The engine's load_universal_checkpoint flag is read by load_checkpoint only (0.19).
+        config = self.engine._config
+        asked = bool(config.load_universal_checkpoint)
         saved = _saved_world_size(folder / ENGINE_TAG)
         world = dist.get_world_size()
-        if not universal and saved is not None and saved != world:
-            raise CheckpointError(
-                f"the DeepSpeed engine checkpoint in {folder} was written by {saved} ranks, this "
-                f"run has {world}: ZeRO partitions resume only at the same world size. Convert "
-                "it to DeepSpeed's universal format and resume from that:\n"
-                f"  python -m deepspeed.checkpoint.ds_to_universal --input_folder "
-                f"{folder / ENGINE_TAG} --output_folder {folder / tag}_universal\n"
-                'then add {"checkpoint": {"load_universal": true}} to the file named by '
-                "deepspeed.config_json (the Engram tables reshard by themselves)"
+        universal = asked or (saved is not None and saved != world)
+        step_dir = folder.parent
+        if universal and not _universal_listed(step_dir):
+            why = (
+                f"was written by {saved} ranks, this run has {world}: ZeRO partitions resume "
+                "only at the same world size"
+                if not asked
+                else 'is asked for in DeepSpeed\'s universal format ({"checkpoint": '
+                '{"load_universal": true}} in deepspeed.config_json)'
             )
+            unlisted = (
+                f" ({folder / UNIVERSAL_TAG} exists but the step's manifest does not list it: "
+                "made by ds_to_universal directly, or interrupted; the command replaces it)"
+                if (folder / UNIVERSAL_TAG).exists()
+                else ""
+            )
+            raise CheckpointError(
+                f"the DeepSpeed engine checkpoint in {step_dir} {why}. Convert it once to "
+                "DeepSpeed's universal format with this command (one process, no accelerator; it "
+                f"adds the files to the step's manifest){unlisted}, then rerun this run's launch "
+                f"command unchanged:\n  {CONVERT} {step_dir}\n"
+                "(the Engram tables, in DCP shards, reshard by themselves)"
+            )
+        tag = UNIVERSAL_TAG if universal else ENGINE_TAG
         if not (folder / tag).is_dir():
             raise CheckpointError(f"{folder / tag} is missing: no DeepSpeed engine checkpoint")
-        path, _ = self.engine.load_checkpoint(
-            str(folder), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
-        )
+        config.load_universal_checkpoint = universal
+        try:
+            path, _ = self.engine.load_checkpoint(
+                str(folder), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
+        finally:
+            config.load_universal_checkpoint = asked
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load the engine checkpoint {folder / tag}")
+        if universal and self.engine.zero_optimization_stage() == 3:
+            _repair_zero3_universal_load(self.engine.optimizer, folder / tag)
 
 
 def is_deepspeed_step(step_dir: Path) -> bool:
