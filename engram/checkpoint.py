@@ -980,6 +980,11 @@ class CheckpointManager:
         for name in files:
             (path / name).unlink(missing_ok=True)
         (path / _MANIFEST).unlink()
+        # Sub-folders of listed files (a folder state's), deepest first, once they are empty.
+        parents = {q for name in files for q in Path(name).parents if q != Path(".")}
+        for sub in sorted(parents, key=lambda q: len(q.parts), reverse=True):
+            if (path / sub).is_dir() and not any((path / sub).iterdir()):
+                (path / sub).rmdir()
         kept = sorted(p.name for p in path.iterdir())
         if not kept:
             path.rmdir()

@@ -155,3 +155,36 @@ def test_pruning_deletes_only_what_the_manifest_lists(tmp_path, caplog):
     assert "eval_results.json" in caplog.text
     manager.save(3)  # a clean checkpoint is removed entirely
     assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-1.pruned", "step-3"]
+
+
+class _NestedFolderState:
+    """Writes files in sub-folders, as a DeepSpeed engine's checkpoint does."""
+
+    def save(self, folder: Path) -> None:
+        (folder / "model").mkdir(parents=True)
+        (folder / "model" / "states.pt").write_bytes(b"x")
+
+    def load(self, folder: Path) -> None:
+        pass
+
+
+def test_files_added_to_the_manifest_are_verified_and_pruned(tmp_path):
+    """add_to_manifest (a derived copy, such as a DeepSpeed universal checkpoint, added to a
+    committed step): its files are verified like the rest and pruned with the step, nested
+    folders included."""
+    from engram.checkpoint import add_to_manifest, verify_checkpoint
+
+    manager = _manager(tmp_path)
+    manager.folder_states = {"engine": _NestedFolderState()}
+    manager.cfg.keep_latest_k = 1
+    step1 = manager.save(1)
+    extra = step1 / "engine" / "converted" / "zero" / "w"
+    extra.mkdir(parents=True)
+    (extra / "fp32.pt").write_bytes(b"abc")
+    add_to_manifest(step1, ["engine/converted/zero/w/fp32.pt"])
+    assert not verify_checkpoint(step1, collective=False)
+    (extra / "fp32.pt").write_bytes(b"abd")
+    (problem,) = verify_checkpoint(step1, collective=False)
+    assert "engine/converted/zero/w/fp32.pt has checksum" in problem, problem
+    manager.save(2)  # prunes step-1 whole: no step-1.pruned with empty folders
+    assert sorted(p.name for p in manager.folder.iterdir()) == ["latest", "step-2"]
