@@ -46,9 +46,9 @@ class LoRAMixin:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fusable():
-            base: nn.Linear = self  # type: ignore[assignment]  # the mixin sits on a Linear
+            linear: nn.Linear = self  # type: ignore[assignment]  # the mixin sits on a Linear
             return _FusedLoRALinear.apply(
-                x, base.weight, base.bias, self.lora_A, self.lora_B, self.lora_scaling
+                x, linear.weight, linear.bias, self.lora_A, self.lora_B, self.lora_scaling
             )
         base = super().forward(x)  # type: ignore[misc]
         h = F.linear(self._dropped(x), self.lora_A)  # [..., rank]
