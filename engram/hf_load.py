@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -71,43 +72,66 @@ def load_hf_backbone(model: nn.Module, hf_dir: str | Path, model_args: ModelArgs
     each rank reads its own slices.
     """
     begin = time.perf_counter()
+    plan = plan_hf_load(model, hf_dir, model_args)
+    n, read_bytes = plan.read_into(_parameters(model))
+    plan.log(n, read_bytes, time.perf_counter() - begin)
+
+
+@dataclass
+class HFLoadPlan:
+    """A checked HF load (plan_hf_load): which folder tensor goes to which parameter name."""
+
+    folder: Path
+    entries: dict[str, tuple[str, str]]  # our parameter name -> (HF name, file)
+    kept: int  # parameters not in the folder (Engram / LoRA): they keep their init
+
+    def read_into(self, params: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """Copy the planned tensors of `params` (our name -> materialised parameter; any subset
+        of the model, e.g. one block at a time) into their local shards; returns (tensors,
+        bytes read)."""
+        by_file: dict[str, list[tuple[str, str]]] = {}
+        for ours, (hf_name, file) in self.entries.items():
+            if ours in params:
+                by_file.setdefault(file, []).append((ours, hf_name))
+        n = read_bytes = 0
+        with torch.no_grad():
+            for file, pairs in sorted(by_file.items()):
+                with safe_open(self.folder / file, framework="pt", device="cpu") as f:
+                    for ours, hf_name in pairs:
+                        n += 1
+                        local, offset = _local_shard(params[ours])
+                        if local.numel() == 0:  # an uneven split can leave a rank without rows
+                            continue
+                        if local.dim() == 0:
+                            block = f.get_tensor(hf_name)
+                        else:
+                            index = tuple(
+                                slice(o, o + s) for o, s in zip(offset, local.shape, strict=True)
+                            )
+                            block = f.get_slice(hf_name)[index]
+                        local.copy_(block)  # casts to the parameter dtype and device
+                        read_bytes += block.numel() * block.element_size()
+        return n, read_bytes
+
+    def log(self, n: int, read_bytes: int, seconds: float) -> None:
+        logger.info(
+            "loaded %d tensors from %s (%.2f GiB read on this rank) in %.1f s; %d Engram "
+            "/ LoRA parameters keep their init",
+            n, self.folder, read_bytes / 2**30, seconds, self.kept,
+        )  # fmt: skip
+
+
+def plan_hf_load(model: nn.Module, hf_dir: str | Path, model_args: ModelArgs) -> HFLoadPlan:
+    """Every check of load_hf_backbone (names, shapes, config.json), reading no tensor data; the
+    model may still be on the meta device (its global shapes are known), so a caller that
+    materialises it block by block (DeepSpeed ZeRO-3) can check first and read per block."""
     folder = Path(hf_dir)
     key_files = _tensor_files(folder)
     _check_hf_config(folder, model_args)
-    params = _parameters(model)
+    params = _parameters(model, allow_meta=True)
     plan = _plan(folder, key_files, params, model_args, _other_stage(model))
     _check_shapes(folder, plan, params)
-
-    by_file: dict[str, list[tuple[str, str]]] = {}
-    for ours, (hf_name, file) in plan.items():
-        by_file.setdefault(file, []).append((ours, hf_name))
-    read_bytes = 0
-    with torch.no_grad():
-        for file, pairs in sorted(by_file.items()):
-            with safe_open(folder / file, framework="pt", device="cpu") as f:
-                for ours, hf_name in pairs:
-                    local, offset = _local_shard(params[ours])
-                    if local.numel() == 0:  # an uneven split can leave a rank without rows
-                        continue
-                    if local.dim() == 0:
-                        block = f.get_tensor(hf_name)
-                    else:
-                        index = tuple(
-                            slice(o, o + s) for o, s in zip(offset, local.shape, strict=True)
-                        )
-                        block = f.get_slice(hf_name)[index]
-                    local.copy_(block)  # casts to the parameter dtype and device
-                    read_bytes += block.numel() * block.element_size()
-    kept = sorted(set(params) - set(plan))  # Engram and LoRA parameters
-    logger.info(
-        "loaded %d tensors from %s (%.2f GiB read on this rank) in %.1f s; %d Engram "
-        "/ LoRA parameters keep their init",
-        len(plan),
-        folder,
-        read_bytes / 2**30,
-        time.perf_counter() - begin,
-        len(kept),
-    )
+    return HFLoadPlan(folder, plan, kept=len(set(params) - set(plan)))
 
 
 def load_frozen_backbone(model: nn.Module, cfg: JobConfig) -> bool:
@@ -215,11 +239,11 @@ def _check_hf_config(folder: Path, args: ModelArgs) -> None:
 # ----------------------------------------------------------------------------- plan and checks
 
 
-def _parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+def _parameters(model: nn.Module, allow_meta: bool = False) -> dict[str, torch.Tensor]:
     """Wrapper-free name -> parameter; a tied weight appears once (under tok_embeddings)."""
     params: dict[str, torch.Tensor] = {}
     for raw_name, p in model.named_parameters():
-        if p.device.type == "meta":
+        if p.device.type == "meta" and not allow_meta:
             raise HFLoadError(
                 f"parameter {clean_fqn(raw_name)} is on the meta device: call load_hf_backbone "
                 "after model.to_empty(device=...) and model.init_weights(...)"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from engram.checkpoint import CheckpointError
 from engram.config import ConfigError, JobConfig
+from engram.hf_load import HFLoadPlan
 from engram.models.transformer import clean_fqn
 from engram.table_grad import row_grad, scale_row_grads_
 from parallelisms.engram_tables import ShardedEngramTable
@@ -236,28 +238,45 @@ def detach_tables(model: nn.Module) -> nn.Module:
 
 
 def materialize_into_partitions(
-    model: nn.Module, tables: nn.Module, device: torch.device, seed: int, ds_config: dict
+    model: nn.Module,
+    tables: nn.Module,
+    device: torch.device,
+    seed: int,
+    ds_config: dict,
+    hf: HFLoadPlan | None = None,
 ) -> None:
     """ZeRO-3: materialise and initialise a meta-built model one top-level block at a time
-    (embedding, each decoder layer, final norm, output), handing each block to
+    (embedding, each decoder layer, final norm, output), load the block's tensors of the HF
+    folder when `hf` is given (a checked engram.hf_load.plan_hf_load), and hand the block to
     `deepspeed.zero.Init(module=block)` before the next: the peak is one block plus the
-    partitions, not the whole model. `tables` (detached, row-sharded) are materialised after.
-    The weights equal those of `to_empty` + `init_weights` (the init is per parameter and layout
-    independent; meta and already-partitioned parameters are skipped by it)."""
+    partitions, not the whole model (131 GB in fp32 at 32B). `tables` (detached, row-sharded)
+    are materialised (and loaded) after. The weights equal those of `to_empty` + `init_weights`
+    (+ load_hf_backbone): the init is per parameter and layout independent, and meta and
+    already-partitioned parameters are skipped by it."""
     import deepspeed
 
-    blocks = [model.tok_embeddings, *model.layers.values(), model.norm]
+    blocks = [("tok_embeddings", model.tok_embeddings)]
+    blocks += [(f"layers.{k}", layer) for k, layer in model.layers.items()]
+    blocks.append(("norm", model.norm))
     if not model.args.tie_embeddings:  # tied: the output shares the embedding weight
-        blocks.append(model.output)
+        blocks.append(("output", model.output))
     bf16 = ds_config["bf16"]["enabled"]
-    for block in blocks:
+    begin, loaded, read_bytes = time.perf_counter(), 0, 0
+    for prefix, block in blocks:
         block.to_empty(device=device)
         model.init_weights(seed=seed, buffer_device=device)
+        if hf is not None:
+            named = {clean_fqn(n): p for n, p in block.named_parameters(prefix=prefix)}
+            n, b = hf.read_into(named)
+            loaded, read_bytes = loaded + n, read_bytes + b
         if bf16:  # what deepspeed.initialize does to a whole module (zero.Init does not cast)
             block.bfloat16()
         deepspeed.zero.Init(module=block, config_dict_or_path=ds_config, mem_efficient_linear=False)
     tables.to_empty(device=device)
     model.init_weights(seed=seed, buffer_device=device)  # the tables; the rest is partitioned
+    if hf is not None:
+        n, b = hf.read_into(dict(tables.named_parameters()))  # names as in the model
+        hf.log(loaded + n, read_bytes + b, time.perf_counter() - begin)
 
 
 # ----------------------------------------------------------------------------- gradients

@@ -34,7 +34,7 @@ from engram.data.loader import build_dataloader  # noqa: E402
 from engram.data.tokenizer import load_tokenizer  # noqa: E402
 from engram.distributed import destroy_distributed, init_distributed  # noqa: E402
 from engram.fingerprint import config_fingerprint  # noqa: E402
-from engram.hf_load import load_hf_backbone  # noqa: E402
+from engram.hf_load import load_hf_backbone, plan_hf_load  # noqa: E402
 from engram.loss import LanguageModelLoss, cross_entropy  # noqa: E402
 from engram.metrics import MetricsLogger, init_logger, logger  # noqa: E402
 from engram.models.builder import build_hasher, build_model_from_config  # noqa: E402
@@ -105,10 +105,12 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
     apply_training_mode(model, cfg.training.mode)
     ds_config = build_ds_config(cfg, world_size)
     # The tables leave the module tree (ZeRO-3 would partition them); the rest becomes the engine.
-    if cfg.deepspeed.zero_stage == 3 and not cfg.model.hf_checkpoint:
-        tables = detach_tables(model)  # then each block straight into its ZeRO-3 partitions
-        materialize_into_partitions(model, tables, device, cfg.job.seed, ds_config)
-    else:  # whole weights (+ the HF backbone), partitioned by deepspeed.initialize under ZeRO-3
+    if cfg.deepspeed.zero_stage == 3:  # each block (+ its HF tensors) into its partitions
+        hf = cfg.model.hf_checkpoint
+        plan = plan_hf_load(model, hf, model.args) if hf else None  # checked before any read
+        tables = detach_tables(model)
+        materialize_into_partitions(model, tables, device, cfg.job.seed, ds_config, plan)
+    else:  # ZeRO-1/2 keep whole weights on every rank anyway
         model.to_empty(device=device)
         model.init_weights(seed=cfg.job.seed)
         if cfg.model.hf_checkpoint:  # a resumed run overwrites them with the checkpoint

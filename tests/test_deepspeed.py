@@ -24,6 +24,7 @@ engine file is named, and that NaN steps are skipped by both the tables and the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -156,8 +157,28 @@ def _parity_and_resume(rank: int, world: int, root: str) -> dict:
         raw = _config(f"{root}/{label}", world, "adam", **sections)
         raw["model"]["hf_checkpoint"] = hf
         raw["training"]["steps"] = 2
-        out[label] = run(raw)
+        with _recorded_hf_reads() as reads:
+            out[label] = run(raw)
+        out[label]["hf_reads"] = reads
     return out
+
+
+@contextlib.contextmanager
+def _recorded_hf_reads():
+    """The parameter names handed to each HFLoadPlan.read_into call."""
+    from engram.hf_load import HFLoadPlan
+
+    real, reads = HFLoadPlan.read_into, []
+
+    def recording(self, params):
+        reads.append(sorted(params))
+        return real(self, params)
+
+    HFLoadPlan.read_into = recording
+    try:
+        yield reads
+    finally:
+        HFLoadPlan.read_into = real
 
 
 def _export_hf(step_dir: str, out: str) -> None:
@@ -327,6 +348,16 @@ def test_zero_stages_match_fsdp2_and_resume_exactly(tmp_path):
     close(torch.tensor(hf_zero3["losses"]), torch.tensor(hf_fsdp["losses"]), rtol=1e-5, atol=0)
     close(hf_zero3["grad_norms"][0], hf_fsdp["grad_norms"][0], rtol=1e-6, atol=0)
     assert hf_fsdp["losses"][0] < got["zero3_adam"]["losses"][-1] + 0.05, hf_fsdp["losses"]
+    # ZeRO-3 reads the folder one block at a time (embedding, each layer, norm, output, then the
+    # tables), never the whole model at once; FSDP2 reads its (sharded) model in one call.
+    (whole,) = hf_fsdp["hf_reads"]
+    blocks = hf_zero3["hf_reads"]
+    assert sorted(n for b in blocks for n in b) == whole, "ZeRO-3 read other parameters"
+    n_layers = len({n.split(".")[1] for n in whole if n.startswith("layers.")})
+    assert len(blocks) == n_layers + 4, [b[:2] for b in blocks]
+    assert all(".table." in n for n in blocks[-1]), blocks[-1]
+    for b in blocks[:-1]:
+        assert len({n.split(".")[1] for n in b if n.startswith("layers.")}) <= 1, b
     # The export path (scripts/export_hf.py): one process, zero_to_fp32 + the tables' DCP shards.
     for label in ("zero2_lazy_adam", "zero3_adam"):
         model = _unsharded_model(_config(str(tmp_path), 1, "adam"))
