@@ -75,7 +75,9 @@ def main() -> None:
     for layout in ("dp4", "dp2xtp2", "dp2xtp2_gathered"):
         for wire in (torch.float32, torch.bfloat16):
             res = launch(_worker, WORLD, layout, wire, ids_all, rows, dim)
-            mean = {k: np.mean([r.get(k, 0) for r in res]) for k in ("rows", "grads", "ids", "counts")}
+            mean = {
+                k: np.mean([r.get(k, 0) for r in res]) for k in ("rows", "grads", "ids", "counts")
+            }
             total = sum(mean.values())
             name = str(wire).replace("torch.", "")
             print(

@@ -180,6 +180,14 @@ def build_lr_schedulers(optimizers: list[torch.optim.Optimizer], cfg: JobConfig)
     return [LambdaLR(opt, fn) for opt in optimizers]
 
 
+def scheduled_lr(scheduler: LambdaLR, base_lr: float) -> float:
+    """`base_lr` (optimizer.lr) scaled by the schedule at the scheduler's current step: the lr
+    the next update uses, and the logged "lr" metric. The same in every training mode and on
+    every pipeline stage (param group 0 is the Engram group in engram_only mode); each group's
+    own lr is this times its multiplier (engram_lr_mult, table_lr_mult)."""
+    return base_lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+
+
 class SchedulersState:
     """Stateful view over the lr schedulers (one per optimizer, stepped together), saved as the
     step count alone (an int64 tensor: nothing pickled). Every schedule is a function of the

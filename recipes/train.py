@@ -40,6 +40,7 @@ from engram.optim import (
     build_optimizers,
     clip_grad_norm_,
     saved_params,
+    scheduled_lr,
 )
 from engram.profiling import maybe_profile
 from engram.table_check import warn_if_tables_collide
@@ -350,7 +351,7 @@ def train(cfg: JobConfig) -> TrainResult:
             loss = dp_mean(loss_sum / cfg.training.grad_accum_steps, dp_group)
             grad_norm = grad_norm.detach().float().to(loss.device)
             skip = guard.skip(step, torch.stack([loss, grad_norm]))  # before any update
-            applied_lr = schedulers[0].get_last_lr()[0]  # the lr this step's update uses
+            applied_lr = scheduled_lr(schedulers[0], cfg.optimizer.lr)  # this update's
             for opt in optimizers:
                 if not skip:
                     opt.step()

@@ -44,6 +44,7 @@ from engram.optim import (  # noqa: E402
     apply_training_mode,
     build_lr_schedulers,
     build_optimizers,
+    scheduled_lr,
 )
 from engram.profiling import maybe_profile  # noqa: E402
 from engram.table_check import warn_if_tables_collide  # noqa: E402
@@ -187,7 +188,7 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
             loss = dp_mean(loss_sum / gas, dp_group)
             grad_norm = grad_norm.detach().float().to(loss.device)
             skip = guard.skip(step, torch.stack([loss, grad_norm]))  # before any update
-            applied_lr = schedulers[0].get_last_lr()[0]
+            applied_lr = scheduled_lr(schedulers[0], cfg.optimizer.lr)
             # A skipped step skips the engine too, also when only the tables' gradients are
             # not finite (DeepSpeed would see finite gradients and apply its update).
             with engine_update_discarded(engine) if skip else nullcontext():

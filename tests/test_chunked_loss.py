@@ -232,6 +232,7 @@ RUN_LAYOUTS = {
             }
         },
     ),
+    "HSDP 2 x 2": (4, {"parallelism": {"dp_replicate": 2, "dp_shard": 2}}),
     "TP2 loss parallel": (
         2,
         {"parallelism": {"dp_shard": 1, "tp": 2}, "training": {"local_batch_size": 8}},

@@ -257,8 +257,12 @@ def test_changed_hyperparameters_apply_from_the_first_resumed_step(tmp_path):
     assert logged[3] == pytest.approx(3e-2 * 0.55) and logged[4] == pytest.approx(3e-3)
 
 
-def test_logged_lr_is_the_applied_lr(tmp_path):
-    raw = _raw(str(tmp_path), steps=3, optimizer={"lr": 1e-3})
+@pytest.mark.parametrize("mode", ["full", "engram_only"])
+def test_logged_lr_is_the_applied_lr(tmp_path, mode):
+    """optimizer.lr on its schedule in every mode: in engram_only the first param group is the
+    Engram one (lr x engram_lr_mult), which must not become the logged lr."""
+    opt = {"lr": 1e-3, "engram_lr_mult": 10.0}
+    raw = _raw(str(tmp_path), steps=3, optimizer=opt, training={"mode": mode})
     raw["checkpoint"]["enable"] = False
     run_distributed(_train, 1, raw)
     logged = [r["lr"] for r in _metrics(tmp_path / "faults") if "lr" in r]

@@ -150,7 +150,9 @@ def test_logits_match_transformers(reference, case, engram):
     if ours.args.rope_scaling is not None:  # not vacuous: without the scaling it differs
         ours.rope_cache = rope_cos_sin(ours.args.replace(rope_scaling=None))
         with torch.no_grad():
-            assert not torch.allclose(ours(ids, hash_ids=hasher.hash_torch(ids) if engram else None), want)
+            assert not torch.allclose(
+                ours(ids, hash_ids=hasher.hash_torch(ids) if engram else None), want
+            )
 
 
 @pytest.mark.parametrize("case", CASES)

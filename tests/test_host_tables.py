@@ -3,8 +3,9 @@
 `host` must train bitwise like `device` (losses, grad norms, table rows after several steps) for
 both row-sparse table optimizers, at 1 / 2 / 4 gloo ranks, with grad accumulation, activation
 checkpointing (which must not re-run a lookup), DDP, FSDP2 x TP2, PP2 and the non-finite guard;
-checkpoints interchange host <-> device exactly, async saves wait for queued host updates, and
-host checkpoints reshard to other world sizes like device ones; dense adam is refused. On this CPU machine host
+checkpoints interchange host <-> device exactly, async saves wait for queued host updates (equal
+to sync saves bitwise under FSDP2, FSDP2 x TP2 and HSDP, both optimizers), and host checkpoints
+reshard to more and fewer ranks like device ones; dense adam is refused. On this CPU machine host
 and device memory are the same, so these tests check the host code path (host gather through the
 FIFO worker, prefetch, async host update, replay under recompute), not page-locked copies.
 """
@@ -12,6 +13,7 @@ FIFO worker, prefetch, async host update, replay under recompute), not page-lock
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -41,13 +43,18 @@ def _raw(tmp: str, name: str, world: int, location: str, opt: str, extra: dict |
     return raw
 
 
-def _train(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) -> dict:
+def _train(
+    rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = (), slow_update: float = 0.0
+) -> dict:
     """Train; return losses, grad norms, full table rows and how often the host path routed
-    ids / gathered rows / consumed a prefetch."""
+    ids / gathered rows / consumed a prefetch. `slow_update`: seconds every row-sparse update
+    sleeps first (on the host worker for host tables), so a reader that does not wait for the
+    worker sees the rows before the update."""
     from torch.distributed.tensor import DTensor
 
     import parallelisms.host_tables as ht
     import recipes.train as recipe
+    from engram.lazy_adam import RowSparseOptimizer
 
     counts = {"route": 0, "gather": 0, "prefetch": 0}
 
@@ -61,6 +68,14 @@ def _train(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) ->
     ht.route_ids = counted("route", ht.route_ids)
     ht._gather = counted("gather", ht._gather)
     ht.HostShardedEngramTable.prefetch = counted("prefetch", ht.HostShardedEngramTable.prefetch)
+    if slow_update:
+        update_all = RowSparseOptimizer._update_all
+
+        def slow(self, work):
+            time.sleep(slow_update)
+            update_all(self, work)
+
+        RowSparseOptimizer._update_all = slow
     if nan_steps:
         from test_faults_recipe import poison_loss
 
@@ -177,8 +192,15 @@ def test_nonfinite_step_leaves_host_rows_alone(tmp_path):
     _assert_bitwise(host, device, "non-finite step 2")
 
 
-def _ckpt_raw(tmp: str, world: int, location: str, load_step: int) -> dict:
-    raw = _raw(tmp, "ckpt", world, location, "lazy_adam")
+def _ckpt_raw(
+    tmp: str,
+    world: int,
+    location: str,
+    load_step: int,
+    opt: str = "lazy_adam",
+    extra: dict | None = None,
+) -> dict:
+    raw = _raw(tmp, "ckpt", world, location, opt, extra)
     raw["job"]["run_name"] = "interchange"  # one folder: the locations resume each other
     raw["checkpoint"] = {"enable": True, "interval": 2, "keep_latest_k": 0, "load_step": load_step}
     return raw
@@ -359,3 +381,96 @@ def test_host_checkpoint_async_save_and_reshard(tmp_path):
         np.testing.assert_allclose(
             resumed["host"][0]["losses"], first["host"][0]["losses"][2:], rtol=1e-5
         )
+
+
+def _assert_close_to_uninterrupted(got: dict, ref: dict, before: dict, where: str) -> None:
+    """Steps 3-4 resumed at another world size vs the uninterrupted run's steps 3-4, to the
+    tolerances of tests/test_parity.py: losses rtol 1e-5; step 3's grad norm (identical
+    weights) 1e-6, step 4's 1e-3; each table's update since step 2 (`before`) to 0.3% relative
+    (Frobenius) and no element off by half an Adam step (lr 1e-3 x table_lr_mult 5)."""
+    close = np.testing.assert_allclose
+    close(got["losses"], ref["losses"][2:], rtol=1e-5, atol=0, err_msg=where)
+    close(got["norms"][0], ref["norms"][2], rtol=1e-6, atol=0, err_msg=where)
+    close(got["norms"], ref["norms"][2:], rtol=1e-3, atol=0, err_msg=where)
+    assert got["tables"].keys() == ref["tables"].keys(), where
+    for name, want in ref["tables"].items():
+        update = np.linalg.norm(want - before[name])
+        assert update > 0, f"{where}: table {name} did not train in steps 3-4"
+        diff = got["tables"][name] - want
+        assert np.linalg.norm(diff) / update < 3e-3, f"{where}: table {name} update differs"
+        assert np.abs(diff).max() < 0.5 * 1e-3 * 5.0, f"{where}: table {name} max |diff|"
+
+
+def _saved_tables(folder, step: int) -> dict:
+    """{table parameter name: its rows} of a committed checkpoint step."""
+    return {
+        k.split("model.", 1)[1]: t.numpy()
+        for k, t in _saved(folder, step).items()
+        if k.startswith(".model.") and ".table." in k
+    }
+
+
+@pytest.mark.slow
+def test_host_checkpoint_reshard_to_fewer_ranks(tmp_path):
+    """Host tables saved at 4 ranks (FSDP over 4), resumed at 2 and at 1 rank for steps 3-4.
+    Loading: the host-table resume equals bitwise a device-table resume of the same checkpoint
+    (DCP's ordinary reshard of a device shard). Saving: both replay the uninterrupted 4-rank
+    run's steps 3-4 to the parity tolerances (not bitwise: 2 or 1 ranks sum the gradients in
+    another order)."""
+    (ref, *_) = run_distributed(_train, 4, _ckpt_raw(str(tmp_path), 4, "host", -1))
+    before = _saved_tables(tmp_path, 2)
+    assert before.keys() == ref["tables"].keys()
+    for world in (2, 1):
+        resumed = {
+            loc: run_distributed(_train, world, _ckpt_raw(str(tmp_path), world, loc, 2))
+            for loc in ("device", "host")
+        }
+        _assert_bitwise(resumed["host"], resumed["device"], f"host 4 -> {world}")
+        for rank, got in enumerate(resumed["host"]):
+            _assert_close_to_uninterrupted(got, ref, before, f"4 -> {world} rank {rank}")
+
+
+# (world, table optimizer, layout); lazy_adam at FSDP 2 is test_host_checkpoint_async_save_and_reshard
+ASYNC_LAYOUTS = {
+    "fsdp2tp2_lazy_adam": (4, "lazy_adam", {"parallelism": {"dp_shard": 2, "tp": 2}}),
+    "hsdp2x2_rowwise_adagrad": (
+        4,
+        "rowwise_adagrad",
+        {"parallelism": {"dp_replicate": 2, "dp_shard": 2}},
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ASYNC_LAYOUTS)
+def test_host_async_save_equals_sync_and_resumes(tmp_path, layout):
+    """Host tables, steps 1-4 saving at 2 and 4, once with a sync save and once with
+    checkpoint.async_mode = "async" (step 2's save runs in the background while step 3's host
+    update is queued). Every host update first sleeps 0.2 s, so a save that does not wait for
+    step 2's update would hold step 1's rows. The step-2 checkpoints hold the same tensors
+    bitwise (tables and their optimizer state included), and resuming the async one at the same
+    layout replays steps 3-4 bitwise (losses, grad norms, every table row)."""
+    world, opt, extra = ASYNC_LAYOUTS[layout]
+    runs = {}
+    for mode in ("disabled", "async"):
+        raw = _ckpt_raw(str(tmp_path / mode), world, "host", -1, opt, extra)
+        raw["checkpoint"]["async_mode"] = mode
+        runs[mode] = run_distributed(_train, world, raw, (), 0.2)
+    for a, b in zip(runs["async"], runs["disabled"], strict=True):
+        assert a["host_tables"] and _same(a["losses"], b["losses"]), layout
+    sync, done = _saved(tmp_path / "disabled", 2), _saved(tmp_path / "async", 2)
+    assert sync.keys() == done.keys()
+    table_keys = [k for k in sync if ".table." in k]
+    assert any(k.startswith(".model.") for k in table_keys), table_keys
+    assert any(k.startswith(".optimizer.") for k in table_keys), table_keys
+    for k, t in sync.items():
+        assert torch.equal(done[k], t), f"{layout}: async checkpoint differs at {k}"
+    resumed = run_distributed(
+        _train, world, _ckpt_raw(str(tmp_path / "async"), world, "host", 2, opt, extra)
+    )
+    for rank, (got, full) in enumerate(zip(resumed, runs["async"], strict=True)):
+        where = f"{layout} rank {rank}"
+        assert _same(got["losses"], full["losses"][2:]), where
+        assert _same(got["norms"], full["norms"][2:]), where
+        for n, t in full["tables"].items():
+            assert np.array_equal(got["tables"][n], t), f"{where}: table {n}"

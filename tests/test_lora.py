@@ -83,8 +83,16 @@ LAYOUTS = {
     "pp2": (2, {"pp": 2}, {"pipeline": {"schedule": "1F1B"}}),
     "fsdp2_x_tp2_ac": (4, {"tp": 2, "dp_shard": 2}, {"activation_checkpoint": {"mode": "full"}}),
     # aot_eager: dynamo + AOT autograd trace the LoRA blocks without generating code (see
-    # tests/test_compile.py for why inductor runs only there).
-    "fsdp2_compile": (2, {"dp_shard": 2}, {"compile": {"enable": True, "backend": "aot_eager"}}),
+    # tests/test_compile.py for why inductor runs only there). Plain linears without TP take
+    # the fused LoRA Function (as 1 rank, fsdp2 and pp2): here under AC and compile too.
+    "fsdp2_compile_ac": (
+        2,
+        {"dp_shard": 2},
+        {
+            "compile": {"enable": True, "backend": "aot_eager"},
+            "activation_checkpoint": {"mode": "full"},
+        },
+    ),
 }
 
 

@@ -46,8 +46,9 @@ class LoRAMixin:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fusable():
+            linear: nn.Linear = self  # type: ignore[assignment]  # the mixin sits on a Linear
             return _FusedLoRALinear.apply(
-                x, self.weight, self.bias, self.lora_A, self.lora_B, self.lora_scaling  # type: ignore[attr-defined]
+                x, linear.weight, linear.bias, self.lora_A, self.lora_B, self.lora_scaling
             )
         base = super().forward(x)  # type: ignore[misc]
         h = F.linear(self._dropped(x), self.lora_A)  # [..., rank]
