@@ -18,8 +18,9 @@ bf16 weights (ZeRO-2 and ZeRO-3) change the losses and track fp32 to rtol 2e-3.
 
 Resume from step 3 replays steps 4-5 bit-exactly (losses, norms, weights) for ZeRO-1 / adam,
 ZeRO-2 / lazy_adam and ZeRO-3 / adam. One 2-rank launch runs all of it; a second, one-rank
-launch checks that a 2-rank checkpoint is refused (with the conversion steps), that a damaged
-engine file is named, and that NaN steps are skipped by both the tables and the engine.
+launch resumes step 3 of the 2-rank ZeRO-2 and ZeRO-3 runs (refused until converted to the
+universal format, then steps 4-5 match the 2-rank run: _check_universal_resume), checks that a
+damaged engine file is named, and that NaN steps are skipped by both the tables and the engine.
 """
 
 from __future__ import annotations
@@ -427,8 +428,9 @@ def _check_universal_resume(tmp_path: Path, stage: int, resumed: dict, full: dic
     conversion: refused before the conversion with the command; steps 4-5 then reproduce the
     uninterrupted 2-rank run (same global batch) to the parity tolerances: losses rtol 1e-5,
     weights within 1e-3 of the steps-4-5 update (measured: losses 7e-8 / 1.4e-7, weights
-    1.8e-6 / 2.0e-5 for ZeRO-2 / ZeRO-3). The
-    converted files are in the step's manifest: one damaged byte is reported."""
+    1.8e-6 / 2.0e-5 for ZeRO-2 / ZeRO-3; with the Adam moments zeroed after the load 1.1, with
+    ZeRO-3's load unrepaired 0.27). The converted files are in the step's manifest: one damaged
+    byte is reported."""
     from engram.checkpoint import verify_checkpoint
 
     step3 = tmp_path / "one" / f"universal{stage}" / "run" / "checkpoint" / "step-3"
