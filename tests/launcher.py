@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import socket
 import traceback
 from collections.abc import Callable
@@ -93,7 +94,15 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
     if errors:
-        raise RuntimeError("\n".join(errors))
+        # A rank killed by a signal (a segfault in a collective) reports nothing itself; its peers
+        # then fail with "connection closed by peer". Name it first: that is where to look.
+        died = [
+            f"rank {r} died with signal {signal.Signals(-p.exitcode).name} (its own stack, if "
+            "any, is in the captured stderr: faulthandler)"
+            for r, p in enumerate(procs)
+            if p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGKILL
+        ]
+        raise RuntimeError("\n".join(died + errors))
     return [results[r] for r in range(world_size)]
 
 
