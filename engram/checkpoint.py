@@ -536,14 +536,19 @@ def add_to_manifest(path: Path, names: Iterable[str]) -> None:
     derived copy added to a committed checkpoint (a DeepSpeed universal checkpoint); the
     manifest is replaced atomically, one process (no collectives)."""
     manifest = read_manifest(path)
-    for name in names:
-        manifest["files"][name] = {
-            "size": (path / name).stat().st_size,
-            "crc32": file_checksum(path / name),
-        }
-    _write_json(path / (_MANIFEST + ".tmp"), manifest)
-    os.replace(path / (_MANIFEST + ".tmp"), path / _MANIFEST)
-    _fsync_dir(path)
+    manifest["files"].update({name: _manifest_entry(path / name) for name in names})
+    _write_manifest(path, manifest)
+
+
+def _manifest_entry(file: Path) -> dict[str, Any]:
+    return {"size": file.stat().st_size, "crc32": file_checksum(file)}
+
+
+def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    """Written last and atomically: its presence marks the folder complete."""
+    _write_json(folder / (_MANIFEST + ".tmp"), manifest)
+    os.replace(folder / (_MANIFEST + ".tmp"), folder / _MANIFEST)
+    _fsync_dir(folder)
 
 
 # ----------------------------------------------------------------------------- one step folder
@@ -929,12 +934,9 @@ class CheckpointManager:
                 raise OSError(f"{tmp / name} {got}")
             files[name] = {"size": got[0], "crc32": got[1]}
         for name in (_FINGERPRINT, _META):
-            files[name] = {"size": (tmp / name).stat().st_size, "crc32": file_checksum(tmp / name)}
-        # The manifest is written last and atomically: its presence marks the folder complete.
+            files[name] = _manifest_entry(tmp / name)
         self._last_size = sum(f["size"] for f in files.values())
-        _write_json(tmp / (_MANIFEST + ".tmp"), {"format": FORMAT, "step": step, "files": files})
-        os.replace(tmp / (_MANIFEST + ".tmp"), tmp / _MANIFEST)
-        _fsync_dir(tmp)
+        _write_manifest(tmp, {"format": FORMAT, "step": step, "files": files})
         if final.exists():
             problems = verify_checkpoint(final, collective=False)
             if problems:
