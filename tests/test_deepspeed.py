@@ -275,23 +275,44 @@ def _universal_resume(folder: str, world: int, runs: str, stage: int) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _faulty(attr: str, calls: tuple[int, ...], fault):
+    """recipes.train_deepspeed.<attr> runs as `fault(real, *args)` on its `calls`-th calls
+    (counted from 1), as itself otherwise."""
+    import recipes.train_deepspeed as recipe
+
+    real, n = getattr(recipe, attr), [0]
+
+    def wrapped(*args):
+        n[0] += 1
+        return fault(real, *args) if n[0] in calls else real(*args)
+
+    setattr(recipe, attr, wrapped)
+    try:
+        yield
+    finally:
+        setattr(recipe, attr, real)
+
+
+def _nan_loss(cross_entropy, logits, labels):
+    return cross_entropy(logits, labels) * math.nan  # so every gradient is NaN
+
+
+def _nan_table_grads(clip, engine, table_params, max_norm):
+    for p in table_params:
+        if p.grad is not None:
+            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).fill_(math.nan)
+    return clip(engine, table_params, max_norm)
+
+
 def _nonfinite(folder: str, world: int) -> dict:
     """Steps 2 and 3 with a NaN loss (so NaN gradients): both updates skipped, engine and tables."""
     import recipes.train_deepspeed as recipe
 
-    real, calls = recipe.cross_entropy, [0]
-
-    def poisoned(logits, labels):
-        calls[0] += 1
-        return real(logits, labels) * (float("nan") if calls[0] in (2, 3) else 1.0)
-
-    recipe.cross_entropy = poisoned
-    try:
+    with _faulty("cross_entropy", (2, 3), _nan_loss):
         raw = _config(folder, world, "lazy_adam", deepspeed={"zero_stage": 2})
         raw["training"]["steps"] = 4
         result = recipe.train(config_from_dict(raw))
-    finally:
-        recipe.cross_entropy = real
     params = [*result.engine.module.parameters(), *result.tables.parameters()]
     finite = all(bool(torch.isfinite(_full_tensor(p)).all()) for p in params)
     out = {
@@ -308,38 +329,17 @@ def _nonfinite_tables_only(folder: str, world: int, stage: int) -> dict:
     (b) step 2's loss is NaN (every gradient NaN: DeepSpeed itself discards its update). In both
     step 2 must change nothing, so step 3's loss and the final weights agree bit for bit; had
     the engine applied its step-2 update in (a), they would not."""
-    import recipes.train_deepspeed as recipe
-
-    real_clip, real_loss, calls = recipe.clip_engine_and_tables_, recipe.cross_entropy, [0]
-
-    def nan_table_grads(engine, table_params, max_norm):
-        calls[0] += 1
-        if calls[0] == 2:
-            for p in table_params:
-                if p.grad is not None:
-                    (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).fill_(math.nan)
-        return real_clip(engine, table_params, max_norm)
-
-    def nan_loss(logits, labels):
-        calls[0] += 1
-        return real_loss(logits, labels) * (math.nan if calls[0] == 2 else 1.0)
-
     out = {}
     for label, attr, fault in (
-        ("tables", "clip_engine_and_tables_", nan_table_grads),
-        ("loss", "cross_entropy", nan_loss),
+        ("tables", "clip_engine_and_tables_", _nan_table_grads),
+        ("loss", "cross_entropy", _nan_loss),
     ):
-        calls[0] = 0
-        real = getattr(recipe, attr)
-        setattr(recipe, attr, fault)
-        try:
+        with _faulty(attr, (2,), fault):
             raw = _config(
                 f"{folder}/{label}{stage}", world, "adam", deepspeed={"zero_stage": stage}
             )
             raw["training"]["steps"] = 3
             out[label] = _run_deepspeed(raw)
-        finally:
-            setattr(recipe, attr, real)
     return out
 
 
