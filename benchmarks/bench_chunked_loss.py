@@ -39,9 +39,9 @@ def measure(mode: str, seq: int, steps: int, threads: int) -> dict:
     """One subprocess's measurement; mode: 'backbone' or a chunk count."""
     import torch
 
-    from engram.loss import build_loss
     from engram.models.args import ModelArgs
     from engram.models.transformer import Transformer
+    from engram.train.loss import build_loss
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

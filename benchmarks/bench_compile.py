@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 from engram.config import load_config
 from engram.data.tokenizer import load_tokenizer
-from engram.distributed import init_distributed
 from engram.models.builder import build_from_config
-from engram.optim import build_optimizers
+from engram.optim.builder import build_optimizers
+from engram.runtime.distributed import init_distributed
 from parallelisms.parallel_dims import parallel_dims_from_config
 from parallelisms.parallelize import parallelize_model
 

@@ -36,8 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engram.hashing import NgramHasher
-from engram.lazy_adam import LazyAdam
+from engram.hashing.ngram import NgramHasher
+from engram.optim.lazy_adam import LazyAdam
 from parallelisms.engram_tables import local_row_range, sharded_embedding_lookup
 
 FP32 = 4

@@ -1,4 +1,4 @@
-"""Throughput of Engram n-gram hashing: engram.hashing.NgramHasher vs engram-peft's NgramHashMapping.
+"""Throughput of Engram n-gram hashing: engram.hashing.ngram.NgramHasher vs engram-peft's NgramHashMapping.
 
     python benchmarks/bench_hashing.py [--peft-python $EPEFT_VENV/bin/python]
 
@@ -118,7 +118,7 @@ def main() -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from engram.hashing import NgramHasher
+    from engram.hashing.ngram import NgramHasher
 
     rng = np.random.default_rng(0)
     # A many-to-one lookup like a real compression table (first-seen numbering is irrelevant here).

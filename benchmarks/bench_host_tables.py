@@ -50,7 +50,7 @@ def _raw(folder: str, name: str, world: int, location: str, steps: int) -> dict:
 def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
     import parallelisms.host_tables as ht
     from engram.config import config_from_dict
-    from engram.lazy_adam import RowSparseOptimizer
+    from engram.optim.lazy_adam import RowSparseOptimizer
     from recipes.train import train
 
     moved = {"h2d": 0, "d2h": 0}

@@ -32,7 +32,7 @@ from engram.data.loader import build_dataloader  # noqa: E402
 from engram.data.prepare import Options, prepare  # noqa: E402
 from engram.data.synthetic import SyntheticFacts  # noqa: E402
 from engram.data.tokenizer import load_tokenizer  # noqa: E402
-from engram.hashing import NgramHasher  # noqa: E402
+from engram.hashing.ngram import NgramHasher  # noqa: E402
 
 
 def write_facts(path: Path, docs: int) -> None:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from engram.config import config_from_dict, load_config
 from engram.data.tokenizer import load_tokenizer
 from engram.models.builder import build_from_config
-from engram.optim import build_optimizers
+from engram.optim.builder import build_optimizers
 
 
 def make_variant(flavor: str, engram: bool, engram_cfg: dict, tokenizer, seq: int):

@@ -31,7 +31,7 @@ from bench_engram_tables import CommCounter, launch, zipf_tokens  # noqa: E402
 
 from engram.config import Engram  # noqa: E402
 from engram.data.tokenizer import load_tokenizer  # noqa: E402
-from engram.hashing import NgramHasher  # noqa: E402
+from engram.hashing.ngram import NgramHasher  # noqa: E402
 from parallelisms.engram_tables import local_row_range, sharded_embedding_lookup  # noqa: E402
 
 SEQ, GLOBAL_B, WORLD = 256, 8, 4

@@ -40,7 +40,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from engram.table_optimizers import TABLE_OPTIMIZERS  # noqa: E402
+from engram.config.table_optimizers import TABLE_OPTIMIZERS  # noqa: E402
 
 VOCAB = 8192
 BATCH, SEQ = 8, 256
@@ -122,9 +122,9 @@ def our_worker(data: str, config: str, table_optimizer: str, threads: int) -> No
 
     from engram.config import config_from_dict
     from engram.data.tokenizer import load_tokenizer
-    from engram.distributed import init_distributed
     from engram.models.builder import build_from_config
-    from engram.optim import apply_training_mode, build_optimizers, clip_grad_norm_
+    from engram.optim.builder import apply_training_mode, build_optimizers, clip_grad_norm_
+    from engram.runtime.distributed import init_distributed
     from parallelisms.parallel_dims import parallel_dims_from_config
     from parallelisms.parallelize import parallelize_model
 

@@ -45,9 +45,9 @@ from torch.distributed.tensor import DTensor
 
 from engram.checkpoint import CheckpointError, add_to_manifest, read_manifest, verify_checkpoint
 from engram.config import ConfigError, JobConfig
-from engram.hf_load import HFLoadPlan
+from engram.hf.load import HFLoadPlan
+from engram.models.table_grad import row_grad, scale_row_grads_
 from engram.models.transformer import clean_fqn
-from engram.table_grad import row_grad, scale_row_grads_
 from parallelisms.engram_tables import ShardedEngramTable
 
 INSTALL = 'pip install -e ".[deepspeed]"'
@@ -257,7 +257,7 @@ def materialize_into_partitions(
 ) -> None:
     """ZeRO-3: materialise and initialise a meta-built model one top-level block at a time
     (embedding, each decoder layer, final norm, output), load the block's tensors of the HF
-    folder when `hf` is given (a checked engram.hf_load.plan_hf_load), and hand the block to
+    folder when `hf` is given (a checked engram.hf.load.plan_hf_load), and hand the block to
     `deepspeed.zero.Init(module=block)` before the next: the peak is one block plus the
     partitions, not the whole model (131 GB in fp32 at 32B). `tables` (detached, row-sharded)
     are materialised (and loaded) after. The weights equal those of `to_empty` + `init_weights`

@@ -6,7 +6,7 @@ reshards it, and the last ranks may hold fewer rows or none). A lookup sends eac
 that owns its row and brings the row back; the backward sends the row gradients to the owners,
 which add them into a dense gradient of their shard, or, for a table sharded with
 `row_sparse=True` (its optimizer is row-sparse: lazy_adam / rowwise_adagrad), keep (unique local rows, fp32 summed row gradients)
-on the parameter (engram/table_grad.py), so nothing of the table's size is allocated. No table
+on the parameter (engram/models/table_grad.py), so nothing of the table's size is allocated. No table
 is ever gathered or replicated, and no sparse tensor is used (HCCL rejects them). Only the plain c10d `all_to_all_single` is used, with
 explicit split sizes (the list form fails on gloo with uneven sizes).
 
@@ -31,14 +31,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from engram.host_worker import mark_host_resident
-from engram.table_grad import (
+from engram.models.table_grad import (
     accumulate_row_grad,
     bag_sums,
     coalesce_rows,
     embedding_lookup,
     sort_rows,
 )
+from engram.runtime.host_worker import mark_host_resident
 
 __all__ = [
     "ShardedEngramTable",
@@ -233,7 +233,7 @@ def _route_grads_to_owners(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, t
 
 class _RowSparseShardedLookup(_ShardedLookup):
     """_ShardedLookup whose backward leaves the owner's (unique local rows, fp32 summed row grads)
-    on `param` (engram/table_grad.py) and returns no dense gradient: O(touched rows)."""
+    on `param` (engram/models/table_grad.py) and returns no dense gradient: O(touched rows)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -269,7 +269,7 @@ def sharded_embedding_lookup(
     distinct id is sent once per rank. The table gradient is scaled by `grad_scale` (use 1 / W for
     data-parallel mean semantics when each rank's loss is its local mean). A group of one rank is a
     plain gather with no communication. With `row_sparse`, the backward leaves row-sparse
-    gradients (engram/table_grad.py) on `param` (the table parameter whose local piece is
+    gradients (engram/models/table_grad.py) on `param` (the table parameter whose local piece is
     `local_weight`) instead of a dense gradient. `wire_dtype` (default: the table's dtype) is the
     dtype rows and row gradients travel in through the all-to-all.
     """
@@ -368,7 +368,7 @@ def apply_engram_table_sharding(
     ranks that looked the rows up, each differentiating its local-mean loss): 1 / dp for the
     data-parallel mean, which is 1 / mesh size only without TP (parallelize_model passes it).
     `row_sparse`: the backward leaves row-sparse gradients for a row-sparse optimizer
-    (engram/table_optimizers.py) instead of a dense gradient. The returned list is in module
+    (engram/config/table_optimizers.py) instead of a dense gradient. The returned list is in module
     order (identical on every rank): pass it to `fully_shard(..., ignored_params=...)` and give
     it its own optimizer group. `table_types` defaults to engram.models.engram.EngramTable.
     `wire_dtype`: dtype of the rows and row gradients in the all-to-all (None: the table's).

@@ -10,8 +10,8 @@ all-to-all lookup of parallelisms/engram_tables.py with the owner's gather done 
     staging -> device (async copy on accelerators), rows all-to-all back, restore order
 
 Backward is unchanged: the owners keep (unique local rows, fp32 summed row gradients) on the
-parameter (engram/table_grad.py); the row-sparse optimizer copies them to the host and updates
-the shard in the same FIFO worker (engram/lazy_adam.py). Exactness: every gather is queued after
+parameter (engram/models/table_grad.py); the row-sparse optimizer copies them to the host and updates
+the shard in the same FIFO worker (engram/optim/lazy_adam.py). Exactness: every gather is queued after
 every update queued before it, so a lookup reads the rows as updated by the previous step
 (bitwise equal to device tables). Prefetch (`prefetch_host_tables`) runs the id exchange for a
 batch's micro-batches at the start of the step and queues their gathers, so the lookups find
@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from engram.host_worker import HOST_WORKER, mark_host_resident, wait_host_work
-from engram.table_grad import accumulate_row_grad, coalesce_rows
+from engram.models.table_grad import accumulate_row_grad, coalesce_rows
+from engram.runtime.host_worker import HOST_WORKER, mark_host_resident, wait_host_work
 from parallelisms.engram_tables import (
     LookupRoute,
     ShardedEngramTable,

@@ -18,9 +18,9 @@ from torch import nn
 from engram.config import LORA_TARGETS, ConfigError
 from engram.config import Lora as LoraConfig
 from engram.models.lora import add_lora_adapters
-from engram.optim import is_trainable
+from engram.optim.builder import is_trainable
 
-logger = logging.getLogger("engram.lora")  # shown with the recipe's log (engram.metrics)
+logger = logging.getLogger("engram.lora")  # shown with the recipe's log (engram.train.metrics)
 
 __all__ = ["apply_lora", "hold_frozen_in"]
 
@@ -42,7 +42,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
 
 
 def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
-    """Cast every floating parameter that lora mode freezes (engram.optim.is_trainable) to `dtype`
+    """Cast every floating parameter that lora mode freezes (engram.optim.builder.is_trainable) to `dtype`
     in place (meta ok: the later to_empty / init / HF load fill it in that dtype); returns how
     many were cast."""
     n = 0

@@ -10,7 +10,7 @@ they swap modules in place, so they must run before anything wraps or shards tho
 float8 swaps `nn.Linear` for torchao's `Float8Linear`; LoRA then swaps the target linears (float8
 ones included) for LoRA subclasses of their own class, which tensor parallelism shards with
 their base layer's plan; in lora mode the frozen backbone is cast to the compute dtype there,
-before FSDP shards it. The training mode (`requires_grad`, engram.optim.is_trainable) is set
+before FSDP shards it. The training mode (`requires_grad`, engram.optim.builder.is_trainable) is set
 last, once every parallelism has created its parameters. Compile comes after activation
 checkpointing and before FSDP (torchtitan's order), so FSDP's hooks and collectives stay outside
 the compiled blocks.
@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from engram.config import JobConfig
-from engram.optim import apply_training_mode
-from engram.table_optimizers import table_optimizer_spec
+from engram.config.table_optimizers import table_optimizer_spec
+from engram.optim.builder import apply_training_mode
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import apply_compile
 from parallelisms.engram_tables import apply_engram_table_sharding

@@ -38,7 +38,7 @@ from torch.distributed.pipelining.schedules import (
 
 from engram.config import ConfigError, JobConfig
 from engram.config import Pipeline as PipelineConfig
-from engram.table_optimizers import table_optimizer_spec
+from engram.config.table_optimizers import table_optimizer_spec
 from parallelisms.parallel_dims import ParallelDims
 
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -186,7 +186,7 @@ def split_stages(
     """The plan, this rank's stage indices and their (meta, unparallelised) modules."""
     sparse = table_optimizer_spec(cfg.optimizer.table_optimizer).row_sparse
     if cfg.pipeline.schedule in SPLIT_BACKWARD and cfg.engram.enabled and sparse:
-        # The row-sparse lookup returns no weight gradient (engram/table_grad.py), and the
+        # The row-sparse lookup returns no weight gradient (engram/models/table_grad.py), and the
         # weight-gradient step of these schedules asks autograd for one: torch fails there.
         raise ConfigError(
             f"pipeline.schedule={cfg.pipeline.schedule} computes weight gradients in a separate "

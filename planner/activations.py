@@ -68,7 +68,7 @@ def loss_bytes(cfg: JobConfig, args: ModelArgs, a: int, tp: int, tokens: int) ->
     Cross-entropy in fp32: log-softmax output saved, its gradient, the gradient of the fp32
     logits (12 bytes/logit) dominate; the compute-dtype logits (a) and the fp32 upcast (4) exist
     together with the saved log-softmax in forward (a + 8). With training.loss_chunks = n > 1
-    (engram/loss.py) that holds for one chunk of ceil(seq_len / n) positions of every sequence,
+    (engram/train/loss.py) that holds for one chunk of ceil(seq_len / n) positions of every sequence,
     plus, for the whole micro-batch, the hidden states gathered over the sequence and their
     accumulated gradient (2 a D per token, not divided by TP), and the head's weight gradient sum
     and one chunk's share in the compute dtype (2 a V D / tp; a plain linear head needs only the

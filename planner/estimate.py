@@ -13,7 +13,7 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from engram.config import ConfigError, JobConfig
-from engram.hashing import engram_table_rows
+from engram.hashing.ngram import engram_table_rows
 from engram.models.builder import build_model
 from parallelisms.float8 import check_float8_device
 from parallelisms.parallel_dims import ParallelDims, parallel_dims_from_config

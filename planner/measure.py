@@ -102,7 +102,7 @@ def measure_rank(
     tables_trainable = [p for p in table_params if p.requires_grad]
     dense_bytes = sum(_nbytes(local_tensor(p)) for p in dense)
     dense_grad = sum(_nbytes(local_tensor(p)) for p in dense_trainable)
-    table_mem = [  # per optimizer.table_optimizer (engram/lazy_adam.py)
+    table_mem = [  # per optimizer.table_optimizer (engram/optim/lazy_adam.py)
         table_memory_bytes(table_optimizer, *local_tensor(p).shape, local_tensor(p).element_size())
         for p in tables_trainable
     ]

@@ -55,9 +55,9 @@ MODELLED = {  # setting -> where the planner models it
         ("training.seq_len", "training.local_batch_size", "training.grad_accum_steps"),
         "activations, fsdp_buffers (no-sync accumulation), comm",
     ),
-    "training.loss_chunks": "activations.loss_bytes (one chunk of logits, engram/loss.py)",
+    "training.loss_chunks": "activations.loss_bytes (one chunk of logits, engram/train/loss.py)",
     "optimizer.name": "measure (AdamW: two fp32 moments)",
-    "optimizer.table_optimizer": "tables (engram/table_optimizers.py)",
+    "optimizer.table_optimizer": "tables (engram/config/table_optimizers.py)",
     "engram.table_location": "measure (host_table_bytes), estimate (rows on device, host link)",
     "engram.host_memory_gib": "results (host_fits: host tables per node)",
     **dict.fromkeys(

@@ -3,13 +3,13 @@ beside the row-sharded tables."""
 
 from __future__ import annotations
 
-from engram.table_optimizers import TABLE_OPTIMIZERS, table_optimizer_spec
+from engram.config.table_optimizers import TABLE_OPTIMIZERS, table_optimizer_spec
 from planner.results import ADAM_STATES, RankMemory, ReplicatedTableBaseline
 
 
 def table_memory_bytes(table_optimizer: str, rows: int, dim: int, param_bytes: int = 4) -> dict:
     """Persistent bytes of one [rows, dim] table (or local shard) per table optimizer choice
-    (engram/table_optimizers.py): weight, gradient (dense: table-sized; row-sparse: none between
+    (engram/config/table_optimizers.py): weight, gradient (dense: table-sized; row-sparse: none between
     steps, only the touched rows' fp32 gradient during a step) and fp32 optimizer state."""
     spec = table_optimizer_spec(table_optimizer)
     params = rows * dim

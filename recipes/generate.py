@@ -10,7 +10,7 @@ this order):
 
   checkpoint  the run's newest DCP checkpoint (or `--checkpoint_step N`), model state only,
               verified against its manifest and fingerprint as a training resume verifies it
-              (engram/checkpoint.py find_checkpoint / load_model_checkpoint). DCP reshards: a
+              (engram/checkpoint/ find_checkpoint / load_model_checkpoint). DCP reshards: a
               checkpoint saved by N ranks (FSDP2 shards, row-sharded Engram tables) loads into
               this unsharded model. When the run has checkpoints, a damaged one is an error,
               never a fallback to hf / init.
@@ -34,23 +34,23 @@ from dataclasses import dataclass
 
 import torch
 
-from engram import device as dev
 from engram.checkpoint import (
     CheckpointError,
     find_checkpoint,
     load_model_checkpoint,
     step_folders,
 )
+from engram.checkpoint.fingerprint import config_fingerprint
 from engram.config import JobConfig, load_config
 from engram.data.tokenizer import Tokenizer, load_tokenizer
-from engram.fingerprint import config_fingerprint
-from engram.hashing import NgramHasher
-from engram.hf_load import load_frozen_backbone, load_hf_backbone
-from engram.metrics import init_logger
+from engram.hashing.ngram import NgramHasher
+from engram.hf.load import load_frozen_backbone, load_hf_backbone
 from engram.models.builder import build_for_inference, build_hasher
 from engram.models.decode_cache import DecodeCache
 from engram.models.transformer import Transformer
-from engram.optim import saved_params
+from engram.optim.builder import saved_params
+from engram.runtime import device as dev
+from engram.train.metrics import init_logger
 
 logger = logging.getLogger("engram")
 

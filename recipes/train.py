@@ -21,20 +21,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from engram import device as dev
 from engram.checkpoint import CheckpointManager, ModelState, OptimizerState, TrainState
+from engram.checkpoint.fingerprint import config_fingerprint
 from engram.config import JobConfig, load_config
 from engram.data.loader import build_dataloader
 from engram.data.tokenizer import load_tokenizer
-from engram.distributed import destroy_distributed, init_distributed
-from engram.fingerprint import config_fingerprint
-from engram.hf_load import load_frozen_backbone, load_hf_backbone
-from engram.host_worker import wait_host_work
-from engram.loss import LanguageModelLoss, build_loss, local_value
-from engram.metrics import MetricsLogger, init_logger, logger
+from engram.hf.load import load_frozen_backbone, load_hf_backbone
 from engram.models.builder import build_hasher, build_model_from_config
-from engram.nonfinite import NonFiniteGuard
-from engram.optim import (
+from engram.optim.builder import (
     SchedulersState,
     build_lr_schedulers,
     build_optimizers,
@@ -42,8 +36,14 @@ from engram.optim import (
     saved_params,
     scheduled_lr,
 )
-from engram.profiling import maybe_profile
-from engram.table_check import warn_if_tables_collide
+from engram.runtime import device as dev
+from engram.runtime.distributed import destroy_distributed, init_distributed
+from engram.runtime.host_worker import wait_host_work
+from engram.train.loss import LanguageModelLoss, build_loss, local_value
+from engram.train.metrics import MetricsLogger, init_logger, logger
+from engram.train.nonfinite import NonFiniteGuard
+from engram.train.profiling import maybe_profile
+from engram.train.table_check import warn_if_tables_collide
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.host_memory import check_host_memory
 from parallelisms.host_tables import prefetch_host_tables
@@ -209,7 +209,7 @@ def train(cfg: JobConfig) -> TrainResult:
         part.to_empty(device=device)  # host tables materialise on the host
         part.init_weights(seed=cfg.job.seed)  # requires_grad: set by parallelize_model
     model = model_parts[0]
-    # One loss for every forward path (see engram/loss.py); TP loss parallel keeps the logits
+    # One loss for every forward path (see engram/train/loss.py); TP loss parallel keeps the logits
     # sharded over the vocabulary (see tensor_parallel.py).
     sharded_logits = dims.tp_enabled and cfg.parallelism.tp_loss_parallel
     loss_fn = build_loss(cfg.training.loss_chunks, model_parts, sharded_logits)
@@ -291,7 +291,7 @@ def train(cfg: JobConfig) -> TrainResult:
 
     # --- the loop ---------------------------------------------------------------------------
     # Host reads (.item(), device synchronisation) happen on log steps only, plus the guard's
-    # one finiteness check per step (engram/nonfinite.py): a host sync every step would stall
+    # one finiteness check per step (engram/train/nonfinite.py): a host sync every step would stall
     # an accelerator's queue. Per-step values stay on the device until the end of the run.
     tokens_per_step = (
         cfg.training.local_batch_size * cfg.training.seq_len * cfg.training.grad_accum_steps

@@ -27,27 +27,27 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `recipes` under torchrun
 
-from engram import device as dev  # noqa: E402
 from engram.checkpoint import CheckpointManager, ModelState, OptimizerState, TrainState  # noqa: E402
+from engram.checkpoint.fingerprint import config_fingerprint  # noqa: E402
 from engram.config import JobConfig, load_config  # noqa: E402
 from engram.data.loader import build_dataloader  # noqa: E402
 from engram.data.tokenizer import load_tokenizer  # noqa: E402
-from engram.distributed import destroy_distributed, init_distributed  # noqa: E402
-from engram.fingerprint import config_fingerprint  # noqa: E402
-from engram.hf_load import load_hf_backbone, plan_hf_load  # noqa: E402
-from engram.loss import LanguageModelLoss, cross_entropy  # noqa: E402
-from engram.metrics import MetricsLogger, init_logger, logger  # noqa: E402
+from engram.hf.load import load_hf_backbone, plan_hf_load  # noqa: E402
 from engram.models.builder import build_hasher, build_model_from_config  # noqa: E402
-from engram.nonfinite import NonFiniteGuard  # noqa: E402
-from engram.optim import (  # noqa: E402
+from engram.optim.builder import (  # noqa: E402
     SchedulersState,
     apply_training_mode,
     build_lr_schedulers,
     build_optimizers,
     scheduled_lr,
 )
-from engram.profiling import maybe_profile  # noqa: E402
-from engram.table_check import warn_if_tables_collide  # noqa: E402
+from engram.runtime import device as dev  # noqa: E402
+from engram.runtime.distributed import destroy_distributed, init_distributed  # noqa: E402
+from engram.train.loss import LanguageModelLoss, cross_entropy  # noqa: E402
+from engram.train.metrics import MetricsLogger, init_logger, logger  # noqa: E402
+from engram.train.nonfinite import NonFiniteGuard  # noqa: E402
+from engram.train.profiling import maybe_profile  # noqa: E402
+from engram.train.table_check import warn_if_tables_collide  # noqa: E402
 from parallelisms.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
 from parallelisms.deepspeed_engine import (  # noqa: E402
     EngineCheckpoint,

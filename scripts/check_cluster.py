@@ -52,9 +52,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from engram import device as dev  # noqa: E402
 from engram.config import load_config  # noqa: E402
-from engram.distributed import destroy_distributed, init_distributed  # noqa: E402
+from engram.runtime import device as dev  # noqa: E402
+from engram.runtime.distributed import destroy_distributed, init_distributed  # noqa: E402
 
 A2A_DTYPES = (torch.int64, torch.int32, torch.bfloat16, torch.float32)
 INJECT_ENV = "ENGRAM_CHECK_INJECT"
@@ -191,7 +191,7 @@ class Checker:
         env = ""
         if (
             self.device_type == "npu"
-        ):  # what HCCL was started with (engram.device defaults or yours)
+        ):  # what HCCL was started with (engram.runtime.device defaults or yours)
             names = (*dev.NPU_ENV_DEFAULTS, *dev.NPU_DETERMINISTIC_ENV)
             env = "; " + ", ".join(f"{k}={os.environ.get(k, '<unset>')}" for k in names)
         return f"{dist.get_backend()} on {len(per_host)} host(s), local rank->device: {hosts}{env}"

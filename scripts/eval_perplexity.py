@@ -24,10 +24,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engram import device as dev  # noqa: E402
 from engram.config import load_config  # noqa: E402
 from engram.data.loader import build_dataloader  # noqa: E402
-from engram.metrics import init_logger  # noqa: E402
+from engram.runtime import device as dev  # noqa: E402
+from engram.train.metrics import init_logger  # noqa: E402
 from recipes.generate import SOURCES, build_for_generation, load_weights  # noqa: E402
 
 

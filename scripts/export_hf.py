@@ -3,12 +3,12 @@
     PYTHONPATH=. python scripts/export_hf.py --job.config_file train_configs/debug_model.toml \
         --out exported/ [--step N] [--engram-only] [--overwrite] [--section.key=value ...]
 
-(a) default: a self-contained Hugging Face folder (engram/export.py): transformers loads it as
+(a) default: a self-contained Hugging Face folder (engram/hf/export.py): transformers loads it as
     the full Engram model with AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     (modeling_engram.py beside config.json) and AutoTokenizer.from_pretrained(out); this repo
     loads it into any layout with model.hf_checkpoint = <folder>. config.json states the repo
     version, the checkpoint fingerprint and the training config it came from.
-(b) --engram-only: engram.safetensors alone (engram.export.load_engram_safetensors reads it).
+(b) --engram-only: engram.safetensors alone (engram.hf.export.load_engram_safetensors reads it).
 (c) training.mode = "lora": a PEFT adapter folder (adapter_config.json, adapter_model.safetensors
     in PEFT's key names: `PeftModel.from_pretrained(base, folder)` on the transformers base model)
     plus engram.safetensors; with --merged instead the HF folder of (a) with the adapters folded
@@ -16,7 +16,7 @@
     top of model.hf_checkpoint.
 
 The checkpoint is the run's newest one (or --step), verified against its manifest and its
-fingerprint first (engram/checkpoint.py find_checkpoint / load_model_checkpoint, as generation).
+fingerprint first (engram/checkpoint/ find_checkpoint / load_model_checkpoint, as generation).
 --out must be new or empty; --overwrite removes its model files first (an export beside an
 earlier one's shards and index would mix two models). It runs in one process (no GPU needed);
 DCP reshards whatever layout the run was saved with. A checkpoint of recipes/train_deepspeed.py is
@@ -33,16 +33,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engram.checkpoint import find_checkpoint, load_model_checkpoint  # noqa: E402
+from engram.checkpoint.fingerprint import config_fingerprint  # noqa: E402
 from engram.config import load_config, to_toml  # noqa: E402
 from engram.data.tokenizer import load_tokenizer  # noqa: E402
-from engram.export import export, prepare_output_folder  # noqa: E402
-from engram.export_peft import export_peft  # noqa: E402
-from engram.fingerprint import config_fingerprint  # noqa: E402
-from engram.hf_load import load_frozen_backbone  # noqa: E402
-from engram.metrics import init_logger  # noqa: E402
+from engram.hf.export import export, prepare_output_folder  # noqa: E402
+from engram.hf.load import load_frozen_backbone  # noqa: E402
+from engram.hf.peft import export_peft  # noqa: E402
 from engram.models.builder import build_for_inference  # noqa: E402
 from engram.models.lora import merge_lora_  # noqa: E402
-from engram.optim import saved_params  # noqa: E402
+from engram.optim.builder import saved_params  # noqa: E402
+from engram.train.metrics import init_logger  # noqa: E402
 from parallelisms.deepspeed_engine import is_deepspeed_step, load_deepspeed_weights  # noqa: E402
 
 

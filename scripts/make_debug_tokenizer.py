@@ -1,6 +1,6 @@
-"""Train the small byte-level BPE tokenizer shipped as engram/assets/debug_tokenizer.json.
+"""Train the small byte-level BPE tokenizer shipped as engram/data/assets/debug_tokenizer.json.
 
-    python scripts/make_debug_tokenizer.py [--out engram/assets/debug_tokenizer.json]
+    python scripts/make_debug_tokenizer.py [--out engram/data/assets/debug_tokenizer.json]
 
 Training text: synthetic fact documents (the default dataset) plus generic English written in
 several casings, with accents and irregular whitespace, so that Engram's tokenizer compression
@@ -21,7 +21,7 @@ from engram.data.synthetic import SyntheticFacts
 
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
-OUT = Path(__file__).resolve().parent.parent / "engram" / "assets" / "debug_tokenizer.json"
+OUT = Path(__file__).resolve().parent.parent / "engram" / "data" / "assets" / "debug_tokenizer.json"
 
 ENGLISH = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import engram.checkpoint as ckpt  # noqa: E402
+import engram.checkpoint.manager as ckpt  # noqa: E402
 import recipes.train as recipe  # noqa: E402
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -30,7 +30,7 @@ from engram.checkpoint import (
     TrainState,
 )
 from engram.config import Checkpoint
-from engram.optim import SchedulersState
+from engram.optim.builder import SchedulersState
 
 TABLE_ROWS = 1009  # prime: uneven row shards (505 / 504 at world 2)
 FINGERPRINT = {"model": {"dim": 8, "layers": 2}, "engram": {"layer_ids": [1], "rows": TABLE_ROWS}}

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from engram.checkpoint import CheckpointError
 from engram.config import config_from_dict, to_toml
-from engram.export import EngramExportError, load_engram_safetensors
+from engram.hf.export import EngramExportError, load_engram_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,8 +62,8 @@ def _batch(hasher) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _reference(raw: dict) -> dict:
     from engram.checkpoint import find_checkpoint, load_model_checkpoint
+    from engram.checkpoint.fingerprint import config_fingerprint
     from engram.data.tokenizer import load_tokenizer
-    from engram.fingerprint import config_fingerprint
     from engram.models.builder import build_for_inference
 
     cfg = config_from_dict(raw)
@@ -80,7 +80,7 @@ def _reference(raw: dict) -> dict:
 
 def _import(rank: int, world: int, raw: dict, folder: str) -> np.ndarray:
     from engram.data.tokenizer import load_tokenizer
-    from engram.hf_load import load_hf_backbone
+    from engram.hf.load import load_hf_backbone
     from engram.models.builder import build_from_config
     from parallelisms.parallel_dims import parallel_dims_from_config
     from parallelisms.parallelize import parallelize_model
@@ -100,8 +100,8 @@ def _import(rank: int, world: int, raw: dict, folder: str) -> np.ndarray:
 
 
 def _engram_only(raw: dict, file: str, other_seed: bool) -> int:
+    from engram.checkpoint.fingerprint import config_fingerprint
     from engram.data.tokenizer import load_tokenizer
-    from engram.fingerprint import config_fingerprint
     from engram.models.builder import build_for_inference
 
     if other_seed:

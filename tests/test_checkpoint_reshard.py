@@ -92,7 +92,7 @@ def _full_state(pairs: list, loader) -> dict[str, np.ndarray]:
 def _leg(rank: int, world: int, raw: dict) -> dict:
     # Under PP each stage's first rank reports its stage (ranks are pp-major); merged by _merged.
     reports = rank % (world // raw["parallelism"]["pp"]) == 0
-    import engram.checkpoint as ckpt
+    import engram.checkpoint.manager as ckpt
     import recipes.train as recipe
 
     captured: dict = {}

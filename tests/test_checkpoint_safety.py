@@ -24,7 +24,7 @@ from engram.checkpoint import (
     file_checksum,
 )
 from engram.config import Checkpoint
-from engram.optim import SchedulersState
+from engram.optim.builder import SchedulersState
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -123,7 +123,7 @@ def test_full_disk_reported_whatever_the_writer_says(tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple
 
-    import engram.checkpoint as ckpt
+    import engram.checkpoint.manager as ckpt
 
     manager = _manager(tmp_path)
     manager.save(1)

@@ -1,4 +1,4 @@
-"""Chunked output head + cross-entropy (training.loss_chunks, engram/loss.py): same loss and
+"""Chunked output head + cross-entropy (training.loss_chunks, engram/train/loss.py): same loss and
 gradients as the unchunked loss.
 
 Direct: one model, the same batch (with ignored labels), loss and every parameter's gradient
@@ -25,9 +25,9 @@ from torch.distributed.tensor import DTensor
 
 from engram.config import ConfigError, config_from_dict
 from engram.data.tokenizer import load_tokenizer
-from engram.loss import build_loss
 from engram.models.builder import build_from_config
 from engram.models.transformer import clean_fqn
+from engram.train.loss import build_loss
 
 SEQ = 32
 

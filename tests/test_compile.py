@@ -17,7 +17,7 @@ from launcher import run_distributed
 from small_job import small_job
 
 from engram.config import Compile, config_from_dict
-from engram.hashing import engram_table_rows
+from engram.hashing.ngram import engram_table_rows
 from engram.models.builder import build_model
 from parallelisms.compile import apply_compile, decoder_blocks
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engram.config import ConfigError, config_from_dict, load_config, to_toml
-from engram.hashing import engram_table_rows
+from engram.hashing.ngram import engram_table_rows
 from engram.models.builder import build_model
 from parallelisms.parallel_dims import ParallelDims
 

@@ -242,7 +242,7 @@ def test_packing_matches_naive_reference(seq_len):
 
 @pytest.mark.parametrize("respect", [False, True])
 def test_loader_batches_and_real_hash_ids(respect):
-    from engram.hashing import NgramHasher
+    from engram.hashing.ngram import NgramHasher
 
     cfg = _cfg(seq_len=32, batch=3, engram={"respect_doc_boundaries": respect})
     hasher = NgramHasher.from_config(cfg.engram, TOK.hf, TOK.vocab_size)

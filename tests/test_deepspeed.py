@@ -167,7 +167,7 @@ def _parity_and_resume(rank: int, world: int, root: str) -> dict:
 @contextlib.contextmanager
 def _recorded_hf_reads():
     """The parameter names handed to each HFLoadPlan.read_into call."""
-    from engram.hf_load import HFLoadPlan
+    from engram.hf.load import HFLoadPlan
 
     real, reads = HFLoadPlan.read_into, []
 
@@ -184,7 +184,7 @@ def _recorded_hf_reads():
 
 def _export_hf(step_dir: str, out: str) -> None:
     from engram.data.tokenizer import load_tokenizer
-    from engram.export import export
+    from engram.hf.export import export
     from engram.models.builder import build_hasher
 
     raw = _config("unused", 1, "adam")

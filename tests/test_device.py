@@ -23,8 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import engram.device as device
-from engram.distributed import destroy_distributed, init_distributed
+import engram.runtime.device as device
+from engram.runtime.distributed import destroy_distributed, init_distributed
 from tests.launcher import run_distributed
 
 GIB = 1 << 30
@@ -360,7 +360,7 @@ def test_ascend_env_after_process_group_is_an_error(fake_npu_dir: str) -> None:
 def _check_memory_snapshot(fake_dir: str, run_folder: str) -> None:
     sys.path.insert(0, fake_dir)
     from engram.config import Profiling
-    from engram.profiling import maybe_profile
+    from engram.train.profiling import maybe_profile
 
     device.import_device_backend("npu")
     cfg = Profiling(memory_snapshot=True)
@@ -390,7 +390,7 @@ def test_memory_snapshot_on_oom_npu(fake_npu_dir: str, tmp_path: Path) -> None:
 
 def test_memory_snapshot_ignored_on_cpu(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from engram.config import Profiling
-    from engram.profiling import maybe_profile
+    from engram.train.profiling import maybe_profile
 
     with pytest.raises(torch.OutOfMemoryError):
         with maybe_profile(Profiling(memory_snapshot=True), tmp_path, 0, device_type="cpu"):

@@ -114,7 +114,7 @@ def small_cfg(**kw) -> EngramConfig:
 
 
 def head_sizes(cfg: EngramConfig) -> list[int]:
-    # Any distinct per-head sizes do; the real ones are primes from engram/hashing.py.
+    # Any distinct per-head sizes do; the real ones are primes from engram/hashing/ngram.py.
     return [47 + 3 * j for j in range(cfg.num_heads)]
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engram.optim import clip_grad_norm_
+from engram.optim.builder import clip_grad_norm_
 from parallelisms.engram_tables import (
     ShardedEngramTable,
     apply_engram_table_sharding,
@@ -447,7 +447,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _reference_after_step() -> dict[str, torch.Tensor]:
     """Single process: one LazyAdam step on the tables with the mean loss of SAVE_WORLD ranks."""
-    from engram.lazy_adam import LazyAdam
+    from engram.optim.lazy_adam import LazyAdam
 
     ref = TinyModel()
     ref.load_state_dict(_full_state(seed=3))
@@ -471,7 +471,7 @@ def _dcp_worker(rank: int, world: int, path: str, save: bool) -> float:
     )
     from torch.distributed.device_mesh import init_device_mesh
 
-    from engram.lazy_adam import LazyAdam
+    from engram.optim.lazy_adam import LazyAdam
 
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     mesh = init_device_mesh("cpu", (world,))

@@ -16,7 +16,7 @@ from launcher import run_distributed, run_isolated
 
 from engram.config import ConfigError, load_config
 from engram.data.tokenizer import load_tokenizer
-from engram.hashing import NgramHasher, engram_table_rows
+from engram.hashing.ngram import NgramHasher, engram_table_rows
 from engram.models.args import get_model_args
 from engram.models.builder import build_model
 from planner.activations import _layer_bytes_per_token, activation_estimate

@@ -16,10 +16,10 @@ import pytest
 from launcher import run_distributed
 
 from engram.checkpoint import CheckpointError, fingerprint_mismatches
+from engram.checkpoint.fingerprint import config_fingerprint
 from engram.config import ConfigError, config_from_dict, load_config
 from engram.data.tokenizer import load_tokenizer
-from engram.fingerprint import config_fingerprint
-from engram.hashing import NgramHasher
+from engram.hashing.ngram import NgramHasher
 
 
 def _raw(folder: str, steps: int = 2, **overrides: dict) -> dict:
@@ -47,16 +47,16 @@ def _raw(folder: str, steps: int = 2, **overrides: dict) -> dict:
 def poison_loss(nan_steps: tuple[int, ...]) -> None:
     """Fault injection for this (forked) process: the loss of the `nan_steps`-th loss calls is
     NaN, and so are their gradients."""
-    import engram.loss
+    import engram.train.loss
 
-    real, calls = engram.loss.cross_entropy, [0]
+    real, calls = engram.train.loss.cross_entropy, [0]
 
     def poisoned(logits, labels):
         calls[0] += 1
         loss = real(logits, labels)
         return loss * float("nan") if calls[0] in nan_steps else loss
 
-    engram.loss.cross_entropy = poisoned
+    engram.train.loss.cross_entropy = poisoned
 
 
 def _train(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) -> dict:
@@ -214,7 +214,7 @@ def test_empty_config_file_warns(tmp_path, caplog):
 
 
 def test_tiny_tables_warn_with_the_collision_rate(caplog):
-    from engram.table_check import collision_rates, warn_if_tables_collide
+    from engram.train.table_check import collision_rates, warn_if_tables_collide
 
     tok = load_tokenizer("")
     tiny = config_from_dict({"engram": {"vocab_size_per_ngram": [101, 103], "n_head_per_ngram": 2}})

@@ -29,7 +29,7 @@ from torch import nn
 
 from engram.config import ConfigError, config_from_dict
 from engram.config import Float8 as Float8Config
-from engram.hashing import engram_table_rows
+from engram.hashing.ngram import engram_table_rows
 from engram.models.builder import build_model
 from parallelisms.float8 import apply_float8, check_float8_device
 

@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 from engram.checkpoint import CheckpointError
 from engram.config import config_from_dict, to_toml
 from engram.data.tokenizer import load_tokenizer
+from engram.hf.adapter import to_hf_state_dict
 from engram.models.decode_cache import DecodeCache
-from engram.models.hf_adapter import to_hf_state_dict
 from recipes.generate import (
     build_for_generation,
     encode_prompt,

@@ -1,4 +1,4 @@
-"""engram/hashing.py against an independent transcription of DeepSeek's official Engram demo.
+"""engram/hashing/ngram.py against an independent transcription of DeepSeek's official Engram demo.
 
 `RefCompressedTokenizer` / `RefNgramHashMapping` below follow engram_demo_v1.py line by line
 (numpy `%`, np.pad shifts, per-id decode, a naive prime search by trial division); only the
@@ -17,10 +17,10 @@ import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from engram import _hash_kernels as kernels
-from engram import _hash_native
 from engram.config import Engram
-from engram.hashing import (
+from engram.hashing import kernels
+from engram.hashing import native as _hash_native
+from engram.hashing.ngram import (
     NgramHasher,
     build_compression_lookup,
     find_table_primes,
@@ -29,7 +29,7 @@ from engram.hashing import (
 )
 
 DEBUG_TOKENIZER = (
-    Path(__file__).resolve().parent.parent / "engram" / "assets" / "debug_tokenizer.json"
+    Path(__file__).resolve().parent.parent / "engram" / "data" / "assets" / "debug_tokenizer.json"
 )
 
 # --- reference: near-literal transcription of the demo ---------------------------------------
@@ -382,7 +382,7 @@ def test_multipliers_match_reference(seed, layer_id, vocab):
 
 @pytest.fixture(params=["native", "python"])
 def kernel(request):
-    """Both CPU kernels: the C one (engram/csrc/ngram_hash.c) and the numpy/torch fallback."""
+    """Both CPU kernels: the C one (engram/hashing/csrc/ngram_hash.c) and the numpy/torch fallback."""
     if request.param == "native" and not _hash_native.available():
         pytest.skip("C kernel not built (test_native_kernel_is_built fails with the fix)")
     return request.param
@@ -390,7 +390,7 @@ def kernel(request):
 
 def test_native_kernel_is_built():
     assert _hash_native.available(), (
-        "engram._ngram_hash is missing: `pip install -e .` builds it from engram/csrc/ngram_hash.c "
+        "engram.hashing._ngram_hash is missing: `pip install -e .` builds it from engram/hashing/csrc/ngram_hash.c "
         "with the machine's C compiler (install gcc, then reinstall)"
     )
     hasher = NgramHasher(
@@ -762,7 +762,7 @@ def test_bad_input_errors(kernel):
 def test_flush_denormal_fallback_keeps_ids(kernel):
     """The fast kernel writes ids through subnormal doubles; with flush-to-zero on it must detect
     that and fall back to the 2**52 path, still bit-exact."""
-    from engram._hash_kernels import denormals_work
+    from engram.hashing.kernels import denormals_work
 
     hasher = NgramHasher(
         layer_ids=[1, 15], max_ngram=3, n_head_per_ngram=8, vocab_size_per_ngram=[646400, 646400], seed=0,

@@ -1,4 +1,4 @@
-"""The self-contained transformers export (engram/export.py, engram/hf_remote/modeling_engram.py).
+"""The self-contained transformers export (engram/hf/export.py, engram/hf/remote/modeling_engram.py).
 
 The recipe's model (Engram on, paper init so Engram changes the logits) is exported for Llama-3.1
 (llama3 RoPE scaling, 64 padded output rows), Qwen2 (max_ngram 4, kernel 3), Qwen3 and tied Qwen3
@@ -25,9 +25,9 @@ from launcher import run_distributed, run_isolated
 from safetensors import safe_open
 
 from engram.checkpoint import CheckpointError
+from engram.checkpoint.fingerprint import config_fingerprint
 from engram.config import config_from_dict, to_toml
-from engram.export import EngramExportError, export
-from engram.fingerprint import config_fingerprint
+from engram.hf.export import EngramExportError, export
 from recipes.generate import build_for_generation, generate
 
 pytestmark = pytest.mark.skipif(

@@ -22,10 +22,10 @@ from torch.distributed.tensor import DTensor
 
 from engram.config import config_from_dict
 from engram.data.tokenizer import load_tokenizer
-from engram.hashing import NgramHasher
-from engram.hf_load import INDEX_FILE, HFLoadError, load_hf_backbone
+from engram.hashing.ngram import NgramHasher
+from engram.hf.adapter import to_hf_state_dict
+from engram.hf.load import INDEX_FILE, HFLoadError, load_hf_backbone
 from engram.models.builder import build_model
-from engram.models.hf_adapter import to_hf_state_dict
 from engram.models.transformer import Transformer
 
 SEED_A, SEED_B = 11, 22

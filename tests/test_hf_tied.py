@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor
 
 from engram.config import config_from_dict
 from engram.data.tokenizer import load_tokenizer
+from engram.hf.adapter import to_hf_state_dict
 from engram.models.builder import build_from_config
-from engram.models.hf_adapter import to_hf_state_dict
 from engram.models.transformer import Transformer, clean_fqn
 
 LR = 1e-3
@@ -70,7 +70,7 @@ def _train(rank: int, world: int, raw: dict) -> dict:
 
 def _optimizers_of(raw: dict, model: torch.nn.Module) -> list[list[dict]]:
     """The recipe's optimizer construction over the trained model: which tensors it updates."""
-    from engram.optim import build_optimizers
+    from engram.optim.builder import build_optimizers
 
     return [opt.param_groups for opt in build_optimizers(model, config_from_dict(raw))]
 

@@ -54,7 +54,7 @@ def _train(
 
     import parallelisms.host_tables as ht
     import recipes.train as recipe
-    from engram.lazy_adam import RowSparseOptimizer
+    from engram.optim.lazy_adam import RowSparseOptimizer
 
     counts = {"route": 0, "gather": 0, "prefetch": 0}
 
@@ -232,7 +232,7 @@ def _shard_worker(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from engram.models.engram import EngramTable
-    from engram.optim import build_table_optimizer
+    from engram.optim.builder import build_table_optimizer
     from parallelisms.engram_tables import apply_engram_table_sharding
 
     with torch.device("meta"):
@@ -309,7 +309,7 @@ def _planner_checks() -> None:
 
 def test_host_worker_failure_fails_later_jobs():
     """A gather queued after a failed update must not run on stale rows."""
-    from engram.host_worker import HostWorker
+    from engram.runtime.host_worker import HostWorker
 
     worker = HostWorker()
     worker.submit(lambda: 1 / 0)

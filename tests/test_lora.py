@@ -26,7 +26,7 @@ from engram.data.tokenizer import load_tokenizer
 from engram.models.builder import build_from_config
 from engram.models.lora import LoRAMixin, is_lora_param
 from engram.models.transformer import clean_fqn
-from engram.optim import apply_training_mode
+from engram.optim.builder import apply_training_mode
 from parallelisms.lora import apply_lora
 
 # Two steps, as tests/test_tp.py: TP's different fp32 summation order in the forward drifts the

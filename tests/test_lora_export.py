@@ -55,7 +55,7 @@ def _raw(folder: str, base: str) -> dict:
 def _base_folder(raw: dict, out: str) -> None:
     """The pretrained backbone: the debug model's init with seed 9, as an HF folder."""
     from engram.data.tokenizer import load_tokenizer
-    from engram.export import export
+    from engram.hf.export import export
     from engram.models.builder import build_from_config
 
     plain = {"job": raw["job"], "engram": {"enabled": False}, "model": {"flavor": "debug"}}

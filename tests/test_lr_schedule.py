@@ -1,4 +1,4 @@
-"""The lr schedule (engram/optim.py lr_lambda) as docs/config_reference.md states it."""
+"""The lr schedule (engram/optim/builder.py lr_lambda) as docs/config_reference.md states it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engram.optim import lr_lambda
+from engram.optim.builder import lr_lambda
 
 
 @pytest.mark.parametrize("decay", ["cosine", "linear"])

@@ -8,8 +8,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from engram.config import JobConfig, Metrics, Profiling
-from engram.metrics import MetricsLogger, format_metrics, init_logger
-from engram.profiling import maybe_profile, profile_schedule
+from engram.train.metrics import MetricsLogger, format_metrics, init_logger
+from engram.train.profiling import maybe_profile, profile_schedule
 
 
 def _metrics(step: int) -> dict[str, float]:

@@ -11,8 +11,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from engram.config import Engram as EngramConfig
 from engram.config import Model as ModelConfig
+from engram.hf.adapter import from_hf_state_dict, to_hf_state_dict
 from engram.models import MODEL_FLAVORS, build_model, get_model_args, model_args_for
-from engram.models.hf_adapter import from_hf_state_dict, to_hf_state_dict
 from engram.models.transformer import Attention, clean_fqn, rope_cos_sin, rope_inv_freq
 
 torch.set_num_threads(2)

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engram.distributed import destroy_distributed, init_distributed
+from engram.runtime.distributed import destroy_distributed, init_distributed
 
 rank, local_rank, world = init_distributed("cpu", timeout_s=120)
 total = torch.tensor([float(rank)])

@@ -308,7 +308,7 @@ def test_hf_backbone_loads_into_each_stage(tmp_path):
     the exported backbone, and a tensor missing for a stage's own layer is still an error."""
     from test_hf_load import SEED_A, SEED_B, _build, _init, _raw, _weights, export_hf
 
-    from engram.hf_load import HFLoadError, load_hf_backbone
+    from engram.hf.load import HFLoadError, load_hf_backbone
 
     source, _ = _init(_raw(), SEED_A)
     export_hf(source, tmp_path / "hf")

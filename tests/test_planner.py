@@ -95,7 +95,7 @@ def _real_stage_bytes(rank: int, world: int, cfg) -> dict:
     materialised, its optimizers stepped once (so their state exists)."""
     from engram.data.tokenizer import load_tokenizer
     from engram.models.builder import build_model_from_config
-    from engram.optim import apply_training_mode, build_optimizers
+    from engram.optim.builder import apply_training_mode, build_optimizers
     from parallelisms.parallel_dims import parallel_dims_from_config
     from parallelisms.parallelize import parallelize_model
     from parallelisms.pipeline import split_stages
@@ -240,7 +240,7 @@ def _engram_on_tp_ranks(rank: int, world: int, cfgs: list) -> list[dict]:
     """Per config, on a real TP rank (gloo): the bytes autograd saves inside the Engram block
     during one forward, and the ids its table looks up."""
     from engram.data.tokenizer import load_tokenizer
-    from engram.hashing import NgramHasher
+    from engram.hashing.ngram import NgramHasher
     from engram.models.builder import build_model_from_config
     from parallelisms.parallel_dims import parallel_dims_from_config
     from parallelisms.parallelize import parallelize_model

@@ -13,11 +13,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engram.config import ConfigError, Optimizer, config_from_dict
-from engram.lazy_adam import LazyAdam, RowwiseAdagrad
+from engram.config.table_optimizers import TABLE_OPTIMIZERS
 from engram.models.engram import EngramTable
-from engram.optim import build_table_optimizer, clip_grad_norm_
-from engram.table_grad import row_grad
-from engram.table_optimizers import TABLE_OPTIMIZERS
+from engram.models.table_grad import row_grad
+from engram.optim.builder import build_table_optimizer, clip_grad_norm_
+from engram.optim.lazy_adam import LazyAdam, RowwiseAdagrad
 
 ROWS, DIM = 301, 8
 
@@ -291,16 +291,18 @@ def _lookups_row_sparse_after_parallelize(cfg) -> bool:
 
 
 def test_table_optimizer_spec_is_read_by_config_builder_lookup_pipeline_and_planner(monkeypatch):
-    """A table optimizer added to engram/table_optimizers.py alone is accepted by the config,
+    """A table optimizer added to engram/config/table_optimizers.py alone is accepted by the config,
     built by the optimizer builder, makes parallelize_model's lookups row-sparse, is refused by
     the split-backward pipeline schedules and sized by the planner from its state per row."""
+    from engram.config.table_optimizers import TableOptimizerSpec
     from engram.data.tokenizer import load_tokenizer
     from engram.models.builder import build_from_config
-    from engram.table_optimizers import TableOptimizerSpec
     from parallelisms.pipeline import split_stages
     from planner.tables import table_memory_bytes
 
-    spec = TableOptimizerSpec("rows_only", "engram.lazy_adam:RowwiseAdagrad", True, 0, 3, False)
+    spec = TableOptimizerSpec(
+        "rows_only", "engram.optim.lazy_adam:RowwiseAdagrad", True, 0, 3, False
+    )
     monkeypatch.setitem(TABLE_OPTIMIZERS, "rows_only", spec)
     cfg = config_from_dict({"optimizer": {"table_optimizer": "rows_only"}})
     table = _table(row_sparse=True)

@@ -19,10 +19,10 @@ from test_parity import _assert_matches, _config, _initial_weights, _local_batch
 from torch import nn
 
 from engram.config import config_from_dict
+from engram.config.table_optimizers import TABLE_OPTIMIZERS
 from engram.models.engram import EngramTable
-from engram.optim import build_table_optimizer, clip_grad_norm_
-from engram.table_grad import row_grad
-from engram.table_optimizers import TABLE_OPTIMIZERS
+from engram.models.table_grad import row_grad
+from engram.optim.builder import build_table_optimizer, clip_grad_norm_
 from parallelisms.engram_tables import apply_engram_table_sharding, local_row_range
 
 ROWS, DIM = 211, 6

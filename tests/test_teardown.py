@@ -20,7 +20,7 @@ def _train_then_destroy(rank: int, world: int, dump: str) -> tuple[int, int]:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from engram.config import load_config
-    from engram.distributed import destroy_distributed
+    from engram.runtime.distributed import destroy_distributed
     from recipes.train import train
 
     cfg = load_config(

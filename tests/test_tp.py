@@ -188,7 +188,7 @@ def test_tp_with_compile_and_checkpointing(tmp_path, world, layout):
 def _init_and_load(rank: int, world: int, raw: dict, hf_folder: str) -> dict:
     """Weights after init, then after loading the HF backbone in `hf_folder` (full tensors)."""
     from engram.data.tokenizer import load_tokenizer
-    from engram.hf_load import load_hf_backbone
+    from engram.hf.load import load_hf_backbone
     from engram.models.builder import build_from_config
     from engram.models.transformer import clean_fqn
     from parallelisms.parallel_dims import parallel_dims_from_config
@@ -304,7 +304,7 @@ def test_debug_tp_config_fits_the_model():
     from pathlib import Path
 
     from engram.config import load_config
-    from engram.hashing import engram_table_rows
+    from engram.hashing.ngram import engram_table_rows
     from engram.models.builder import build_model
     from parallelisms.parallel_dims import parallel_dims_from_config
     from parallelisms.parallelize import engram_halo

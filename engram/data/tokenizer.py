@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-DEBUG_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "debug_tokenizer.json"
+DEBUG_TOKENIZER = Path(__file__).resolve().parent / "assets" / "debug_tokenizer.json"
 
 # First match wins. Llama 3, GPT-2/Qwen, Llama 2/Mistral, Gemma, DeepSeek, and our debug names.
 EOS_TOKENS = (

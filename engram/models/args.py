@@ -1,7 +1,7 @@
 """Model shapes: `ModelArgs` and the registry `MODEL_FLAVORS[name][flavor]`.
 
 Big flavors copy the published Hugging Face configs of the base models, so their checkpoints
-load through engram/models/hf_adapter.py. Debug flavors take the vocabulary size from the
+load through engram/hf/adapter.py. Debug flavors take the vocabulary size from the
 tokenizer (vocab_size None here). Any other checkpoint: model.flavor = "hf" reads the shape from
 its config.json (engram/models/hf_config.py), no flavor needed.
 """

@@ -9,7 +9,7 @@ import torch
 from engram.config import LORA_TARGETS, JobConfig
 from engram.config import Engram as EngramConfig
 from engram.config import Model as ModelConfig
-from engram.hashing import NgramHasher, engram_table_rows
+from engram.hashing.ngram import NgramHasher, engram_table_rows
 from engram.models.args import ModelArgs, get_model_args
 from engram.models.hf_config import HF_FLAVOR, check_flavor_against_hf, hf_flavor_args
 from engram.models.lora import add_lora_adapters

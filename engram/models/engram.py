@@ -3,7 +3,7 @@
 
 The math follows DeepSeek's official demo (`Engram`, `ShortConv`, `MultiHeadEmbedding`). The
 block is a pure function of (hidden_states, hash_ids): hash ids are computed by the data loader
-(engram/hashing.py) and already include each head's offset into the layer's concatenated table.
+(engram/hashing/ngram.py) and already include each head's offset into the layer's concatenated table.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from engram.config import Engram as EngramConfig
 from engram.models.decode_cache import LayerCache
-from engram.table_grad import embedding_lookup
+from engram.models.table_grad import embedding_lookup
 
 
 def is_engram_param(name: str) -> bool:
@@ -65,7 +65,7 @@ class EngramTable(nn.Module):
             raise ValueError(f"EngramTable needs rows > 0 and head_dim > 0, got {rows}, {head_dim}")
         self.weight = nn.Parameter(torch.empty(rows, head_dim))
         self.row_sparse = row_sparse
-        """Backward leaves row-sparse gradients on `weight` (engram/table_grad.py), for a
+        """Backward leaves row-sparse gradients on `weight` (engram/models/table_grad.py), for a
         row-sparse table optimizer; the sharded lookup takes its own (apply_engram_table_sharding)."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

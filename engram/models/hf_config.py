@@ -23,7 +23,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
-    # engram/export.py's transformers export (modeling_engram.py) on these backbones
+    # engram/hf/export.py's transformers export (modeling_engram.py) on these backbones
     "EngramLlamaForCausalLM": "llama3",
     "EngramQwen2ForCausalLM": "qwen2",
     "EngramQwen3ForCausalLM": "qwen3",

@@ -198,7 +198,7 @@ class Transformer(nn.Module):
         # A later pipeline stage under TP sequence parallel receives its input sharded along the
         # sequence (T / tp per rank); parallelize_model sets this to tp there.
         self.input_seq_shards = 1
-        # True when the loss applies the output head itself (engram/loss.py, chunked): the
+        # True when the loss applies the output head itself (engram/train/loss.py, chunked): the
         # forward then returns the final hidden states (after the norm).
         self.return_hidden = False
 

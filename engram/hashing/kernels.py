@@ -33,7 +33,7 @@ Notation: u = 2**-53 (unit roundoff), p a prime, mix a non-negative int64, r = m
    ``2**52 + offset`` instead (rounding to the integer grid of [2**52, 2**53)) and a last pass
    subtracts the bit pattern of 2**52 as int64.
 
-engram/csrc/ngram_hash.c (the default CPU kernel when `pip install` could compile it) runs steps
+engram/hashing/csrc/ngram_hash.c (the default CPU kernel when `pip install` could compile it) runs steps
 1a, 2a, 3 and 4 per token in C, with the weights of `plan_exact_mod`; this module is its fallback.
 
 Passes per chunk: cast, product, frac, addcmul. `plan_exact_mod` returns None when the primes

@@ -1,8 +1,8 @@
 """Row-sparse table optimizers: work per step is O(rows touched), never O(table).
 
 Both read the gradient a row-sparse table lookup leaves on the parameter as (unique local row ids,
-summed fp32 row gradients) (engram/table_grad.py; parallelize_model makes the lookups row-sparse
-when optimizer.table_optimizer is, engram/table_optimizers.py), so their backward never allocates
+summed fp32 row gradients) (engram/models/table_grad.py; parallelize_model makes the lookups row-sparse
+when optimizer.table_optimizer is, engram/config/table_optimizers.py), so their backward never allocates
 a dense gradient. A dense `.grad` (a table looked up densely, or DCP's state initialisation) is
 accepted too: its touched rows are then the rows with a non-zero
 gradient, which costs O(table).
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from engram.host_worker import HOST_WORKER, is_host_resident, wait_host_work
-from engram.table_grad import clear_row_grad, coalesce_rows, row_grad
+from engram.models.table_grad import clear_row_grad, coalesce_rows, row_grad
+from engram.runtime.host_worker import HOST_WORKER, is_host_resident, wait_host_work
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

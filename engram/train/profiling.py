@@ -93,7 +93,7 @@ def _memory_snapshot_on_oom(
         )
         yield
         return
-    from engram.device import device_module
+    from engram.runtime.device import device_module
 
     memory = device_module(device_type).memory  # type: ignore[union-attr]
     memory._record_memory_history(max_entries=_SNAPSHOT_ENTRIES)

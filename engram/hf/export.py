@@ -9,10 +9,10 @@
     `model.layers.<i>.engram.*`; the tokenizer compression table as `engram_hash.lookup`),
     config.json (the family's config plus `engram`: layer ids, seeds, multipliers, primes, table
     sizes; `engram_titan`: repo version, checkpoint fingerprint and the training config),
-    modeling_engram.py (engram/hf_remote/, torch + transformers only; `auto_map` points to it),
+    modeling_engram.py (engram/hf/remote/, torch + transformers only; `auto_map` points to it),
     tokenizer.json + tokenizer_config.json and generation_config.json. Without Engram the folder
     is a plain Llama / Qwen2 / Qwen3 checkpoint (no remote code). It also loads back into any
-    layout with `engram.hf_load.load_hf_backbone` (model.hf_checkpoint = folder).
+    layout with `engram.hf.load.load_hf_backbone` (model.hf_checkpoint = folder).
 (b) engram.safetensors alone (Engram-only weights, `engram.<our name>`, with the Engram config
     and checkpoint fingerprint as JSON in the safetensors header), read back with
     `load_engram_safetensors`.
@@ -35,9 +35,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from engram.checkpoint import fingerprint_mismatches
+from engram.hf.adapter import ENGRAM_PREFIX, HASH_LOOKUP, to_hf_state_dict
 from engram.models.args import ModelArgs
 from engram.models.engram import is_engram_param
-from engram.models.hf_adapter import ENGRAM_PREFIX, HASH_LOOKUP, to_hf_state_dict
 from engram.models.init import local_view
 from engram.models.lora import is_lora_param
 from engram.models.transformer import clean_fqn
@@ -59,7 +59,7 @@ _MODEL_FILE_PATTERNS = (
     "modeling_engram.py",
 )
 ENGRAM_FORMAT = "engram-safetensors/1"
-MODELING_FILE = Path(__file__).parent / "hf_remote" / "modeling_engram.py"
+MODELING_FILE = Path(__file__).parent / "remote" / "modeling_engram.py"
 # model.name -> (plain architecture, model_type, Engram architecture, Engram model_type)
 _ARCH = {
     "llama3": ("LlamaForCausalLM", "llama", "EngramLlamaForCausalLM", "engram_llama"),
@@ -230,7 +230,7 @@ def export(
     if adapters and not engram_only:
         raise ValueError(
             f"the model has LoRA adapters ({adapters[0]}, ...): write them with "
-            "engram.export_peft.export_peft, or fold them in first (engram.models.lora.merge_lora_)"
+            "engram.hf.peft.export_peft, or fold them in first (engram.models.lora.merge_lora_)"
         )
     sd = {name: t for name, t in sd.items() if not is_lora_param(name)}
     _check_finite(sd)
@@ -332,7 +332,7 @@ def load_engram_safetensors(
 ) -> int:
     """Copy the Engram weights of `file` into `model`'s (local shards of) Engram parameters, in
     any layout; returns how many tensors were copied. With `fingerprint` (this run's
-    engram.fingerprint.config_fingerprint) the Engram-related keys of the file's fingerprint
+    engram.checkpoint.fingerprint.config_fingerprint) the Engram-related keys of the file's fingerprint
     must match it (same hashing, tables, widths), else EngramExportError naming them."""
     header = read_engram_header(file)
     if fingerprint is not None:

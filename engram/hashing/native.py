@@ -1,6 +1,6 @@
-"""The C hashing kernel (engram/csrc/ngram_hash.c), when `pip install` could build it.
+"""The C hashing kernel (engram/hashing/csrc/ngram_hash.c), when `pip install` could build it.
 
-Same contract and bit-exact ids as `engram._hash_kernels.CpuNgramKernel` (whose exactness plan
+Same contract and bit-exact ids as `engram.hashing.kernels.CpuNgramKernel` (whose exactness plan
 it reuses), in one C call per batch instead of a dozen numpy/torch calls, with segment ids
 handled in the same call. `available()` is False when the extension is missing (no C
 compiler at install time): NgramHasher then uses the numpy/torch kernel.
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from engram._hash_kernels import ExactModPlan
+from engram.hashing.kernels import ExactModPlan
 
 try:
-    from engram import _ngram_hash
+    from engram.hashing import _ngram_hash
 except ImportError:  # built by setup.py; optional
     _ngram_hash = None
 
@@ -34,7 +34,9 @@ class NativeNgramKernel:
         plan: ExactModPlan,
     ) -> None:
         if _ngram_hash is None:
-            raise RuntimeError("engram._ngram_hash is not built: reinstall with a C compiler")
+            raise RuntimeError(
+                "engram.hashing._ngram_hash is not built: reinstall with a C compiler"
+            )
         if not plan.by_parts:
             raise ValueError("the C kernel implements the 16-bit-parts plan only")
         self.layers, self.max_ngram = multipliers.shape

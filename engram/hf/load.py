@@ -6,8 +6,8 @@ Call it after `to_empty()` + `init_weights()`: parameters may then be FSDP2 / HS
 (Shard(0) on a 1-D or 2-D mesh), row-sharded Engram tables, or plain tensors at world size 1.
 Each rank reads only the block of every tensor that it holds (safetensors slices of a memory-mapped
 file), so a 32B checkpoint is never materialised in full on any rank. Names are mapped by
-engram/models/hf_adapter.py (Llama / Qwen2 / Qwen3). Engram parameters are not part of an HF
-checkpoint and keep their init; a folder that does carry them (engram/export.py's
+engram/hf/adapter.py (Llama / Qwen2 / Qwen3). Engram parameters are not part of an HF
+checkpoint and keep their init; a folder that does carry them (engram/hf/export.py's
 `model.layers.<i>.engram.*`, or the adapter's `engram.` prefix) loads them too. Values are cast to the parameter dtype. A tied model (one Parameter for
 the embedding and the head) takes model.embed_tokens.weight and needs no lm_head.weight.
 """
@@ -27,10 +27,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from engram.config import JobConfig
-from engram.export import ENGRAM_FILE
+from engram.hf.adapter import from_hf_state_dict
+from engram.hf.export import ENGRAM_FILE
 from engram.models.args import ModelArgs
 from engram.models.engram import is_engram_param
-from engram.models.hf_adapter import from_hf_state_dict
 from engram.models.hf_config import CONFIG_FILE, HFConfigError, args_from_hf_config, read_hf_config
 from engram.models.init import local_view
 from engram.models.lora import is_lora_param

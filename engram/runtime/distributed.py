@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from engram.device import dist_backend, local_device
+from engram.runtime.device import dist_backend, local_device
 
 
 def _env_int(name: str) -> int:

@@ -3,7 +3,7 @@
 Our RoPE is HF's rotate-half convention, so q/k weights map without any row permutation. Engram
 parameters have no HF counterpart: in engram.safetensors they travel under an `engram.` prefix on
 our own name (e.g. `engram.layers.1.engram.table.weight`); in the transformers export
-(engram/hf_remote/modeling_engram.py) they sit in their decoder layer,
+(engram/hf/remote/modeling_engram.py) they sit in their decoder layer,
 `model.layers.1.engram.table.weight`, beside the tokenizer compression table `engram_hash.lookup`.
 """
 

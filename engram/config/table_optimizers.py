@@ -1,7 +1,7 @@
 """The Engram table optimizers, stated once: name -> class, whether the tables take row-sparse
 gradients, and the optimizer state per table row.
 
-Read by the config check (engram/config.py), the optimizer builder (engram/optim.py), the table
+Read by the config check (engram/config/), the optimizer builder (engram/optim/builder.py), the table
 lookup (parallelisms/parallelize.py passes `row_sparse` to apply_engram_table_sharding), the
 pipeline's split-backward refusal (parallelisms/pipeline.py) and the memory planner
 (planner/tables.py). Importing it imports no torch: the class is resolved when it is built.
@@ -20,7 +20,7 @@ class TableOptimizerSpec:
     """"module:Class" of the optimizer."""
     row_sparse: bool
     """The tables' lookups leave (unique rows, fp32 row gradients) on the parameter and no dense
-    table gradient (engram/table_grad.py); the optimizer reads only the touched rows."""
+    table gradient (engram/models/table_grad.py); the optimizer reads only the touched rows."""
     fp32_states_per_param: int
     """fp32 optimizer state values per table parameter (Adam's two moments)."""
     fp32_states_per_row: int
@@ -42,8 +42,10 @@ TABLE_OPTIMIZERS: dict[str, TableOptimizerSpec] = {
     spec.name: spec
     for spec in (
         TableOptimizerSpec("adam", "torch.optim:AdamW", False, 2, 0, True),
-        TableOptimizerSpec("lazy_adam", "engram.lazy_adam:LazyAdam", True, 2, 0, True),
-        TableOptimizerSpec("rowwise_adagrad", "engram.lazy_adam:RowwiseAdagrad", True, 0, 1, False),
+        TableOptimizerSpec("lazy_adam", "engram.optim.lazy_adam:LazyAdam", True, 2, 0, True),
+        TableOptimizerSpec(
+            "rowwise_adagrad", "engram.optim.lazy_adam:RowwiseAdagrad", True, 0, 1, False
+        ),
     )
 }
 

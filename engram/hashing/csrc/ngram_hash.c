@@ -1,10 +1,10 @@
-/* Engram n-gram hashing in one C call per batch: the data-loader hot path of engram/hashing.py.
+/* Engram n-gram hashing in one C call per batch: the data-loader hot path of engram/hashing/ngram.py.
  *
  * ids [B, T] -> out [B, T, G, H] with out = mix_g % prime_{g,j} + offset_{g,j}, where the mix
  * of group g = (layer l, order n) is XOR_{k<n} x[t-k] * m_{l,k} (wrapping 64-bit) over the
  * compressed ids x, left-padded with the compressed pad id (and, with segment ids, the pad id
  * for a token of another segment). The modulo is the exact float64 computation of
- * engram/_hash_kernels.py (steps 1a, 2a, 3 and 4 of its docstring, whose proof holds for any
+ * engram/hashing/kernels.py (steps 1a, 2a, 3 and 4 of its docstring, whose proof holds for any
  * summation order, fused or not): the 16-bit parts a_i of mix, y = sum_i a_i * w_{g,i,j},
  * f = y - floor(y), z = f * prime + (2**52 + offset), out = bits(z) - bits(2**52).
  * Python checks the preconditions (plan_exact_mod with 16-bit parts, 0 <= x * m < 2**63) and
@@ -206,7 +206,7 @@ static PyMethodDef methods[] = {
     {"hash_ngrams", hash_ngrams, METH_VARARGS,
      "hash_ngrams(ids, seg, lookup, mult, weight, prime, magic_off, out, B, T, L, N, H, n_ids, "
      "pad) -> -1, or the flat index of the first id outside [0, n_ids) (out is then incomplete): "
-     "Engram row ids into out (see engram/_hash_native.py)."},
+     "Engram row ids into out (see engram/hashing/native.py)."},
     {NULL, NULL, 0, NULL},
 };
 

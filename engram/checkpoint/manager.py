@@ -618,8 +618,8 @@ def load_model_checkpoint(
     """Load the model state of checkpoint folder `path` (from find_checkpoint) into an unsharded
     `model`, in one process (no collectives; DCP reshards any saved layout). `fingerprint` is
     this job's config_fingerprint; any difference is refused, as on a training resume.
-    `keep` (engram.optim.saved_params): a trainable-only checkpoint holds only those entries; the
-    rest keeps what `model` holds (engram.hf_load.load_frozen_backbone, read first)."""
+    `keep` (engram.optim.builder.saved_params): a trainable-only checkpoint holds only those entries; the
+    rest keeps what `model` holds (engram.hf.load.load_frozen_backbone, read first)."""
     check_fingerprint(path, fingerprint)
     with warnings.catch_warnings():  # one process on purpose: DCP's warning says just that
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

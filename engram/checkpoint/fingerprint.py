@@ -2,7 +2,7 @@
 
 Computed from the config, the tokenizer and the hasher only (never from a model part's layers),
 so every pipeline stage and every layout computes the same fingerprint. A resume compares it
-key by key (engram/checkpoint.py); harmless settings (lr, steps, logging, eval, num_workers,
+key by key (engram/checkpoint/); harmless settings (lr, steps, logging, eval, num_workers,
 parallel layout) are deliberately absent.
 """
 
@@ -23,7 +23,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def config_fingerprint(cfg: JobConfig, tokenizer: Any, hasher: Any | None) -> dict[str, Any]:
     """The checkpoint fingerprint of this job (JSON-serialisable): what training, generation
-    and export compare (engram/checkpoint.py)."""
+    and export compare (engram/checkpoint/)."""
     args = model_args_for(cfg.model, tokenizer.vocab_size)
     shape = {k: v for k, v in dataclasses.asdict(args).items() if k != "max_seq_len"}
     layers = sorted(hasher.layer_ids) if hasher is not None else []

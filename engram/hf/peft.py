@@ -6,10 +6,10 @@ transformers base model (`PeftModel.from_pretrained(base, folder)`), plus the En
     adapter_model.safetensors  base_model.model.model.layers.<i>.<self_attn|mlp>.<proj>.lora_A.weight
                                [r, in] and ...lora_B.weight [out, r]: PEFT's key names; the tensors
                                are stored unscaled (PEFT multiplies by lora_alpha / r, as we do)
-    engram.safetensors         the Engram weights with their config header (engram/export.py)
+    engram.safetensors         the Engram weights with their config header (engram/hf/export.py)
 
 The merged alternative (adapters folded into the base weights, an ordinary HF folder) is
-`engram.models.lora.merge_lora_` followed by `engram.export.export`.
+`engram.models.lora.merge_lora_` followed by `engram.hf.export.export`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from engram.config import JobConfig
-from engram.export import export, full_cpu
-from engram.models.hf_adapter import hf_module_name
+from engram.hf.adapter import hf_module_name
+from engram.hf.export import export, full_cpu
 from engram.models.lora import LoRAMixin
 from engram.models.transformer import clean_fqn
 

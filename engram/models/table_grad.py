@@ -1,6 +1,6 @@
 """Row-sparse gradients for the Engram tables: (unique row ids, summed row gradients), no dense grad.
 
-A table whose optimizer is row-sparse (engram/table_optimizers.py: lazy_adam, rowwise_adagrad) is
+A table whose optimizer is row-sparse (engram/config/table_optimizers.py: lazy_adam, rowwise_adagrad) is
 looked up with `row_sparse=True` (EngramTable(row_sparse=...), or apply_engram_table_sharding's
 `row_sparse`, which parallelize_model takes from optimizer.table_optimizer). Its lookup's backward
 then returns no gradient for the weight (so `.grad` stays None and no table-sized tensor is

@@ -15,8 +15,8 @@ head's offset into the layer's concatenated table (exclusive cumsum of the layer
 Optional `segment_ids` make n-grams stop at document boundaries of packed sequences: the token
 at t-k counts as the pad id when it belongs to another segment than the token at t.
 
-The CPU path computes the modulo with exact float64 arithmetic: in C (engram/csrc/ngram_hash.c,
-built by `pip install`) or, without it, with numpy/torch calls (engram/_hash_kernels.py);
+The CPU path computes the modulo with exact float64 arithmetic: in C (engram/hashing/csrc/ngram_hash.c,
+built by `pip install`) or, without it, with numpy/torch calls (engram/hashing/kernels.py);
 `hash_torch` uses plain int64 torch ops on accelerators. All equal the reference bit for bit.
 """
 
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engram import _hash_native
-from engram._hash_kernels import CpuNgramKernel, ExactModPlan, mod_with_offsets, plan_exact_mod
+from engram.hashing import native as _hash_native
+from engram.hashing.kernels import CpuNgramKernel, ExactModPlan, mod_with_offsets, plan_exact_mod
 
 if TYPE_CHECKING:
     import tokenizers
@@ -203,7 +203,7 @@ class NgramHasher:
             raise ValueError(f"kernel must be 'auto', 'native' or 'python', got {kernel!r}")
         if kernel == "native" and not _hash_native.available():
             raise RuntimeError(
-                "the C hashing kernel (engram._ngram_hash) is not built: reinstall with a C "
+                "the C hashing kernel (engram.hashing._ngram_hash) is not built: reinstall with a C "
                 "compiler (pip install -e .) or use kernel='auto'"
             )
         _check_shape_args(vocab_size_per_ngram, max_ngram, n_head_per_ngram)

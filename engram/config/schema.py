@@ -1,4 +1,5 @@
-"""Typed job configuration: dataclasses <- TOML file <- `--section.key=value` overrides.
+"""The typed job configuration: one dataclass per TOML section, every field documented, checked
+in `__post_init__` (reading TOML and overrides: engram/config/loading.py).
 
 Every field carries its documentation. An unknown section or key, a value of the wrong type, or
 an inconsistent combination is an error that names the fix; nothing is silently ignored.
@@ -6,27 +7,16 @@ an inconsistent combination is an error that names the fix; nothing is silently 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import logging
 import math
-import sys
-import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engram.table_optimizers import TABLE_OPTIMIZERS
+from engram.config.table_optimizers import TABLE_OPTIMIZERS
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
-
-
-# Largest n-gram order of the C hashing kernel (MAX_NGRAM in engram/csrc/ngram_hash.c).
+# Largest n-gram order of the C hashing kernel (MAX_NGRAM in engram/hashing/csrc/ngram_hash.c).
 MAX_NGRAM = 16
 
 # Where the Engram table shards and their optimizer state live (parallelisms/host_tables.py).
@@ -37,14 +27,14 @@ class ConfigError(ValueError):
     """A configuration problem; the message says how to fix it."""
 
 
-def _check(cond: bool, msg: str) -> None:
+def check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
 
 
 def _check_finite(value: float, key: str, hint: str = "") -> None:
     """NaN compares false with everything and inf passes `> 0`: reject both by name."""
-    _check(math.isfinite(value), f"{key} must be a finite number, got {value!r} {hint}".rstrip())
+    check(math.isfinite(value), f"{key} must be a finite number, got {value!r} {hint}".rstrip())
 
 
 @dataclass
@@ -64,12 +54,12 @@ class Job:
     """Ask torch for deterministic kernels (slower)."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.device in ("auto", "cpu", "cuda", "npu"),
             f"job.device must be auto, cpu, cuda or npu, got {self.device!r}",
         )
-        _check(bool(self.run_name), "job.run_name must not be empty")
-        _check(
+        check(bool(self.run_name), "job.run_name must not be empty")
+        check(
             not Path(self.run_name).is_absolute() and ".." not in Path(self.run_name).parts,
             f"job.run_name = {self.run_name!r} must stay inside job.dump_folder: a relative "
             "name without '..' (e.g. 'exp1' or 'sweeps/exp1'); move the output root with "
@@ -84,7 +74,7 @@ class Model:
     flavor: str = "debug"
     """Shape within the family, e.g. debug, 8B, 32B."""
     tokenizer_path: str = ""
-    """Path to a HF tokenizer.json. Empty: the debug tokenizer shipped in engram/assets."""
+    """Path to a HF tokenizer.json. Empty: the debug tokenizer shipped in engram/data/assets."""
     vocab_size: int = 0
     """Embedding rows. 0: the flavor's vocab size, or the tokenizer's size for debug flavors."""
     hf_checkpoint: str = ""
@@ -95,20 +85,20 @@ class Model:
     (flavor = "hf" takes the shape from config.json instead)."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.name in ("llama3", "qwen2", "qwen3"),
             f"model.name {self.name!r} is not one of llama3, qwen2, qwen3",
         )
-        _check(
+        check(
             self.vocab_size >= 0,
             "model.vocab_size must be >= 0 (0 = take it from the flavor/tokenizer)",
         )
-        _check(
+        check(
             self.flavor != "hf" or bool(self.hf_checkpoint),
             'model.flavor = "hf" reads the shape from config.json in model.hf_checkpoint: set '
             "model.hf_checkpoint to the Hugging Face folder",
         )
-        _check(
+        check(
             self.hf_config_mismatch in ("error", "warn"),
             f"model.hf_config_mismatch must be error or warn, got {self.hf_config_mismatch!r}",
         )
@@ -160,49 +150,49 @@ class Engram:
     host tables need more fails at start, before allocating them."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.max_ngram >= 2,
             f"engram.max_ngram must be >= 2 (n-gram orders start at 2), got {self.max_ngram}",
         )
-        _check(
+        check(
             len(self.vocab_size_per_ngram) == self.max_ngram - 1,
             f"engram.vocab_size_per_ngram needs one entry per order 2..{self.max_ngram} "
             f"({self.max_ngram - 1} entries), got {len(self.vocab_size_per_ngram)}",
         )
-        _check(
+        check(
             all(v > 0 for v in self.vocab_size_per_ngram),
             "engram.vocab_size_per_ngram entries must be > 0",
         )
         for name in ("n_head_per_ngram", "n_embed_per_ngram", "kernel_size", "hc_mult"):
-            _check(getattr(self, name) > 0, f"engram.{name} must be > 0, got {getattr(self, name)}")
-        _check(
+            check(getattr(self, name) > 0, f"engram.{name} must be > 0, got {getattr(self, name)}")
+        check(
             self.n_embed_per_ngram % self.n_head_per_ngram == 0,
             f"engram.n_embed_per_ngram ({self.n_embed_per_ngram}) must be divisible by "
             f"engram.n_head_per_ngram ({self.n_head_per_ngram})",
         )
-        _check(
+        check(
             len(set(self.layer_ids)) == len(self.layer_ids),
             f"engram.layer_ids has duplicates: {self.layer_ids}",
         )
-        _check(
+        check(
             all(i >= 0 for i in self.layer_ids),
             f"engram.layer_ids must be >= 0, got {self.layer_ids}",
         )
-        _check(
+        check(
             self.init in ("identity", "paper"),
             f"engram.init must be identity or paper, got {self.init!r}",
         )
-        _check(self.pad_id >= -1, "engram.pad_id must be a token id or -1 (tokenizer's pad/eos)")
-        _check(
+        check(self.pad_id >= -1, "engram.pad_id must be a token id or -1 (tokenizer's pad/eos)")
+        check(
             self.max_ngram <= MAX_NGRAM,
             f"engram.max_ngram = {self.max_ngram}, but the hashing kernels support n-gram orders "
             f"up to {MAX_NGRAM}",
         )
         _check_finite(self.table_init_std, "engram.table_init_std")
-        _check(self.table_init_std > 0, "engram.table_init_std must be > 0")
+        check(self.table_init_std > 0, "engram.table_init_std must be > 0")
         _check_finite(self.host_memory_gib, "engram.host_memory_gib")
-        _check(self.host_memory_gib >= 0, "engram.host_memory_gib must be >= 0 (0: MemAvailable)")
-        _check(
+        check(self.host_memory_gib >= 0, "engram.host_memory_gib must be >= 0 (0: MemAvailable)")
+        check(
             self.table_location in TABLE_LOCATIONS,
             f"engram.table_location must be one of {', '.join(TABLE_LOCATIONS)}, "
             f"got {self.table_location!r}",
@@ -239,22 +229,22 @@ class Training:
     """A step with a non-finite loss or gradient norm is skipped (no optimizer update); this
     many in a row stop the run with an error naming the last good checkpoint."""
     loss_chunks: int = 1
-    """Chunked output head + cross-entropy (engram/loss.py): the loss applies the output head to
+    """Chunked output head + cross-entropy (engram/train/loss.py): the loss applies the output head to
     at most this many sequence chunks of ceil(seq_len / loss_chunks) positions, one at a time,
     so only one chunk's fp32 logits exist (long sequences, large vocabularies). 1: the whole
     sequence at once. Same loss and gradients either way."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.mode in TRAINING_MODES,
             f"training.mode must be one of {', '.join(TRAINING_MODES)}, got {self.mode!r}",
         )
         for name in ("seq_len", "local_batch_size", "grad_accum_steps", "steps"):
-            _check(
+            check(
                 getattr(self, name) > 0, f"training.{name} must be > 0, got {getattr(self, name)}"
             )
-        _check(self.max_nonfinite_steps > 0, "training.max_nonfinite_steps must be > 0")
-        _check(
+        check(self.max_nonfinite_steps > 0, "training.max_nonfinite_steps must be > 0")
+        check(
             1 <= self.loss_chunks <= self.seq_len,
             f"training.loss_chunks must be between 1 (no chunking) and training.seq_len="
             f"{self.seq_len}, got {self.loss_chunks}",
@@ -272,9 +262,9 @@ class DataSource:
     """Relative share of the training samples drawn from this source (normalised over sources)."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.path), "data.sources entries need a path (a prepared token folder)")
+        check(bool(self.path), "data.sources entries need a path (a prepared token folder)")
         _check_finite(self.weight, f"data.sources weight (source {self.path!r})")
-        _check(self.weight > 0, f"data.sources weight must be > 0, got {self.weight}")
+        check(self.weight > 0, f"data.sources weight must be > 0, got {self.weight}")
 
 
 @dataclass
@@ -298,26 +288,26 @@ class Data:
     [[data.sources]] path = "..." weight = 0.7 (instead of data.path)."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.dataset in ("synthetic_facts", "text", "jsonl", "tokens"),
             f"data.dataset must be synthetic_facts, text, jsonl or tokens, got {self.dataset!r}",
         )
-        _check(
+        check(
             self.dataset == "tokens" or not self.sources,
             'data.sources (a mixture) needs data.dataset = "tokens": prepare each corpus with '
             "scripts/prepare_data.py",
         )
-        _check(
+        check(
             not (self.path and self.sources),
             "set data.path (one prepared folder) or data.sources (a mixture), not both",
         )
-        _check(
+        check(
             self.dataset == "synthetic_facts" or bool(self.path) or bool(self.sources),
             f"data.path is required for data.dataset={self.dataset!r}",
         )
         for name in ("num_workers", "eval_every", "eval_batches"):
-            _check(getattr(self, name) >= 0, f"data.{name} must be >= 0")
-        _check(self.synthetic_num_entities > 0, "data.synthetic_num_entities must be > 0")
+            check(getattr(self, name) >= 0, f"data.{name} must be >= 0")
+        check(self.synthetic_num_entities > 0, "data.synthetic_num_entities must be > 0")
 
     @property
     def token_sources(self) -> list[DataSource]:
@@ -353,19 +343,19 @@ class Optimizer:
     docs/architecture.md, "Engram table optimizers"."""
 
     def __post_init__(self) -> None:
-        _check(self.name == "AdamW", f"optimizer.name must be AdamW, got {self.name!r}")
+        check(self.name == "AdamW", f"optimizer.name must be AdamW, got {self.name!r}")
         for name in ("lr", "eps", "weight_decay", "engram_lr_mult", "table_lr_mult"):
             _check_finite(getattr(self, name), f"optimizer.{name}")
         _check_finite(self.table_weight_decay, "optimizer.table_weight_decay")
         for i, b in enumerate(self.betas):
             _check_finite(b, f"optimizer.betas[{i}]")
-        _check(
+        check(
             self.table_optimizer in TABLE_OPTIMIZERS,
             f"optimizer.table_optimizer must be one of {', '.join(TABLE_OPTIMIZERS)}, "
             f"got {self.table_optimizer!r}",
         )
         if self.table_lazy:
-            _check(
+            check(
                 self.table_optimizer in ("adam", "lazy_adam"),
                 f"optimizer.table_lazy = true contradicts table_optimizer = "
                 f"{self.table_optimizer!r}: drop table_lazy (deprecated)",
@@ -376,15 +366,15 @@ class Optimizer:
                 stacklevel=2,
             )
             self.table_optimizer, self.table_lazy = "lazy_adam", False
-        _check(self.lr > 0, "optimizer.lr must be > 0")
-        _check(self.eps >= 0, "optimizer.eps must be >= 0")
+        check(self.lr > 0, "optimizer.lr must be > 0")
+        check(self.eps >= 0, "optimizer.eps must be >= 0")
         for name in ("weight_decay", "table_weight_decay"):
-            _check(getattr(self, name) >= 0, f"optimizer.{name} must be >= 0")
-        _check(
+            check(getattr(self, name) >= 0, f"optimizer.{name} must be >= 0")
+        check(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
             "optimizer.betas must be two values in [0, 1)",
         )
-        _check(
+        check(
             self.table_lr_mult > 0 and self.engram_lr_mult > 0,
             "optimizer.table_lr_mult and optimizer.engram_lr_mult must be > 0",
         )
@@ -398,17 +388,17 @@ class LRScheduler:
     """cosine | linear | constant after warmup. Step s > W (of T = training.steps) runs at
     peak x (r + (1 - r) g(p)), r = min_lr_ratio, p = (s - W - 1) / (T - W - 1), g(p) =
     (1 + cos(pi p)) / 2 (cosine), 1 - p (linear), 1 (constant): step W + 1 at the peak, step T
-    at r x peak (engram/optim.py lr_lambda)."""
+    at r x peak (engram/optim/builder.py lr_lambda)."""
     min_lr_ratio: float = 0.1
     """lr of the last step as a fraction of the peak lr (cosine / linear)."""
 
     def __post_init__(self) -> None:
-        _check(self.warmup_steps >= 0, "lr_scheduler.warmup_steps must be >= 0")
-        _check(
+        check(self.warmup_steps >= 0, "lr_scheduler.warmup_steps must be >= 0")
+        check(
             self.decay_type in ("cosine", "linear", "constant"),
             "lr_scheduler.decay_type must be cosine, linear or constant",
         )
-        _check(0 <= self.min_lr_ratio <= 1, "lr_scheduler.min_lr_ratio must be in [0, 1]")
+        check(0 <= self.min_lr_ratio <= 1, "lr_scheduler.min_lr_ratio must be in [0, 1]")
 
 
 @dataclass
@@ -442,16 +432,16 @@ class Parallelism:
     """Under TP, keep logits vocabulary-sharded and compute the loss under loss_parallel()."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.fsdp_reshard_after_forward in ("always", "never", "default"),
             "parallelism.fsdp_reshard_after_forward must be always, never or default",
         )
         for name in ("mixed_precision_param", "mixed_precision_reduce"):
-            _check(
+            check(
                 getattr(self, name) in ("float32", "bfloat16"),
                 f"parallelism.{name} must be float32 or bfloat16",
             )
-        _check(
+        check(
             self.engram_a2a_dtype in ("", "float32", "bfloat16"),
             'parallelism.engram_a2a_dtype must be "" (the table dtype), float32 or bfloat16, '
             f"got {self.engram_a2a_dtype!r}",
@@ -485,13 +475,13 @@ class Pipeline:
     """Explicit first layer of every stage but the first, e.g. ["layers.3"]; overrides the above."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.schedule in PIPELINE_SCHEDULES,
             f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}",
         )
-        _check(self.microbatches >= 0, "pipeline.microbatches must be >= 0 (0: one per stage)")
-        _check(self.virtual_stages >= 1, "pipeline.virtual_stages must be >= 1")
-        _check(self.layers_per_stage >= 0, "pipeline.layers_per_stage must be >= 0")
+        check(self.microbatches >= 0, "pipeline.microbatches must be >= 0 (0: one per stage)")
+        check(self.virtual_stages >= 1, "pipeline.virtual_stages must be >= 1")
+        check(self.layers_per_stage >= 0, "pipeline.layers_per_stage must be >= 0")
 
 
 @dataclass
@@ -501,11 +491,11 @@ class ActivationCheckpoint:
     selective_every: int = 2
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.mode in ("none", "full", "selective"),
             "activation_checkpoint.mode must be none, full or selective",
         )
-        _check(self.selective_every >= 1, "activation_checkpoint.selective_every must be >= 1")
+        check(self.selective_every >= 1, "activation_checkpoint.selective_every must be >= 1")
 
 
 @dataclass
@@ -534,14 +524,14 @@ class Checkpoint:
     model.hf_checkpoint (the same folder) or, without one, from job.seed."""
 
     def __post_init__(self) -> None:
-        _check(self.interval >= 1, "checkpoint.interval must be >= 1")
-        _check(self.keep_latest_k >= 0, "checkpoint.keep_latest_k must be >= 0")
-        _check(self.load_step >= -1, "checkpoint.load_step must be >= -1")
-        _check(
+        check(self.interval >= 1, "checkpoint.interval must be >= 1")
+        check(self.keep_latest_k >= 0, "checkpoint.keep_latest_k must be >= 0")
+        check(self.load_step >= -1, "checkpoint.load_step must be >= -1")
+        check(
             self.async_mode in ("disabled", "async"),
             f"checkpoint.async_mode must be disabled or async, got {self.async_mode!r}",
         )
-        _check(
+        check(
             self.on_damaged in ("error", "previous"),
             f"checkpoint.on_damaged must be error or previous, got {self.on_damaged!r}",
         )
@@ -556,7 +546,7 @@ class Metrics:
     """Sub-folder of the run folder for TensorBoard events."""
 
     def __post_init__(self) -> None:
-        _check(self.log_freq >= 1, "metrics.log_freq must be >= 1")
+        check(self.log_freq >= 1, "metrics.log_freq must be >= 1")
 
 
 @dataclass
@@ -569,7 +559,7 @@ class Profiling:
     """cuda / npu: record allocator history; on out-of-memory write <run folder>/memory_snapshot/rank<k>_oom.pickle (drop it on https://pytorch.org/memory_viz). Ignored (with a warning) on cpu."""
 
     def __post_init__(self) -> None:
-        _check(self.profile_freq >= 1, "profiling.profile_freq must be >= 1")
+        check(self.profile_freq >= 1, "profiling.profile_freq must be >= 1")
 
 
 FLOAT8_RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")
@@ -591,7 +581,7 @@ class Float8:
     """Emulate float8 matmuls in high precision (CPU tests; numerics only, no speed-up)."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.recipe in FLOAT8_RECIPES,
             f"float8.recipe must be one of {', '.join(FLOAT8_RECIPES)}, got {self.recipe!r}",
         )
@@ -605,7 +595,7 @@ class Compile:
     """torch.compile backend: inductor | aot_eager | eager (the last two for debugging)."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.backend), "compile.backend must not be empty (e.g. inductor)")
+        check(bool(self.backend), "compile.backend must not be empty (e.g. inductor)")
 
 
 # HF projection names (what PEFT's target_modules use) -> this repo's module names.
@@ -640,19 +630,19 @@ class Lora:
     optimizer state) | float32."""
 
     def __post_init__(self) -> None:
-        _check(self.rank >= 1, f"lora.rank must be >= 1, got {self.rank}")
+        check(self.rank >= 1, f"lora.rank must be >= 1, got {self.rank}")
         _check_finite(self.alpha, "lora.alpha")
-        _check(self.alpha > 0, f"lora.alpha must be > 0, got {self.alpha}")
+        check(self.alpha > 0, f"lora.alpha must be > 0, got {self.alpha}")
         _check_finite(self.dropout, "lora.dropout")
-        _check(0 <= self.dropout < 1, f"lora.dropout must be in [0, 1), got {self.dropout}")
+        check(0 <= self.dropout < 1, f"lora.dropout must be in [0, 1), got {self.dropout}")
         unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
-        _check(
+        check(
             not unknown,
             f"lora.target_modules {unknown} match no module; valid names: "
             f"{', '.join(LORA_TARGETS)}",
         )
-        _check(bool(self.target_modules), "lora.target_modules must name at least one projection")
-        _check(
+        check(bool(self.target_modules), "lora.target_modules must name at least one projection")
+        check(
             self.frozen_dtype in ("compute", "float32"),
             f"lora.frozen_dtype must be compute or float32, got {self.frozen_dtype!r}",
         )
@@ -678,18 +668,18 @@ class DeepSpeed:
     with this TOML must agree (docs/deepspeed.md lists the mapping)."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.zero_stage in (1, 2, 3),
             f"deepspeed.zero_stage must be 1, 2 or 3, got {self.zero_stage} (stage 0 is plain "
             "data parallel: use recipes/train.py)",
         )
         for name in ("offload_optimizer", "offload_param"):
-            _check(
+            check(
                 getattr(self, name) in ("none", "cpu"),
                 f"deepspeed.{name} must be none or cpu, got {getattr(self, name)!r} (NVMe "
                 "offload is not wired in this recipe)",
             )
-        _check(
+        check(
             self.offload_param == "none" or self.zero_stage == 3,
             f"deepspeed.offload_param = {self.offload_param!r} needs deepspeed.zero_stage = 3 "
             f"(got {self.zero_stage}): only ZeRO-3 partitions parameters",
@@ -717,7 +707,7 @@ class JobConfig:
     lora: Lora = field(default_factory=Lora)
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             not (
                 self.engram.enabled
                 and self.engram.table_location == "host"
@@ -735,186 +725,3 @@ class JobConfig:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
-
-
-# ----------------------------------------------------------------------------- parsing
-
-
-def _convert(value: Any, tp: Any, where: str) -> Any:
-    """Check/convert a TOML or CLI value to the annotated field type."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):  # a table inside a list, e.g. data.sources entries
-        _check(
-            isinstance(value, dict), f"{where} must be a table {{key = value, ...}}, got {value!r}"
-        )
-        hints = typing.get_type_hints(tp)
-        known = {f.name for f in dataclasses.fields(tp)}
-        unknown = sorted(set(value) - known)
-        _check(
-            not unknown,
-            f"unknown key(s) {unknown} in {where}; valid keys: {', '.join(sorted(known))}",
-        )
-        return tp(**{k: _convert(v, hints[k], f"{where}.{k}") for k, v in value.items()})
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if isinstance(value, str) and dataclasses.is_dataclass(item_tp):
-            raise ConfigError(
-                f"{where} is a list of tables: set it in the TOML file, not on the CLI"
-            )
-        if isinstance(value, str):  # CLI: --engram.layer_ids=1,3
-            value = [v for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
-        _check(isinstance(value, list), f"{where} must be a list, got {value!r}")
-        return [_convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, str) and value.lower() in ("true", "1", "false", "0"):
-            return value.lower() in ("true", "1")
-        _check(isinstance(value, bool), f"{where} must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                raise ConfigError(f"{where} must be an integer, got {value!r}") from None
-        _check(
-            isinstance(value, int) and not isinstance(value, bool),
-            f"{where} must be an integer, got {value!r}",
-        )
-        return value
-    if tp is float:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise ConfigError(f"{where} must be a number, got {value!r}") from None
-        _check(
-            isinstance(value, (int, float)) and not isinstance(value, bool),
-            f"{where} must be a number, got {value!r}",
-        )
-        return float(value)
-    if tp is str:
-        _check(isinstance(value, str), f"{where} must be a string, got {value!r}")
-        return value
-    raise TypeError(f"unsupported config field type {tp} at {where}")
-
-
-def _section_types() -> dict[str, type]:
-    hints = typing.get_type_hints(JobConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
-
-
-def _build(raw: dict[str, dict[str, Any]], source: str) -> JobConfig:
-    sections = _section_types()
-    kwargs = {}
-    for name, values in raw.items():
-        _check(
-            name in sections,
-            f"{source}: unknown section [{name}]; valid sections: {', '.join(sections)}",
-        )
-        _check(isinstance(values, dict), f"{source}: [{name}] must be a table of key = value")
-        cls = sections[name]
-        hints = typing.get_type_hints(cls)
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in values:
-            _check(
-                key in known,
-                f"{source}: unknown key {name}.{key}; valid keys of [{name}]: {', '.join(sorted(known))}",
-            )
-        converted = {k: _convert(v, hints[k], f"{name}.{k}") for k, v in values.items()}
-        kwargs[name] = cls(**converted)
-    cfg = JobConfig(**kwargs)
-    # Refused, not warned: without lora mode no adapter exists, so the settings would do nothing.
-    changed = [
-        f.name
-        for f in dataclasses.fields(Lora)
-        if getattr(cfg.lora, f.name) != getattr(Lora(), f.name)
-    ]
-    _check(
-        not changed or cfg.training.mode == "lora",
-        f"{source}: lora.{', lora.'.join(changed)} set but training.mode = "
-        f"{cfg.training.mode!r} builds no adapters (the settings would do nothing): set "
-        'training.mode = "lora" or remove them',
-    )
-    _check(
-        not cfg.checkpoint.trainable_only or cfg.training.mode != "full",
-        "checkpoint.trainable_only = true with training.mode = 'full' would save nothing of the "
-        "backbone it trains: set training.mode to lora or engram_only, or trainable_only = false",
-    )
-    return cfg
-
-
-def _merge(raw: dict[str, dict[str, Any]], overrides: list[str]) -> dict[str, dict[str, Any]]:
-    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
-    for item in overrides:
-        _check(
-            item.startswith("--") and "." in item,
-            f"bad override {item!r}: use --section.key=value (e.g. --training.steps=10)",
-        )
-        key, eq, value = item[2:].partition("=")
-        _check(bool(eq), f"bad override {item!r}: missing '=value' (use --section.key=value)")
-        section, _, name = key.partition(".")
-        merged.setdefault(section, {})
-        _check(isinstance(merged[section], dict), f"bad override {item!r}")
-        merged[section][name] = value
-    return merged
-
-
-def load_config(argv: list[str] | None = None) -> JobConfig:
-    """Parse `--job.config_file PATH` plus `--section.key=value` overrides (CLI wins over TOML)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(add_help=True, description="Engram training job")
-    parser.add_argument("--job.config_file", dest="config_file", default="")
-    args, rest = parser.parse_known_args(argv)
-    raw: dict[str, dict[str, Any]] = {}
-    source = "command line"
-    if args.config_file:
-        path = Path(args.config_file)
-        _check(
-            path.is_file(),
-            f"config file {path} does not exist (set CONFIG_FILE / --job.config_file to a TOML file)",
-        )
-        with path.open("rb") as f:
-            try:
-                raw = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"{path}: invalid TOML: {e}") from None
-        if not raw:
-            logging.getLogger("engram").warning(
-                "config file %s is empty: every setting takes its default value", path
-            )
-        source = str(path)
-    merged = _merge(raw, rest)
-    merged.setdefault("job", {})["config_file"] = args.config_file
-    return _build(merged, source)
-
-
-def config_from_dict(raw: dict[str, dict[str, Any]]) -> JobConfig:
-    """Build a JobConfig from nested dicts (tests, programmatic use); same checks as TOML."""
-    return _build(raw, "config dict")
-
-
-def to_toml(cfg: JobConfig) -> str:
-    """Serialise a JobConfig to TOML (round-trips through load_config)."""
-    return sections_to_toml(cfg.to_dict())
-
-
-def sections_to_toml(sections: dict[str, dict[str, Any]]) -> str:
-    """Sections of scalars / lists / inline tables (the JobConfig shape) as TOML."""
-    lines = []
-    for section, values in sections.items():
-        lines.append(f"[{section}]")
-        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string literal is a valid TOML basic string
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):  # inline table (entries of a list of tables)
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    return repr(value)

@@ -23,11 +23,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.lr_scheduler import LambdaLR
 
 from engram.config import JobConfig
-from engram.host_worker import is_host_resident
+from engram.config.table_optimizers import table_optimizer_spec
 from engram.models.engram import is_engram_param, is_table_param
 from engram.models.lora import is_lora_param
-from engram.table_grad import row_grad_norm_sq, scale_row_grads_
-from engram.table_optimizers import table_optimizer_spec
+from engram.models.table_grad import row_grad_norm_sq, scale_row_grads_
+from engram.runtime.host_worker import is_host_resident
 
 
 def is_trainable(name: str, mode: str) -> bool:
@@ -105,12 +105,12 @@ def build_optimizers(model: nn.Module, cfg: JobConfig) -> list[torch.optim.Optim
 def build_table_optimizer(
     name: str, groups: list[dict], betas: tuple[float, float], eps: float
 ) -> torch.optim.Optimizer:
-    """The tables' optimizer (optimizer.table_optimizer, engram/table_optimizers.py); lr /
+    """The tables' optimizer (optimizer.table_optimizer, engram/config/table_optimizers.py); lr /
     weight_decay come from `groups`.
 
     A row-sparse optimizer (lazy_adam, rowwise_adagrad) reads the (rows, row grads) that the
     lookups of tables sharded with `row_sparse=True` leave on the parameters, or the touched rows
-    of a dense `.grad` otherwise (engram/table_grad.py).
+    of a dense `.grad` otherwise (engram/models/table_grad.py).
     """
     spec = table_optimizer_spec(name)
     kwargs = {"eps": eps, **({"betas": betas} if spec.takes_betas else {})}
@@ -257,7 +257,7 @@ def clip_grad_norm_(
     dense = [p for p in params if p.grad is not None]
     align_grads_(dense)
     grads = [p.grad for p in dense]
-    buckets = row_grad_norm_sq(params)  # row-sparse table grads (engram/table_grad.py)
+    buckets = row_grad_norm_sq(params)  # row-sparse table grads (engram/models/table_grad.py)
     if not grads and not buckets and pp_group is None:
         return torch.zeros(())
     for g in grads:

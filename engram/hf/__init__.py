@@ -1,0 +1,12 @@
+"""Hugging Face interchange: our checkpoints <-> HF folders, PEFT adapters and transformers.
+
+- `adapter.py`: our parameter names <-> HF's (Llama / Qwen2 / Qwen3 layouts).
+- `load.py`: read an HF backbone folder into a (sharded) model.
+- `export.py`: a run's checkpoint -> a self-contained HF folder (safetensors, config.json,
+  tokenizer, the remote modeling file), and its re-import.
+- `peft.py`: a LoRA run -> a PEFT adapter folder.
+- `remote/modeling_engram.py`: the transformers modeling file shipped in exports (torch +
+  transformers only, imports nothing from this repo).
+
+A new export format goes here.
+"""

@@ -1,0 +1,11 @@
+"""The process runtime: which device, which process group, which background worker.
+
+- `device.py`: cpu / cuda / npu selection, lazy `torch_npu`, per-device settings and the
+  device module's calls (synchronize, memory stats).
+- `distributed.py`: process-group init / teardown for the chosen device's backend.
+- `host_worker.py`: the host thread that runs host-resident table work, and the marker
+  that says a tensor lives in host memory (`is_host_resident`).
+
+Nothing here knows about models or training; everything else may import it. A new device type
+goes in `device.py`.
+"""
