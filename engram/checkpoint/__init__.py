@@ -1,17 +1,32 @@
 """Checkpoints: DCP step folders with a manifest, the config fingerprint, safe reading.
 
+One file per job, lowest first (a file imports only files above it in this list):
+
+- `errors.py`: `CheckpointError`, what every checkpoint problem raises.
+- `collectives.py`: rank, world size, barrier, broadcast, all-gather, raise-if-any-rank-failed;
+  each also works without a process group.
+- `dcp_io.py`: DCP kept tensors-only: the restricted `.metadata` reader, the load / save
+  planners that refuse pickles, `dcp_load`.
+- `state.py`: the Stateful wrappers a checkpoint saves (`ModelState`, `OptimizerState`,
+  `TrainState`, `RNGState`).
+- `folder.py`: the step-folder format: names, manifest (write, read, verify, add to), pruning
+  one step, fingerprint comparison, and reading one checkpoint in one process
+  (`find_checkpoint`, `load_model_checkpoint`: generation and export).
+- `save_errors.py`: the message of a failed save (full disk: free and needed bytes).
 - `manager.py`: `CheckpointManager` (save / async save / load / prune / resume).
 - `fingerprint.py`: what of the config a checkpoint must agree with to be resumed.
+
+Where a new feature goes: a new file or field in a step folder -> `folder.py` (and `FORMAT` if
+old readers would misread it); a new kind of saved state -> `state.py`; a new rule for what a
+load may unpickle -> `dcp_io.py`; when to save, resume or prune -> `manager.py`; a config key a
+resume must agree on -> `fingerprint.py`.
 
 The names below are the package's public API (`from engram.checkpoint import ...`).
 """
 
-from engram.checkpoint.manager import (
-    CheckpointError,
-    CheckpointManager,
-    ModelState,
-    OptimizerState,
-    TrainState,
+from engram.checkpoint.dcp_io import dcp_load
+from engram.checkpoint.errors import CheckpointError
+from engram.checkpoint.folder import (
     add_to_manifest,
     check_fingerprint,
     file_checksum,
@@ -19,8 +34,11 @@ from engram.checkpoint.manager import (
     fingerprint_mismatches,
     load_model_checkpoint,
     read_manifest,
+    step_folders,
     verify_checkpoint,
 )
+from engram.checkpoint.manager import CheckpointManager
+from engram.checkpoint.state import ModelState, OptimizerState, TrainState
 
 __all__ = [
     "CheckpointError",
@@ -30,10 +48,12 @@ __all__ = [
     "TrainState",
     "add_to_manifest",
     "check_fingerprint",
+    "dcp_load",
     "file_checksum",
     "find_checkpoint",
     "fingerprint_mismatches",
     "load_model_checkpoint",
     "read_manifest",
+    "step_folders",
     "verify_checkpoint",
 ]
