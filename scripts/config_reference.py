@@ -13,13 +13,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engram.config import JobConfig  # noqa: E402
 
-SOURCE = Path(__file__).resolve().parents[1] / "engram" / "config" / "schema.py"
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "engram" / "config"
 
 
 def field_docs() -> dict[str, dict[str, str]]:
     """{class name: {field: docstring}} from the string literal after each annotated field."""
     docs: dict[str, dict[str, str]] = {}
-    for node in ast.parse(SOURCE.read_text()).body:
+    nodes = [n for f in sorted(CONFIG_DIR.glob("*.py")) for n in ast.parse(f.read_text()).body]
+    for node in nodes:
         if not isinstance(node, ast.ClassDef):
             continue
         body = node.body

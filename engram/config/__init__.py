@@ -1,7 +1,12 @@
 """The job configuration: what a run is told, and nothing else.
 
-- `schema.py`: one typed dataclass per TOML section (`[job]`, `[model]`, `[engram]`, ...), each
-  field documented and checked in `__post_init__`. A new setting goes here.
+- `model.py` (`[model]`, `[engram]`, `[lora]`), `training.py` (`[job]`, `[training]`, `[data]`,
+  `[optimizer]`, `[lr_scheduler]`, `[checkpoint]`, `[metrics]`, `[profiling]`) and
+  `parallelism.py` (`[parallelism]`, `[pipeline]`, `[activation_checkpoint]`, `[float8]`,
+  `[compile]`, `[deepspeed]`): one typed dataclass per TOML section, each field documented and
+  checked in `__post_init__`. A new setting goes in its section's class.
+- `schema.py`: `JobConfig`, the sections together and the checks that span sections.
+- `checks.py`: `ConfigError` and the check helpers.
 - `loading.py`: TOML file + `--section.key=value` overrides -> JobConfig (unknown keys and bad
   types are errors), and JobConfig -> TOML.
 - `table_optimizers.py`: the registry of Engram table optimizers (name, class, row-sparse or
@@ -11,33 +16,30 @@
 The names below are the package's public API (`from engram.config import JobConfig`).
 """
 
+from engram.config.checks import ConfigError
 from engram.config.loading import config_from_dict, load_config, sections_to_toml, to_toml
-from engram.config.schema import (
+from engram.config.model import LORA_TARGETS, MAX_NGRAM, TABLE_LOCATIONS, Engram, Lora, Model
+from engram.config.parallelism import (
     FLOAT8_RECIPES,
-    LORA_TARGETS,
-    MAX_NGRAM,
     PIPELINE_SCHEDULES,
-    ROW_SPARSE_TABLE_OPTIMIZERS,
-    TABLE_LOCATIONS,
-    TRAINING_MODES,
     ActivationCheckpoint,
-    Checkpoint,
     Compile,
-    ConfigError,
-    Data,
-    DataSource,
     DeepSpeed,
-    Engram,
     Float8,
-    Job,
-    JobConfig,
-    Lora,
-    LRScheduler,
-    Metrics,
-    Model,
-    Optimizer,
     Parallelism,
     Pipeline,
+)
+from engram.config.schema import JobConfig
+from engram.config.training import (
+    ROW_SPARSE_TABLE_OPTIMIZERS,
+    TRAINING_MODES,
+    Checkpoint,
+    Data,
+    DataSource,
+    Job,
+    LRScheduler,
+    Metrics,
+    Optimizer,
     Profiling,
     Training,
 )

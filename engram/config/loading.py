@@ -1,5 +1,5 @@
 """Reading a job configuration: TOML file + `--section.key=value` overrides -> JobConfig (the
-typed sections in engram/config/schema.py), and JobConfig -> TOML.
+typed sections in engram/config/schema.py and the section modules), and JobConfig -> TOML.
 
 An unknown section or key, a value of the wrong type or an inconsistent value is a ConfigError
 that names the fix.
@@ -16,7 +16,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from engram.config.schema import ConfigError, JobConfig, Lora, check
+from engram.config.checks import ConfigError, check
+from engram.config.model import Lora
+from engram.config.schema import JobConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

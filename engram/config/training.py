@@ -1,0 +1,298 @@
+"""Config sections that say how a run trains and what it records: `[job]`, `[training]`, `[data]`,
+`[optimizer]`, `[lr_scheduler]`, `[checkpoint]`, `[metrics]`, `[profiling]`."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engram.config.checks import check, check_finite
+from engram.config.table_optimizers import TABLE_OPTIMIZERS
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    """TOML file this config was read from (set by --job.config_file)."""
+    dump_folder: str = "./outputs"
+    """Root folder for all run outputs."""
+    run_name: str = "debug"
+    """Sub-folder of dump_folder for this run: TensorBoard events, metrics.jsonl, checkpoints."""
+    description: str = ""
+    seed: int = 0
+    """Seed for weight initialisation and data order (same weights at every parallel layout)."""
+    device: str = "auto"
+    """auto | cpu | cuda | npu. auto picks cuda, then npu, then cpu."""
+    deterministic: bool = False
+    """Ask torch for deterministic kernels (slower)."""
+
+    def __post_init__(self) -> None:
+        check(
+            self.device in ("auto", "cpu", "cuda", "npu"),
+            f"job.device must be auto, cpu, cuda or npu, got {self.device!r}",
+        )
+        check(bool(self.run_name), "job.run_name must not be empty")
+        check(
+            not Path(self.run_name).is_absolute() and ".." not in Path(self.run_name).parts,
+            f"job.run_name = {self.run_name!r} must stay inside job.dump_folder: a relative "
+            "name without '..' (e.g. 'exp1' or 'sweeps/exp1'); move the output root with "
+            "job.dump_folder",
+        )
+
+
+TRAINING_MODES = ("full", "engram_only", "lora")
+
+
+@dataclass
+class Training:
+    mode: str = "full"
+    """full: train everything. engram_only: freeze the backbone, train Engram blocks. lora: freeze
+    the backbone, train LoRA adapters on lora.target_modules and every Engram parameter."""
+    seq_len: int = 128
+    local_batch_size: int = 8
+    """Sequences per data-parallel rank per micro-batch."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step."""
+    steps: int = 100
+    """Optimizer steps to run."""
+    max_norm: float = 1.0
+    """Global gradient-norm clipping threshold; <= 0 disables clipping."""
+    max_nonfinite_steps: int = 3
+    """A step with a non-finite loss or gradient norm is skipped (no optimizer update); this
+    many in a row stop the run with an error naming the last good checkpoint."""
+    loss_chunks: int = 1
+    """Chunked output head + cross-entropy (engram/train/loss.py): the loss applies the output head to
+    at most this many sequence chunks of ceil(seq_len / loss_chunks) positions, one at a time,
+    so only one chunk's fp32 logits exist (long sequences, large vocabularies). 1: the whole
+    sequence at once. Same loss and gradients either way."""
+
+    def __post_init__(self) -> None:
+        check(
+            self.mode in TRAINING_MODES,
+            f"training.mode must be one of {', '.join(TRAINING_MODES)}, got {self.mode!r}",
+        )
+        for name in ("seq_len", "local_batch_size", "grad_accum_steps", "steps"):
+            check(
+                getattr(self, name) > 0, f"training.{name} must be > 0, got {getattr(self, name)}"
+            )
+        check(self.max_nonfinite_steps > 0, "training.max_nonfinite_steps must be > 0")
+        check(
+            1 <= self.loss_chunks <= self.seq_len,
+            f"training.loss_chunks must be between 1 (no chunking) and training.seq_len="
+            f"{self.seq_len}, got {self.loss_chunks}",
+        )
+        check_finite(self.max_norm, "training.max_norm", "(use 0 to disable clipping)")
+
+
+@dataclass
+class DataSource:
+    """One pre-tokenized dataset of a mixture (an entry of data.sources)."""
+
+    path: str = ""
+    """Folder written by scripts/prepare_data.py."""
+    weight: float = 1.0
+    """Relative share of the training samples drawn from this source (normalised over sources)."""
+
+    def __post_init__(self) -> None:
+        check(bool(self.path), "data.sources entries need a path (a prepared token folder)")
+        check_finite(self.weight, f"data.sources weight (source {self.path!r})")
+        check(self.weight > 0, f"data.sources weight must be > 0, got {self.weight}")
+
+
+@dataclass
+class Data:
+    dataset: str = "synthetic_facts"
+    """synthetic_facts (generated, deterministic) | text (a .txt file or folder) | jsonl ("text" field) | tokens (folders written by scripts/prepare_data.py: memory-mapped, for large corpora)."""
+    path: str = ""
+    """File or folder for text/jsonl datasets; the prepared folder for tokens (or use sources)."""
+    num_workers: int = 0
+    """Data-loader worker processes (hash ids are computed there)."""
+    synthetic_num_entities: int = 512
+    """Entities in the synthetic fact base."""
+    synthetic_seed: int = 1234
+    """Seed of the synthetic fact base."""
+    eval_every: int = 0
+    """Evaluate held-out loss every N steps (0: only at the end when eval_batches > 0)."""
+    eval_batches: int = 0
+    """Held-out batches per evaluation (0: no evaluation)."""
+    sources: list[DataSource] = field(default_factory=list)
+    """tokens only: a weighted mixture of prepared folders, as a TOML array of tables
+    [[data.sources]] path = "..." weight = 0.7 (instead of data.path)."""
+
+    def __post_init__(self) -> None:
+        check(
+            self.dataset in ("synthetic_facts", "text", "jsonl", "tokens"),
+            f"data.dataset must be synthetic_facts, text, jsonl or tokens, got {self.dataset!r}",
+        )
+        check(
+            self.dataset == "tokens" or not self.sources,
+            'data.sources (a mixture) needs data.dataset = "tokens": prepare each corpus with '
+            "scripts/prepare_data.py",
+        )
+        check(
+            not (self.path and self.sources),
+            "set data.path (one prepared folder) or data.sources (a mixture), not both",
+        )
+        check(
+            self.dataset == "synthetic_facts" or bool(self.path) or bool(self.sources),
+            f"data.path is required for data.dataset={self.dataset!r}",
+        )
+        for name in ("num_workers", "eval_every", "eval_batches"):
+            check(getattr(self, name) >= 0, f"data.{name} must be >= 0")
+        check(self.synthetic_num_entities > 0, "data.synthetic_num_entities must be > 0")
+
+    @property
+    def token_sources(self) -> list[DataSource]:
+        """The mixture of a tokens dataset: data.sources, or data.path with weight 1."""
+        return list(self.sources) if self.sources else [DataSource(self.path, 1.0)]
+
+
+# Work O(rows touched) per step: the only ones host-resident tables accept.
+ROW_SPARSE_TABLE_OPTIMIZERS = tuple(n for n, s in TABLE_OPTIMIZERS.items() if s.row_sparse)
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    """Optimizer for backbone and Engram dense parts (AdamW)."""
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    engram_lr_mult: float = 1.0
+    """Learning-rate multiplier for Engram dense parts (projections, norms, conv)."""
+    table_lr_mult: float = 5.0
+    """Learning-rate multiplier for the Engram embedding tables (paper: 5)."""
+    table_weight_decay: float = 0.0
+    """Weight decay of the Engram tables (paper: 0)."""
+    table_lazy: bool = False
+    """Deprecated alias of table_optimizer = "lazy_adam" (read, then normalised to false)."""
+    table_optimizer: str = "adam"
+    """Optimizer of the Engram tables: adam (dense Adam, every row's moments decay every step,
+    dense table gradient) | lazy_adam (torch SparseAdam's update on the rows touched this step;
+    row-sparse gradients, O(touched rows) per step) | rowwise_adagrad (row-wise Adagrad: one fp32
+    state value per row instead of two per parameter; row-sparse, O(touched rows)). See
+    docs/architecture.md, "Engram table optimizers"."""
+
+    def __post_init__(self) -> None:
+        check(self.name == "AdamW", f"optimizer.name must be AdamW, got {self.name!r}")
+        for name in ("lr", "eps", "weight_decay", "engram_lr_mult", "table_lr_mult"):
+            check_finite(getattr(self, name), f"optimizer.{name}")
+        check_finite(self.table_weight_decay, "optimizer.table_weight_decay")
+        for i, b in enumerate(self.betas):
+            check_finite(b, f"optimizer.betas[{i}]")
+        check(
+            self.table_optimizer in TABLE_OPTIMIZERS,
+            f"optimizer.table_optimizer must be one of {', '.join(TABLE_OPTIMIZERS)}, "
+            f"got {self.table_optimizer!r}",
+        )
+        if self.table_lazy:
+            check(
+                self.table_optimizer in ("adam", "lazy_adam"),
+                f"optimizer.table_lazy = true contradicts table_optimizer = "
+                f"{self.table_optimizer!r}: drop table_lazy (deprecated)",
+            )
+            warnings.warn(
+                'optimizer.table_lazy is deprecated: use optimizer.table_optimizer = "lazy_adam"',
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            self.table_optimizer, self.table_lazy = "lazy_adam", False
+        check(self.lr > 0, "optimizer.lr must be > 0")
+        check(self.eps >= 0, "optimizer.eps must be >= 0")
+        for name in ("weight_decay", "table_weight_decay"):
+            check(getattr(self, name) >= 0, f"optimizer.{name} must be >= 0")
+        check(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "optimizer.betas must be two values in [0, 1)",
+        )
+        check(
+            self.table_lr_mult > 0 and self.engram_lr_mult > 0,
+            "optimizer.table_lr_mult and optimizer.engram_lr_mult must be > 0",
+        )
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 10
+    """Linear warmup: step s <= W = warmup_steps runs at peak x s / (W + 1)."""
+    decay_type: str = "cosine"
+    """cosine | linear | constant after warmup. Step s > W (of T = training.steps) runs at
+    peak x (r + (1 - r) g(p)), r = min_lr_ratio, p = (s - W - 1) / (T - W - 1), g(p) =
+    (1 + cos(pi p)) / 2 (cosine), 1 - p (linear), 1 (constant): step W + 1 at the peak, step T
+    at r x peak (engram/optim/builder.py lr_lambda)."""
+    min_lr_ratio: float = 0.1
+    """lr of the last step as a fraction of the peak lr (cosine / linear)."""
+
+    def __post_init__(self) -> None:
+        check(self.warmup_steps >= 0, "lr_scheduler.warmup_steps must be >= 0")
+        check(
+            self.decay_type in ("cosine", "linear", "constant"),
+            "lr_scheduler.decay_type must be cosine, linear or constant",
+        )
+        check(0 <= self.min_lr_ratio <= 1, "lr_scheduler.min_lr_ratio must be in [0, 1]")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    folder: str = "checkpoint"
+    """Sub-folder of the run folder that holds step-N checkpoints."""
+    interval: int = 500
+    """Save every N steps (and at the last step)."""
+    keep_latest_k: int = 3
+    """Keep the newest k checkpoints; 0 keeps all."""
+    load_step: int = -1
+    """Resume from this step; -1: the newest checkpoint (an error if it is damaged, see
+    on_damaged); 0: start from step 0 even if the folder holds checkpoints (they are kept)."""
+    on_damaged: str = "error"
+    """When the checkpoint to resume from fails its manifest check: error (stop, change nothing)
+    | previous (resume from the newest intact older checkpoint, with a loud warning)."""
+    async_mode: str = "disabled"
+    """disabled: a save blocks training until it is on disk. async: the state is copied to CPU
+    memory (staging: one extra copy of this rank's model + optimizer state in host memory), DCP
+    writes it in a background thread, and the checkpoint is verified and committed at the next
+    save (which waits for it); the last step's save is synchronous."""
+    trainable_only: bool = False
+    """Save only the trainable parameters (LoRA adapters, Engram) and their optimizer state, not
+    the frozen backbone (training.mode lora / engram_only): a resume rebuilds the backbone from
+    model.hf_checkpoint (the same folder) or, without one, from job.seed."""
+
+    def __post_init__(self) -> None:
+        check(self.interval >= 1, "checkpoint.interval must be >= 1")
+        check(self.keep_latest_k >= 0, "checkpoint.keep_latest_k must be >= 0")
+        check(self.load_step >= -1, "checkpoint.load_step must be >= -1")
+        check(
+            self.async_mode in ("disabled", "async"),
+            f"checkpoint.async_mode must be disabled or async, got {self.async_mode!r}",
+        )
+        check(
+            self.on_damaged in ("error", "previous"),
+            f"checkpoint.on_damaged must be error or previous, got {self.on_damaged!r}",
+        )
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1
+    """Log to console / TensorBoard / metrics.jsonl every N steps."""
+    enable_tensorboard: bool = True
+    tb_folder: str = "tb"
+    """Sub-folder of the run folder for TensorBoard events."""
+
+    def __post_init__(self) -> None:
+        check(self.log_freq >= 1, "metrics.log_freq must be >= 1")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """torch.profiler traces (TensorBoard-viewable) every profile_freq steps."""
+    profile_freq: int = 10
+    traces_folder: str = "profile_traces"
+    memory_snapshot: bool = False
+    """cuda / npu: record allocator history; on out-of-memory write <run folder>/memory_snapshot/rank<k>_oom.pickle (drop it on https://pytorch.org/memory_viz). Ignored (with a warning) on cpu."""
+
+    def __post_init__(self) -> None:
+        check(self.profile_freq >= 1, "profiling.profile_freq must be >= 1")
