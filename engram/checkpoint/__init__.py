@@ -19,6 +19,7 @@ from engram.checkpoint.manager import (
     fingerprint_mismatches,
     load_model_checkpoint,
     read_manifest,
+    step_folders,
     verify_checkpoint,
 )
 
@@ -35,5 +36,6 @@ __all__ = [
     "fingerprint_mismatches",
     "load_model_checkpoint",
     "read_manifest",
+    "step_folders",
     "verify_checkpoint",
 ]
