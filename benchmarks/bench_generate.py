@@ -1,4 +1,4 @@
-"""Decoding speed of recipes/generate.py: KV cache vs the full recompute per token.
+"""Decoding speed of engram/inference/decode.py (recipes/generate.py): KV cache vs full recompute.
 
     PYTHONPATH=. python benchmarks/bench_generate.py [--flavor mid] [--context 1024] \
         [--new 32] [--rounds 3] [--threads 2]
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engram.config import config_from_dict  # noqa: E402
-from recipes.generate import build_for_generation, generate  # noqa: E402
+from engram.inference import build_for_generation, generate  # noqa: E402
 
 
 def main() -> None:

@@ -4,12 +4,12 @@
         --data.dataset=tokens --data.path=data/my_corpus [--batches 16] [--checkpoint_step N] \
         [--source auto|checkpoint|hf|init] [--section.key=value ...]
 
-The model is built and its weights chosen exactly as recipes/generate.py does (the run's newest
-checkpoint, else model.hf_checkpoint, else the init; DCP reshards any training layout into this
-one process). Batches are the training data loader's "val" split (data.dataset = "tokens": ~1%
-of the prepared chunks, never trained on; text / jsonl: ~1% of the documents), local_batch_size
-x seq_len tokens each, with the loader's Engram hash ids. Prints and returns the token-weighted
-mean loss and exp(loss). One process, one device (job.device).
+The model is built and its weights chosen exactly as recipes/generate.py does (engram/inference/:
+the run's newest checkpoint, else model.hf_checkpoint, else the init; DCP reshards any training
+layout into this one process). Batches are the training data loader's "val" split (data.dataset =
+"tokens": ~1% of the prepared chunks, never trained on; text / jsonl: ~1% of the documents),
+local_batch_size x seq_len tokens each, with the loader's Engram hash ids. Prints and returns the
+token-weighted mean loss and exp(loss). One process, one device (job.device).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engram.config import load_config  # noqa: E402
 from engram.data.loader import build_dataloader  # noqa: E402
+from engram.inference import SOURCES, build_for_generation, load_weights  # noqa: E402
 from engram.runtime import device as dev  # noqa: E402
 from engram.train.metrics import init_logger  # noqa: E402
-from recipes.generate import SOURCES, build_for_generation, load_weights  # noqa: E402
 
 
 @torch.no_grad()

@@ -16,7 +16,8 @@
     top of model.hf_checkpoint.
 
 The checkpoint is the run's newest one (or --step), verified against its manifest and its
-fingerprint first (engram/checkpoint/ find_checkpoint / load_model_checkpoint, as generation).
+fingerprint first (engram/checkpoint/ find_checkpoint, engram/inference/ load_checkpoint_weights,
+as generation).
 --out must be new or empty; --overwrite removes its model files first (an export beside an
 earlier one's shards and index would mix two models). It runs in one process (no GPU needed);
 DCP reshards whatever layout the run was saved with. A checkpoint of recipes/train_deepspeed.py is
@@ -32,16 +33,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engram.checkpoint import find_checkpoint, load_model_checkpoint  # noqa: E402
+from engram.checkpoint import find_checkpoint  # noqa: E402
 from engram.checkpoint.fingerprint import config_fingerprint  # noqa: E402
 from engram.config import load_config, to_toml  # noqa: E402
-from engram.data.tokenizer import load_tokenizer  # noqa: E402
 from engram.hf.export import export, prepare_output_folder  # noqa: E402
-from engram.hf.load import load_frozen_backbone  # noqa: E402
 from engram.hf.peft import export_peft  # noqa: E402
-from engram.models.builder import build_for_inference  # noqa: E402
+from engram.inference import build_for_generation, load_checkpoint_weights  # noqa: E402
 from engram.models.lora import merge_lora_  # noqa: E402
-from engram.optim.builder import saved_params  # noqa: E402
 from engram.train.metrics import init_logger  # noqa: E402
 from parallelisms.deepspeed_engine import is_deepspeed_step, load_deepspeed_weights  # noqa: E402
 
@@ -67,16 +65,14 @@ def main(argv: list[str] | None = None) -> list[Path]:
     cfg = load_config(rest)
     init_logger(0)
     path = find_checkpoint(cfg.run_folder / cfg.checkpoint.folder, ns.step)
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    model, hasher = build_for_inference(cfg, tokenizer, cfg.training.seq_len)
+    model, tokenizer, hasher = build_for_generation(cfg, cfg.training.seq_len)
     fingerprint = config_fingerprint(cfg, tokenizer, hasher)
     if ns.merged and cfg.training.mode != "lora":
         raise SystemExit("--merged folds LoRA adapters: the run's training.mode is not lora")
     if is_deepspeed_step(path):  # written by recipes/train_deepspeed.py
         load_deepspeed_weights(model, path, fingerprint)
     else:
-        load_frozen_backbone(model, cfg)
-        load_model_checkpoint(model, path, fingerprint, keep=saved_params(cfg))
+        load_checkpoint_weights(model, cfg, path, fingerprint)
     prepare_output_folder(ns.out, ns.overwrite)
     engram_config = dataclasses.asdict(cfg.engram)
     if cfg.training.mode == "lora" and not (ns.merged or ns.engram_only):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 
-def small_job(tmp: str, name: str, world: int, steps: int, extra: dict) -> dict:
+def small_job(
+    tmp: str, name: str, world: int, steps: int, extra: dict, parallelism: dict | None = None
+) -> dict:
     """Raw config: debug llama3 + one small Engram layer, global batch 8 x 32 over `world` FSDP
-    ranks, lr 1e-3; `extra` is merged per section."""
+    ranks, lr 1e-3; `extra` is merged per section. `parallelism` replaces the [parallelism]
+    section (FSDP over `world`) instead of being merged into it: a layout names its own axes."""
     raw = {
         "job": {"dump_folder": tmp, "run_name": name, "device": "cpu", "seed": 3},
         "model": {"name": "llama3", "flavor": "debug"},
@@ -21,7 +24,7 @@ def small_job(tmp: str, name: str, world: int, steps: int, extra: dict) -> dict:
         "optimizer": {"lr": 1e-3},
         "lr_scheduler": {"warmup_steps": 2},
         "metrics": {"log_freq": 100, "enable_tensorboard": False},
-        "parallelism": {"dp_shard": world},
+        "parallelism": {"dp_shard": world} if parallelism is None else dict(parallelism),
     }
     for section, values in extra.items():
         raw[section] = {**raw.get(section, {}), **values}

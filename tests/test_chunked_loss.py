@@ -276,7 +276,7 @@ def test_recipe_runs_match_unchunked(tmp_path, label):
 
 
 def test_generation_runs_the_head_on_the_sampled_position_only():
-    import recipes.generate as gen
+    from engram.inference import generate
 
     model = _model()
     ids, _ = _batch(model.args.vocab_size)
@@ -286,7 +286,7 @@ def test_generation_runs_the_head_on_the_sampled_position_only():
         full = model(ids)
         torch.testing.assert_close(model(ids, last_positions=1), full[:, -1:], rtol=1e-5, atol=1e-6)
         seen.clear()
-        gen.generate(model, ids, None, max_new_tokens=2)
+        generate(model, ids, None, max_new_tokens=2)
     assert seen == [1, 1]
 
 

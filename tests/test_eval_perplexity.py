@@ -17,7 +17,7 @@ import engram.data.prepare as prep
 from engram.config import config_from_dict, to_toml
 from engram.data.loader import build_dataloader
 from engram.data.synthetic import SyntheticFacts
-from recipes.generate import build_for_generation
+from engram.inference import build_for_generation
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""recipes/generate.py: greedy decoding, on-device hash ids, agreement with one full forward, and
+"""engram/inference/ and recipes/generate.py: greedy decoding, on-device hash ids, agreement with one full forward, and
 loading a DCP checkpoint written by a 2-rank FSDP2 training run into the unsharded model."""
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from engram.checkpoint import CheckpointError
 from engram.config import config_from_dict, to_toml
 from engram.data.tokenizer import load_tokenizer
 from engram.hf.adapter import to_hf_state_dict
-from engram.models.decode_cache import DecodeCache
-from recipes.generate import (
+from engram.inference import (
     build_for_generation,
     encode_prompt,
     generate,
     load_weights,
-    main,
     sample_next,
 )
+from engram.models.decode_cache import DecodeCache
+from recipes.generate import main
 
 NEW = 5
 
@@ -223,7 +223,7 @@ def test_loads_checkpoint_written_at_world_2(tmp_path, capsys):
 
 
 def test_prompt_longer_than_trained_warns(caplog):
-    from recipes.generate import warn_if_longer_than_trained
+    from engram.inference import warn_if_longer_than_trained
 
     cfg = config_from_dict(_raw())  # training.seq_len 32
     with caplog.at_level("WARNING", logger="engram"):

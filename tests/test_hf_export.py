@@ -28,7 +28,7 @@ from engram.checkpoint import CheckpointError
 from engram.checkpoint.fingerprint import config_fingerprint
 from engram.config import config_from_dict, to_toml
 from engram.hf.export import EngramExportError, export
-from recipes.generate import build_for_generation, generate
+from engram.inference import build_for_generation, generate
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,

@@ -353,7 +353,7 @@ def test_config_json_numerics_warn(tmp_path):
 
 def test_generate_recipe_uses_hf_folder(reference, tmp_path):
     """recipes/generate.py without a run checkpoint takes model.hf_checkpoint."""
-    from recipes.generate import build_for_generation, load_weights
+    from engram.inference import build_for_generation, load_weights
 
     folder, source, _ = reference
     raw = _raw()

@@ -149,7 +149,7 @@ def test_tied_checkpoint_resume_and_generate(tmp_path):
     """A tied run checkpointed by FSDP2 at world 2: the DCP checkpoint resumes at world 2 to the
     same weights as an uninterrupted run, and recipes/generate.py loads it into the unsharded
     tied model (one matrix, equal to the trained embedding)."""
-    from recipes.generate import build_for_generation, load_weights
+    from engram.inference import build_for_generation, load_weights
 
     ckpt = {"enable": True, "interval": 2, "keep_latest_k": 0}
     straight = run_distributed(
@@ -203,7 +203,7 @@ def test_tied_hf_folder_finetune_fsdp_and_generate(tmp_path):
     """model.flavor = 'hf' on a tied folder: recipes/train.py under FSDP2 (2 ranks, engram_only,
     so the frozen backbone must still equal the folder) keeps one matrix equal to the folder's
     embedding; recipes/generate.py loads the same folder into a tied model."""
-    from recipes.generate import build_for_generation, load_weights
+    from engram.inference import build_for_generation, load_weights
 
     source = export_tied_hf(tmp_path / "hf", seed=9)
     raw = _raw(

@@ -4,7 +4,7 @@ Tiny random Llama-3, Llama-3.1 (llama3 rope scaling), Llama-3.2-style tied, Qwen
 (untied and tied) models are built in transformers, saved with save_pretrained (transformers 5
 writes the rope_parameters layout; one case is rewritten to the transformers 4 layout), and loaded
 through the recipes' path: model.flavor = "hf" + model.hf_checkpoint -> build on meta ->
-to_empty -> init -> load_hf_backbone (recipes/generate.py's build_for_generation + load_weights).
+to_empty -> init -> load_hf_backbone (engram/inference/'s build_for_generation + load_weights).
 Logits are compared at a length beyond the rope-scaling boundary, with Engram (identity init) on
 and off, and greedy generation token for token. The HF vocabulary (2112 rows) is larger than the
 debug tokenizer (2048 tokens), as Qwen2.5 pads its output rows.
@@ -24,8 +24,8 @@ import torch
 from launcher import run_isolated
 
 from engram.config import config_from_dict
+from engram.inference import build_for_generation, generate, load_weights
 from engram.models.transformer import rope_cos_sin
-from recipes.generate import build_for_generation, generate, load_weights
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,

@@ -73,7 +73,7 @@ def _train(rank: int, world: int, raw: dict) -> None:
 
 def _ours(raw: dict) -> dict:
     """The trained model (from its checkpoint): logits with Engram on and off."""
-    from recipes.generate import build_for_generation, load_weights
+    from engram.inference import build_for_generation, load_weights
 
     cfg = config_from_dict(raw)
     model, _, hasher = build_for_generation(cfg, 16)
@@ -105,7 +105,7 @@ def _transformers(base: str, peft_dir: str, merged: str, ids: np.ndarray) -> dic
 
 
 def _ours_from_merged(raw: dict, merged: str) -> np.ndarray:
-    from recipes.generate import build_for_generation, load_weights
+    from engram.inference import build_for_generation, load_weights
 
     full = {**raw, "training": {**raw["training"], "mode": "full"}}
     full.pop("lora")

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from launcher import run_distributed
+from small_job import small_job
 from torch.distributed.tensor import DTensor
 
 from engram.config import config_from_dict
@@ -37,34 +38,15 @@ TABLE_LR_MULT = 5.0
 
 
 def _config(tmp_path: str, world: int, mode: str, layout: dict) -> dict:
-    return {
-        "job": {
-            "dump_folder": tmp_path,
-            "run_name": f"w{world}-{mode}",
-            "device": "cpu",
-            "seed": 3,
-        },
-        "model": {"name": "llama3", "flavor": "debug"},
-        "engram": {
-            "layer_ids": [0, 2],
-            "n_head_per_ngram": 2,
-            "vocab_size_per_ngram": [1009, 997],
-            "n_embed_per_ngram": 32,
-            "init": "paper",
-        },
-        "training": {
-            "mode": mode,
-            "seq_len": 32,
-            "local_batch_size": GLOBAL_BATCH // world,
-            "steps": STEPS,
-            "max_norm": 1.0,
-        },
-        "data": {"synthetic_num_entities": 64},
+    """The shared small job (tests/small_job.py) with Engram at layers 0 and 2, in training.mode
+    `mode` on the parallelism section `layout`; eps 1e-6 (see above), every step logged."""
+    extra = {
+        "engram": {"layer_ids": [0, 2]},
+        "training": {"mode": mode, "local_batch_size": GLOBAL_BATCH // world, "max_norm": 1.0},
         "optimizer": {"lr": LR, "eps": 1e-6, "table_lr_mult": TABLE_LR_MULT},
-        "lr_scheduler": {"warmup_steps": 2},
-        "metrics": {"log_freq": 1, "enable_tensorboard": False},
-        "parallelism": layout,
+        "metrics": {"log_freq": 1},
     }
+    return small_job(tmp_path, f"w{world}-{mode}", world, STEPS, extra, parallelism=layout)
 
 
 def _train(rank: int, world: int, raw: dict) -> dict:

@@ -4,12 +4,12 @@ gradients, and the optimizer state per table row.
 Read by the config check (engram/config/), the optimizer builder (engram/optim/builder.py), the table
 lookup (parallelisms/parallelize.py passes `row_sparse` to apply_engram_table_sharding), the
 pipeline's split-backward refusal (parallelisms/pipeline.py) and the memory planner
-(planner/tables.py). Importing it imports no torch: the class is resolved when it is built.
+(planner/tables.py). Importing it imports no torch, and the optimizer room itself imports the
+class it names when it builds one (engram/optim/builder.py): configuration sits below optim.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 
@@ -27,11 +27,6 @@ class TableOptimizerSpec:
     """fp32 optimizer state values per table row (row-wise Adagrad's accumulator)."""
     takes_betas: bool
     """The constructor takes optimizer.betas."""
-
-    @property
-    def cls(self) -> type:
-        module, name = self.class_path.split(":")
-        return getattr(importlib.import_module(module), name)
 
     def state_bytes_per_row(self, dim: int) -> int:
         """Persistent optimizer-state bytes of one table row of width `dim`."""

@@ -3,7 +3,8 @@
 Per layer: the attention keys and values of every processed position (after RoPE), and for an
 Engram layer the ShortConv input of the last (kernel_size - 1) x dilation positions. The hash
 ids of a new position need only the last max_ngram tokens, which the caller still holds (it
-hashes a short window: recipes/generate.py). One cache serves one batch of equally long rows.
+hashes a short window: engram/inference/decode.py). One cache serves one batch of equally long
+rows.
 """
 
 from __future__ import annotations

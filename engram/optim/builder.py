@@ -12,6 +12,7 @@ Parameter groups (the paper's and Megatron's defaults):
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from collections.abc import Callable, Iterable
 
@@ -126,7 +127,8 @@ def build_table_optimizer(
         # on CPU is the per-op loop: 7x slower on a 400k x 32 table).
         params = [p for g in groups for p in g["params"]]
         kwargs["fused"] = _fused_adam_ok(params) or None
-    return spec.cls(groups, **kwargs)
+    module, cls = spec.class_path.split(":")  # imported here: config names it, optim owns it
+    return getattr(importlib.import_module(module), cls)(groups, **kwargs)
 
 
 def _fused_adam_ok(params: list[torch.Tensor]) -> bool:
