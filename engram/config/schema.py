@@ -19,7 +19,7 @@ from engram.config.table_optimizers import TABLE_OPTIMIZERS
 # Largest n-gram order of the C hashing kernel (MAX_NGRAM in engram/hashing/csrc/ngram_hash.c).
 MAX_NGRAM = 16
 
-# Where the Engram table shards and their optimizer state live (parallelisms/host_tables.py).
+# Where the Engram table shards and their optimizer state live (parallelisms/engram_tables/host.py).
 TABLE_LOCATIONS = ("device", "host")
 
 
