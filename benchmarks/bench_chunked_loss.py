@@ -54,7 +54,7 @@ def measure(mode: str, seq: int, steps: int, threads: int) -> dict:
     ids = torch.randint(0, VOCAB, (1, seq))
     labels = ids.roll(-1, 1)
     if mode == "backbone":
-        model.return_hidden = True
+        model.set_hidden_output(True)
 
         def loss_of(out):
             return out.float().pow(2).mean()

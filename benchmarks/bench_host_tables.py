@@ -48,9 +48,10 @@ def _raw(folder: str, name: str, world: int, location: str, steps: int) -> dict:
 
 
 def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
-    import parallelisms.host_tables as ht
+    import parallelisms.engram_tables.host as ht
     from engram.config import config_from_dict
     from engram.optim.lazy_adam import RowSparseOptimizer
+    from engram.runtime.host_worker import is_host_resident
     from recipes.train import train
 
     moved = {"h2d": 0, "d2h": 0}
@@ -63,7 +64,7 @@ def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
 
     def counted_row_grad(p):
         rg = row_grad(p)
-        if rg is not None and getattr(p, "_engram_host_resident", False):
+        if rg is not None and is_host_resident(p):
             moved["d2h"] += sum(t.numel() * t.element_size() for t in rg)
         return rg
 

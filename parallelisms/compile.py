@@ -6,7 +6,7 @@ activation checkpointing and FSDP2 put around the block run eagerly outside the 
 (FSDP's all-gathers and reduce-scatters stay ordinary collectives). Blocks of the same shape
 share one compiled graph (dynamo inlines nn modules and treats their parameters as inputs).
 
-The Engram table lookup (parallelisms/engram_tables.py) is excluded with `torch.compiler.disable`:
+The Engram table lookup (parallelisms/engram_tables/) is excluded with `torch.compiler.disable`:
 it reads the id counts on the host (`int(...)`) to size its all-to-alls, which no graph can hold.
 Dynamo breaks the Engram block's graph there: hash-id slicing before, the dense Engram part (key /
 value projections, norms, gate, ShortConv), attention and FFN after, are compiled; the lookup and

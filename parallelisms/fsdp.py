@@ -5,7 +5,7 @@
     dp_shard = 1, dp_replicate > 1   DDP: full replicas, gradients all-reduced (HSDP with shard size 1)
 
 The Engram tables are passed as `ignored_params`: FSDP never all-gathers, shards or reduces them;
-they are row-sharded over the "engram" axis by parallelisms/engram_tables.py instead.
+they are row-sharded over the "engram" axis by parallelisms/engram_tables/ instead.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class AxisDivisors:
 
 def axis_divisors(tp: int, sequence_parallel: bool, dp: int = 1) -> AxisDivisors:
     """The one statement of what the tp and dp axes divide (parallelisms/tensor_parallel.py and
-    engram_tables.py implement it; check_model and the planner read it)."""
+    engram_tables/ implement it; check_model and the planner read it)."""
     return AxisDivisors(
         stream_tokens=tp if sequence_parallel else 1,
         engram_tokens=tp,

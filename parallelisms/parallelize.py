@@ -81,7 +81,7 @@ def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> l
             loss_parallel=cfg.parallelism.tp_loss_parallel,
         )
         if cfg.parallelism.tp_sequence_parallel and model.tok_embeddings is None:
-            model.input_seq_shards = dims.tp  # a later pipeline stage gets T / tp positions
+            model.set_input_seq_shards(dims.tp)  # a later pipeline stage gets T / tp positions
     table_params = shard_engram_tables(model, cfg, dims)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     apply_compile(model, cfg.compile)

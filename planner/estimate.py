@@ -147,7 +147,7 @@ def _measure_rank(
 
 def _host_table_traffic(mem: RankMemory, cfg: JobConfig, tp: int, n_micro: int) -> None:
     """Device bytes of one micro-batch's looked-up rows and host <-> device bytes per step of
-    host tables (parallelisms/host_tables.py), at most one row per lookup id: each TP rank looks
+    host tables (parallelisms/engram_tables/host.py), at most one row per lookup id: each TP rank looks
     up its own tokens' ids (hash heads per Engram layer on this rank)."""
     ids = mem.activations.microbatch_tokens // tp * cfg.engram.num_heads * len(mem.table_rows)
     row_bytes = cfg.engram.head_dim * mem.table_param_bytes // max(1, mem.table_params)

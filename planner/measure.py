@@ -11,15 +11,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from engram.config import ConfigError, JobConfig
+from engram.config.table_optimizers import table_memory_bytes
 from engram.data.tokenizer import load_tokenizer
 from engram.models.builder import build_model, flavor_args
+from parallelisms.engram_tables import STAGING_CHUNK_BYTES
 from parallelisms.fsdp import defer_grad_sync
-from parallelisms.host_tables import STAGING_CHUNK_BYTES
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_model
 from parallelisms.pipeline import StagePlan, split_stages
 from planner.results import ADAM_STATES, RankMemory, dtype_bytes
-from planner.tables import table_memory_bytes
 
 
 def tokenizer_vocab_size(cfg: JobConfig) -> int:

@@ -72,7 +72,7 @@ def step_seconds(
         else:
             exposed += seconds
     # Host tables: their rows and row gradients cross the host link, prefetched / updated
-    # beside compute (parallelisms/host_tables.py): counted as overlapped.
+    # beside compute (parallelisms/engram_tables/host.py): counted as overlapped.
     worst = max((r.host_link_bytes for r in est.ranks), default=0)
     if worst and est.host_link_gbs:
         overlapped += worst / (est.host_link_gbs * 1e9)

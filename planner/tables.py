@@ -1,23 +1,11 @@
-"""Engram table state per table optimizer, and the replicated-table baselines the report sets
-beside the row-sharded tables."""
+"""The Engram tables in the report: their state per table optimizer (bytes from the optimizer's
+spec, engram/config/table_optimizers.py), and the replicated-table baselines set beside the
+row-sharded tables."""
 
 from __future__ import annotations
 
-from engram.config.table_optimizers import TABLE_OPTIMIZERS, table_optimizer_spec
+from engram.config.table_optimizers import TABLE_OPTIMIZERS, table_memory_bytes
 from planner.results import ADAM_STATES, RankMemory, ReplicatedTableBaseline
-
-
-def table_memory_bytes(table_optimizer: str, rows: int, dim: int, param_bytes: int = 4) -> dict:
-    """Persistent bytes of one [rows, dim] table (or local shard) per table optimizer choice
-    (engram/config/table_optimizers.py): weight, gradient (dense: table-sized; row-sparse: none between
-    steps, only the touched rows' fp32 gradient during a step) and fp32 optimizer state."""
-    spec = table_optimizer_spec(table_optimizer)
-    params = rows * dim
-    return {
-        "weight": params * param_bytes,
-        "grad": 0 if spec.row_sparse else params * param_bytes,
-        "optimizer": rows * spec.state_bytes_per_row(dim),
-    }
 
 
 def table_memory_markdown(table_rows: dict[int, int], dim: int, world: int) -> list[str]:

@@ -44,9 +44,8 @@ from engram.train.metrics import MetricsLogger, init_logger, logger
 from engram.train.nonfinite import NonFiniteGuard
 from engram.train.profiling import maybe_profile
 from engram.train.table_check import warn_if_tables_collide
+from parallelisms.engram_tables import check_host_memory, prefetch_host_tables
 from parallelisms.fsdp import defer_grad_sync
-from parallelisms.host_memory import check_host_memory
-from parallelisms.host_tables import prefetch_host_tables
 from parallelisms.parallel_dims import parallel_dims_from_config
 from parallelisms.parallelize import parallelize_model
 from parallelisms.pipeline import build_eval_schedule, build_schedule, check_schedule, split_stages

@@ -13,7 +13,7 @@ status 1 if any check FAILs (every rank), 0 otherwise. The checks, in order:
     init                         backend and the device each local rank got (distinct per host)
     all_reduce / reduce_scatter / all_gather   fp32 sums and gathers with known values
     all_to_all_single[dtype]     uneven splits, int64 / int32 / bfloat16 / float32 payloads
-    engram_lookup[dtype]         the row-sharded table lookup (parallelisms/engram_tables.py)
+    engram_lookup[dtype]         the row-sharded table lookup (parallelisms/engram_tables/lookup.py)
                                  equals F.embedding on the full table, forward and backward
     fsdp2_bf16_step              FSDP2 with ignored_params (the sharded table) + bf16 mixed
                                  precision: one SGD step equals a single-device step

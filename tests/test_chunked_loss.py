@@ -53,7 +53,7 @@ def _batch(vocab: int, batch: int = 2, seed: int = 0) -> tuple[torch.Tensor, tor
 
 def _loss_and_grads(model, ids, labels, chunks: int, scale: float = 1.0):
     model.zero_grad(set_to_none=True)
-    model.return_hidden = False
+    model.set_hidden_output(False)
     loss_fn = build_loss(chunks, [model], sharded_logits=False)
     loss = loss_fn(model(ids), labels)
     (loss * scale).backward()

@@ -30,7 +30,7 @@ def _raw(tmp: str, name: str, world: int, extra: dict) -> dict:
 
 def _train(rank: int, world: int, raw: dict) -> dict:
     """One run; records every Engram table lookup and whether dynamo was tracing it."""
-    import parallelisms.engram_tables as tables
+    import parallelisms.engram_tables.lookup as tables
     from recipes.train import train
 
     lookups: list[bool] = []

@@ -1,4 +1,4 @@
-"""Host-resident Engram tables (engram.table_location = "host", parallelisms/host_tables.py).
+"""Host-resident Engram tables (engram.table_location = "host", parallelisms/engram_tables/host.py).
 
 `host` must train bitwise like `device` (losses, grad norms, table rows after several steps) for
 both row-sparse table optimizers, at 1 / 2 / 4 gloo ranks, with grad accumulation, activation
@@ -52,7 +52,7 @@ def _train(
     worker sees the rows before the update."""
     from torch.distributed.tensor import DTensor
 
-    import parallelisms.host_tables as ht
+    import parallelisms.engram_tables.host as ht
     import recipes.train as recipe
     from engram.optim.lazy_adam import RowSparseOptimizer
 

@@ -285,7 +285,7 @@ def _lookups_row_sparse_after_parallelize(cfg) -> bool:
         dims.build_mesh("cpu")
         model, _ = build_from_config(cfg, load_tokenizer(""))
         parallelize_model(model, cfg, dims)
-        return all(b.table._engram_row_sparse for b in model.engram_blocks().values())
+        return all(b.table.lookup.row_sparse for b in model.engram_blocks().values())
     finally:
         dist.destroy_process_group()
 
@@ -294,11 +294,10 @@ def test_table_optimizer_spec_is_read_by_config_builder_lookup_pipeline_and_plan
     """A table optimizer added to engram/config/table_optimizers.py alone is accepted by the config,
     built by the optimizer builder, makes parallelize_model's lookups row-sparse, is refused by
     the split-backward pipeline schedules and sized by the planner from its state per row."""
-    from engram.config.table_optimizers import TableOptimizerSpec
+    from engram.config.table_optimizers import TableOptimizerSpec, table_memory_bytes
     from engram.data.tokenizer import load_tokenizer
     from engram.models.builder import build_from_config
     from parallelisms.pipeline import split_stages
-    from planner.tables import table_memory_bytes
 
     spec = TableOptimizerSpec(
         "rows_only", "engram.optim.lazy_adam:RowwiseAdagrad", True, 0, 3, False

@@ -11,7 +11,7 @@ from engram.config.checks import check, check_finite
 MAX_NGRAM = 16
 
 
-# Where the Engram table shards and their optimizer state live (parallelisms/host_tables.py).
+# Where the Engram table shards and their optimizer state live (parallelisms/engram_tables/host.py).
 TABLE_LOCATIONS = ("device", "host")
 
 

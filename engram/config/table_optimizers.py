@@ -3,9 +3,11 @@ gradients, and the optimizer state per table row.
 
 Read by the config check (engram/config/), the optimizer builder (engram/optim/builder.py), the table
 lookup (parallelisms/parallelize.py passes `row_sparse` to apply_engram_table_sharding), the
-pipeline's split-backward refusal (parallelisms/pipeline.py) and the memory planner
-(planner/tables.py). Importing it imports no torch, and the optimizer room itself imports the
-class it names when it builds one (engram/optim/builder.py): configuration sits below optim.
+pipeline's split-backward refusal (parallelisms/pipeline.py), the host-memory check of
+host-resident tables (parallelisms/engram_tables/host_memory.py) and the memory planner
+(planner/tables.py, planner/measure.py), the last two through `table_memory_bytes`. Importing it
+imports no torch, and the optimizer room itself imports the class it names when it builds one
+(engram/optim/builder.py): configuration sits below optim.
 """
 
 from __future__ import annotations
@@ -51,3 +53,16 @@ def table_optimizer_spec(name: str) -> TableOptimizerSpec:
             f"unknown table optimizer {name!r}: use one of {', '.join(TABLE_OPTIMIZERS)}"
         )
     return TABLE_OPTIMIZERS[name]
+
+
+def table_memory_bytes(table_optimizer: str, rows: int, dim: int, param_bytes: int = 4) -> dict:
+    """Persistent bytes of one [rows, dim] table (or local shard) per table optimizer choice:
+    weight, gradient (dense: table-sized; row-sparse: none between steps, only the touched rows'
+    fp32 gradient during a step) and fp32 optimizer state."""
+    spec = table_optimizer_spec(table_optimizer)
+    params = rows * dim
+    return {
+        "weight": params * param_bytes,
+        "grad": 0 if spec.row_sparse else params * param_bytes,
+        "optimizer": rows * spec.state_bytes_per_row(dim),
+    }

@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
 class EngramTable(nn.Module):
     """One Engram layer's concatenated multi-head embedding table, looked up by global row id.
 
-    parallelisms/engram_tables.py replaces this module by a row-sharded all-to-all lookup with
+    parallelisms/engram_tables/ replaces this module by a row-sharded all-to-all lookup with
     the same `weight` name and forward contract; the block never looks inside.
     """
 

@@ -195,12 +195,28 @@ class Transformer(nn.Module):
             self.register_load_state_dict_post_hook(_tied_output_not_missing)
         # Non-persistent: recomputed in init_weights() (meta-built models have no values).
         self.register_buffer("rope_cache", rope_cos_sin(args), persistent=False)
-        # A later pipeline stage under TP sequence parallel receives its input sharded along the
-        # sequence (T / tp per rank); parallelize_model sets this to tp there.
-        self.input_seq_shards = 1
-        # True when the loss applies the output head itself (engram/train/loss.py, chunked): the
-        # forward then returns the final hidden states (after the norm).
-        self.return_hidden = False
+        # Two settings of how forward reads its input and what it returns, stated here and
+        # changed after construction only through their setters below (each has one caller).
+        self.input_seq_shards: int = 1
+        """Pieces of the sequence this part's input is split into (each rank gets T / n
+        positions; forward multiplies back to the full T for RoPE and the hash ids): 1, except
+        on a later pipeline stage under TP sequence parallel, whose input hidden states arrive
+        sharded along the sequence. Set by `set_input_seq_shards`, called by
+        parallelisms/parallelize.py (parallelize_model, right after apply_tp)."""
+        self.return_hidden: bool = False
+        """Forward returns the final hidden states (after the norm) instead of logits, because
+        the loss applies the output head itself (chunked loss). Set by `set_hidden_output`,
+        called by engram/train/loss.py (build_loss, on the part holding the head)."""
+
+    # ------------------------------------------------------------------ run-time settings
+
+    def set_input_seq_shards(self, shards: int) -> None:
+        """This part's input arrives as 1 / `shards` of the sequence (see input_seq_shards)."""
+        self.input_seq_shards = shards
+
+    def set_hidden_output(self, enabled: bool) -> None:
+        """Forward returns hidden states instead of logits when `enabled` (see return_hidden)."""
+        self.return_hidden = enabled
 
     # ------------------------------------------------------------------ tied embeddings
 

@@ -6,6 +6,12 @@ order is the exactness argument: a gather queued after step N's update reads the
 so host tables train bitwise like device tables (docs/host_tables.md). Torch ops release the GIL,
 so the thread overlaps the main thread's forward. Anyone reading a host shard outside the worker
 (a checkpoint, a test) calls `wait_host_work()` first.
+
+Which parameters are host-resident travels on the parameter itself, as the attribute named
+`_HOST_RESIDENT` (a table's class swap runs no constructor, and the optimizers see only
+parameters): `mark_host_resident` is its only writer (the host table, when it is sharded and
+when `to_empty` materialises its shard, parallelisms/engram_tables/host.py) and
+`is_host_resident` its only reader (the row-sparse optimizers, engram/optim/).
 """
 
 from __future__ import annotations
@@ -17,16 +23,18 @@ from typing import Any
 
 import torch
 
-_HOST = "_engram_host_resident"
+# The marker's attribute name on a parameter; read and written only by the two functions below.
+_HOST_RESIDENT = "_engram_host_resident"
 
 
 def mark_host_resident(param: torch.Tensor) -> None:
     """Mark a table parameter whose local shard lives in host memory."""
-    setattr(param, _HOST, True)
+    setattr(param, _HOST_RESIDENT, True)
 
 
 def is_host_resident(param: torch.Tensor) -> bool:
-    return bool(getattr(param, _HOST, False))
+    """Whether `mark_host_resident` marked this parameter."""
+    return bool(getattr(param, _HOST_RESIDENT, False))
 
 
 class HostWorker:

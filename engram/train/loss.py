@@ -7,7 +7,7 @@ computed in fp32.
 `loss_chunks = 1`: the model returns logits [B, T, V] and the loss reads them.
 
 `loss_chunks = n > 1` (chunked output head): the model returns its final hidden states [B, T, D]
-(after the final norm; `Transformer.return_hidden`) and the loss applies the output head itself,
+(after the final norm; `Transformer.set_hidden_output`) and the loss applies the output head itself,
 to at most n sequence chunks of ceil(T / n) positions, one at a time: chunk -> head -> fp32
 logits -> summed cross-entropy / valid tokens of the micro-batch -> autograd.grad into the chunk's
 slice of the hidden-state gradient and into the head's parameter gradients (summed over chunks
@@ -226,5 +226,5 @@ def build_loss(
     (the last pipeline stage) returns hidden states and the loss applies its head."""
     owner = next((p for p in model_parts if getattr(p, "output", None) is not None), None)
     if chunks > 1 and owner is not None:
-        owner.return_hidden = True
+        owner.set_hidden_output(True)
     return LanguageModelLoss(chunks, owner, sharded_logits)

@@ -3,7 +3,7 @@
 Each rank's Shard(0) piece of every table, and its row-sparse optimizer state, stay in host
 memory: the table module materialises its shard on the host in `to_empty` (and ignores device
 moves), so neither the recipe's `to_empty` / init nor the HF loader moves it. A lookup is the
-all-to-all lookup of parallelisms/engram_tables.py with the owner's gather done on the host:
+all-to-all lookup (routing.py, lookup.py) with the owner's gather done on the host:
 
     ids -> owners (counts + ids all-to-all, on the device)            route_ids
     owner: host gather of the requested rows into a staging buffer    HOST_WORKER (FIFO thread)
@@ -34,18 +34,25 @@ from torch.distributed.tensor import DTensor
 
 from engram.models.table_grad import accumulate_row_grad, coalesce_rows
 from engram.runtime.host_worker import HOST_WORKER, mark_host_resident, wait_host_work
-from parallelisms.engram_tables import (
+from parallelisms.engram_tables.lookup import ShardedEngramTable
+from parallelisms.engram_tables.routing import (
     LookupRoute,
-    ShardedEngramTable,
-    _check_ids,
-    _exchange,
-    _route_grads_to_owners,
+    LookupSettings,
+    check_ids,
+    exchange,
     restore_rows,
+    route_grads_to_owners,
     route_ids,
     save_route,
 )
 
-__all__ = ["HostShardedEngramTable", "pin_staging", "prefetch_host_tables"]
+__all__ = [
+    "STAGING_CHUNK_BYTES",
+    "HostShardedEngramTable",
+    "host_table_modules",
+    "pin_staging",
+    "prefetch_host_tables",
+]
 
 # Page-locked staging chunks are a power of two (the caching pinned allocators round every
 # request up to one, so a power of two wastes nothing) and under 128 MB (Ascend registers host
@@ -136,10 +143,10 @@ class _HostLookup(torch.autograd.Function):
         save_route(
             ctx,
             route,
-            table._engram_group,
-            table._engram_grad_scale,
+            table.lookup.group,
+            table.lookup.grad_scale,
             host_weight.dtype,
-            table._engram_wire_dtype or host_weight.dtype,
+            table.lookup.wire_dtype or host_weight.dtype,
             host_weight.shape,
         )
         return restore_rows(route, rows_back)
@@ -147,7 +154,7 @@ class _HostLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         ctx.table._engram_replay.pop(ctx.key, None)
-        local_idx, grad_recv = _route_grads_to_owners(ctx, grad_out)
+        local_idx, grad_recv = route_grads_to_owners(ctx, grad_out)
         if ctx.meta[0] and dist.get_world_size(ctx.meta[2]) == 1:
             # dedup on one rank: the rows are unique and sorted, each summed once already
             accumulate_row_grad(ctx.table.weight, local_idx, grad_recv)
@@ -159,8 +166,18 @@ class _HostLookup(torch.autograd.Function):
 class HostShardedEngramTable(ShardedEngramTable):
     """A row-sharded table whose local shard lives in host memory (see the module docstring)."""
 
-    _engram_prefetched: deque
-    _engram_replay: dict
+    _engram_prefetched: deque  # _Staged lookups queued by prefetch, in the order they run
+    _engram_replay: dict  # _replay_key(ids) -> (route, rows) of a forward, for its AC recompute
+
+    def set_lookup(self, settings: LookupSettings) -> None:
+        """The lookup's settings, plus the state a host table carries (once, at sharding time)."""
+        super().set_lookup(settings)
+        mark_host_resident(self.weight)
+        self._engram_prefetched = deque()
+        self._engram_replay = {}
+        # A state dict (checkpoint save / load) reads or writes the shard: queued updates first.
+        self.register_state_dict_pre_hook(lambda *args, **kwargs: wait_host_work())
+        self.register_load_state_dict_pre_hook(lambda *args, **kwargs: wait_host_work())
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         """The shard stays on the host: a meta shard is materialised there (to_empty), a
@@ -185,11 +202,11 @@ class HostShardedEngramTable(ShardedEngramTable):
         self._engram_prefetched.append(_Staged(ids, route, future))
 
     def _route(self, ids: torch.Tensor) -> LookupRoute:
-        _check_ids(ids, self.weight.shape[0])
+        check_ids(ids, self.weight.shape[0])
         flat = ids.reshape(-1).to(dtype=torch.long)
         return route_ids(
-            flat, self.weight.shape[0], self.weight.to_local().shape[0], self._engram_group,
-            self._engram_dedup,
+            flat, self.weight.shape[0], self.weight.to_local().shape[0], self.lookup.group,
+            self.lookup.dedup,
         )  # fmt: skip
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -205,10 +222,10 @@ class HostShardedEngramTable(ShardedEngramTable):
             route, rows_back = self._engram_replay[key]
         else:
             route, rows = self._staged_rows(ids, host)
-            wire = self._engram_wire_dtype or host.dtype
-            rows_back = _exchange(
+            wire = self.lookup.wire_dtype or host.dtype
+            rows_back = exchange(
                 rows.to(wire), route.n_send, route.send_splits, route.recv_splits,
-                self._engram_group,
+                self.lookup.group,
             ).to(host.dtype)  # fmt: skip
             if grad:
                 self._engram_replay[key] = (route, rows_back)
@@ -239,15 +256,6 @@ class HostShardedEngramTable(ShardedEngramTable):
         return super().extra_repr() + ", host-resident"
 
 
-def init_host_table(module: nn.Module) -> None:
-    """State a host table carries (called by apply_engram_table_sharding)."""
-    module._engram_prefetched = deque()
-    module._engram_replay = {}
-    # A state dict (checkpoint save / load) reads or writes the shard: queued updates first.
-    module.register_state_dict_pre_hook(lambda *args, **kwargs: wait_host_work())
-    module.register_load_state_dict_pre_hook(lambda *args, **kwargs: wait_host_work())
-
-
 def prefetch_host_tables(model: nn.Module, hash_ids: torch.Tensor) -> int:
     """Queue the lookups of one micro-batch for every host table of `model` (the id exchange
     now, the host gathers on the worker); returns how many were queued. Call it for each
@@ -261,7 +269,8 @@ def prefetch_host_tables(model: nn.Module, hash_ids: torch.Tensor) -> int:
         block = getattr(unwrap_block(layer), "engram", None)
         table = getattr(block, "table", None)
         if isinstance(table, HostShardedEngramTable):
-            table.prefetch(hash_ids[:, :, model._engram_slot[unwrap_block(layer).layer_id]])
+            slot = model.engram_layer_order.index(unwrap_block(layer).layer_id)
+            table.prefetch(hash_ids[:, :, slot])
             queued += 1
     return queued
 

@@ -7,14 +7,16 @@ import os
 
 from torch import nn
 
-from parallelisms.host_tables import STAGING_CHUNK_BYTES, host_table_modules
+from engram.config.table_optimizers import table_memory_bytes
+from parallelisms.engram_tables.host import STAGING_CHUNK_BYTES, host_table_modules
+
+__all__ = ["check_host_memory", "host_table_bytes", "mem_available_bytes"]
 
 
 def host_table_bytes(model: nn.Module, table_optimizer: str) -> int:
-    """Host bytes of this rank's host tables: shard + optimizer state (planner/tables.py) + one
-    staging buffer per table (<= STAGING_CHUNK_BYTES)."""
-    from planner.tables import table_memory_bytes  # the planner states the bytes per optimizer
-
+    """Host bytes of this rank's host tables: shard + optimizer state (the table optimizer's
+    spec, engram/config/table_optimizers.py) + one staging buffer per table
+    (<= STAGING_CHUNK_BYTES)."""
     total = 0
     for table in host_table_modules(model):
         local = table.weight.to_local()  # meta before to_empty: shapes only

@@ -1,0 +1,51 @@
+"""The Engram tables on ranks: row-sharded over the "engram" mesh axis, never gathered or
+replicated, looked up by an all-to-all; their shards live in device or in host memory
+(engram.table_location).
+
+What belongs here is how a table is placed and looked up, nothing of the model or the planner:
+
+- `routing.py`: what both lookups share: the torch.chunk row split, ids to their owners,
+  rows back in order, row gradients to their owners (the all-to-all halves).
+- `lookup.py`: the device lookup (`sharded_embedding_lookup`, `ShardedEngramTable`).
+- `host.py`: host-resident shards (`HostShardedEngramTable`): host gathers on the host worker,
+  prefetch driven by the batch's hash ids (`prefetch_host_tables`), page-locked staging.
+- `sharding.py`: `apply_engram_table_sharding`, the step of parallelize_model that turns every
+  table into one of the two.
+- `host_memory.py`: the start-time refusal when a node's host memory cannot hold host tables.
+
+Imports run one way: routing <- lookup <- host <- sharding, host <- host_memory. The names below
+are the package's public API.
+"""
+
+from parallelisms.engram_tables.host import (
+    STAGING_CHUNK_BYTES,
+    HostShardedEngramTable,
+    host_table_modules,
+    pin_staging,
+    prefetch_host_tables,
+)
+from parallelisms.engram_tables.host_memory import (
+    check_host_memory,
+    host_table_bytes,
+    mem_available_bytes,
+)
+from parallelisms.engram_tables.lookup import ShardedEngramTable, sharded_embedding_lookup
+from parallelisms.engram_tables.routing import LookupSettings, local_row_range, row_chunk
+from parallelisms.engram_tables.sharding import apply_engram_table_sharding
+
+__all__ = [
+    "STAGING_CHUNK_BYTES",
+    "HostShardedEngramTable",
+    "LookupSettings",
+    "ShardedEngramTable",
+    "apply_engram_table_sharding",
+    "check_host_memory",
+    "host_table_bytes",
+    "host_table_modules",
+    "local_row_range",
+    "mem_available_bytes",
+    "pin_staging",
+    "prefetch_host_tables",
+    "row_chunk",
+    "sharded_embedding_lookup",
+]

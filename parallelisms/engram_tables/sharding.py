@@ -1,0 +1,97 @@
+"""apply_engram_table_sharding: the table sharding step of parallelize_model. Each Engram table
+becomes a Shard(0) DTensor over the "engram" mesh and its class gains the device lookup
+(lookup.py) or the host-resident one (host.py), by engram.table_location."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from parallelisms.engram_tables.host import HostShardedEngramTable
+from parallelisms.engram_tables.lookup import ShardedEngramTable
+from parallelisms.engram_tables.routing import LookupSettings, local_row_range
+
+__all__ = ["apply_engram_table_sharding"]
+
+_SHARDED_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _sharded_class(cls: type, location: str) -> type:
+    if (cls, location) not in _SHARDED_CLASSES:
+        mixin, prefix = (
+            (HostShardedEngramTable, "HostSharded") if location == "host"
+            else (ShardedEngramTable, "Sharded")
+        )  # fmt: skip
+        _SHARDED_CLASSES[(cls, location)] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+    return _SHARDED_CLASSES[(cls, location)]
+
+
+def _default_table_types() -> tuple[type, ...]:
+    from engram.models.engram import EngramTable  # lazy: keeps this module importable on its own
+
+    return (EngramTable,)
+
+
+def apply_engram_table_sharding(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    grad_scale: float,
+    dedup: bool = True,
+    row_sparse: bool = False,
+    table_types: tuple[type, ...] | None = None,
+    wire_dtype: torch.dtype | None = None,
+    location: str = "device",
+) -> list[nn.Parameter]:
+    """Row-shard every Engram table of `model` over the 1-D `mesh`; return the table params.
+
+    Each table's `weight` becomes `nn.Parameter(DTensor)` with Shard(0) (works on the meta device;
+    a materialised weight is sliced to the local rows) and its forward becomes the all-to-all
+    lookup. `grad_scale` multiplies the table gradient the owners receive (the sum over the
+    ranks that looked the rows up, each differentiating its local-mean loss): 1 / dp for the
+    data-parallel mean, which is 1 / mesh size only without TP (parallelize_model passes it).
+    `row_sparse`: the backward leaves row-sparse gradients for a row-sparse optimizer
+    (engram/config/table_optimizers.py) instead of a dense gradient. The returned list is in module
+    order (identical on every rank): pass it to `fully_shard(..., ignored_params=...)` and give
+    it its own optimizer group. `table_types` defaults to engram.models.engram.EngramTable.
+    `wire_dtype`: dtype of the rows and row gradients in the all-to-all (None: the table's).
+    `location`: "device" | "host" (engram.table_location): a host table keeps its shard in host
+    memory and looks up through a host gather (host.py); it needs a
+    row-sparse table optimizer (lazy_adam / rowwise_adagrad).
+    """
+    if location not in ("device", "host"):
+        raise ValueError(f"table location must be 'device' or 'host', got {location!r}")
+    if location == "host" and not row_sparse:
+        raise ValueError(
+            "host-resident Engram tables need row_sparse=True (a row-sparse table optimizer: "
+            "lazy_adam or rowwise_adagrad)"
+        )
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"Engram tables shard over a 1-D mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}: "
+            "pass the 'engram' sub-mesh, e.g. world_mesh['engram']"
+        )
+    types = table_types if table_types is not None else _default_table_types()
+    world, rank = mesh.size(), mesh.get_local_rank()
+    settings = LookupSettings(mesh.get_group(), dedup, float(grad_scale), wire_dtype, row_sparse)
+    params: list[nn.Parameter] = []
+    for module in model.modules():
+        if not isinstance(module, types):
+            continue
+        if isinstance(module, ShardedEngramTable):
+            raise ValueError(f"{type(module).__name__} is already sharded: apply the sharding once")
+        weight = module.weight
+        if weight.dim() != 2:
+            raise ValueError(f"Engram table weight must be [rows, dim], got {tuple(weight.shape)}")
+        start, stop = local_row_range(weight.shape[0], rank, world)
+        local = weight.detach()[start:stop].clone()  # on meta this allocates nothing
+        dt = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=weight.shape, stride=weight.stride()
+        )
+        module.weight = nn.Parameter(dt, requires_grad=weight.requires_grad)
+        module.__class__ = _sharded_class(type(module), location)
+        module.set_lookup(settings)
+        params.append(module.weight)
+    return params
