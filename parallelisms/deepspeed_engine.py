@@ -54,7 +54,7 @@ from engram.optim.builder import apply_training_mode
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.engram_tables import ShardedEngramTable
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import apply_converters, engram_halo, shard_engram_tables
+from parallelisms.parallelize import convert_model, engram_halo, shard_engram_tables
 
 INSTALL = 'pip install -e ".[deepspeed]"'
 ENGINE_TAG = "model"  # engine checkpoint: <step folder>/engine/model/ (+ engine/latest)
@@ -305,7 +305,7 @@ def place_for_engine(
     initialised (+ model.hf_checkpoint) and the tables taken out of the module tree (ZeRO-3
     would partition them): they are returned, `model` is what becomes the engine."""
     dims.check_model(model.args, cfg.training.seq_len, engram_halo(cfg))
-    apply_converters(model, cfg, dims)
+    convert_model(model, cfg, dims)
     shard_engram_tables(model, cfg, dims)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     apply_training_mode(model, cfg.training.mode)

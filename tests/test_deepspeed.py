@@ -507,7 +507,7 @@ def _lora_runs(rank: int, world: int, root: str) -> dict:
 @pytest.mark.slow
 def test_lora_under_zero_stages_matches_fsdp2(tmp_path):
     """training.mode = lora: ZeRO-1/2/3 at 2 ranks get the adapters of train.py's converter
-    (parallelize.apply_converters) and reproduce its FSDP2 lora run (5 steps) at the FSDP2
+    (parallelize.convert_model) and reproduce its FSDP2 lora run (5 steps) at the FSDP2
     tolerances above: losses, global grad norms, adapter and Engram weights. Measured: ZeRO-1/2
     losses equal, norms 1.3e-6, weights 1.4e-5 of the update; ZeRO-3 losses 2.5e-7, norms
     6.0e-4, weights 2.5e-3 (a lora_A: its gradient is 0 at step 1, while B = 0, so its update
