@@ -6,6 +6,8 @@ only its loop:
 - `import_deepspeed`: the optional dependency, with the install command when it is missing;
 - `check_layout` / `build_ds_config`: the [deepspeed] section and the TOML turned into a
   ds_config dict, merged with the user's `deepspeed.config_json`; a setting both give must agree;
+- `place_for_engine`: the model for the engine (LoRA, table sharding, activation checkpointing,
+  training mode, materialisation), the counterpart of parallelize_model;
 - `detach_tables`: the row-sharded Engram tables leave the module tree handed to
   `deepspeed.initialize` (ZeRO-3 partitions every parameter of that tree and cannot exclude
   any), and are gathered under their original names in a module of their own (their optimizer,
@@ -45,10 +47,14 @@ from torch.distributed.tensor import DTensor
 
 from engram.checkpoint import CheckpointError, add_to_manifest, read_manifest, verify_checkpoint
 from engram.config import ConfigError, JobConfig
-from engram.hf.load import HFLoadPlan
+from engram.hf.load import HFLoadPlan, load_hf_backbone, plan_hf_load
 from engram.models.table_grad import row_grad, scale_row_grads_
 from engram.models.transformer import clean_fqn
+from engram.optim.builder import apply_training_mode
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.engram_tables import ShardedEngramTable
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallelize import convert_model, engram_halo, shard_engram_tables
 
 INSTALL = 'pip install -e ".[deepspeed]"'
 ENGINE_TAG = "model"  # engine checkpoint: <step folder>/engine/model/ (+ engine/latest)
@@ -66,6 +72,7 @@ __all__ = [
     "engine_grad_norm",
     "engine_update_discarded",
     "import_deepspeed",
+    "place_for_engine",
 ]
 
 
@@ -287,6 +294,33 @@ def materialize_into_partitions(
     if hf is not None:
         n, b = hf.read_into(dict(tables.named_parameters()))  # names as in the model
         hf.log(loaded + n, read_bytes + b, time.perf_counter() - begin)
+
+
+def place_for_engine(
+    model: nn.Module, cfg: JobConfig, dims: ParallelDims, device: torch.device, ds_config: dict
+) -> nn.Module:
+    """recipes/train_deepspeed.py's parallelize_model + materialisation: the converters (LoRA
+    in lora mode, as train.py's; float8 is refused by check_layout), the tables row-sharded as
+    in train.py, activation checkpointing, the training mode; then the weights materialised and
+    initialised (+ model.hf_checkpoint) and the tables taken out of the module tree (ZeRO-3
+    would partition them): they are returned, `model` is what becomes the engine."""
+    dims.check_model(model.args, cfg.training.seq_len, engram_halo(cfg))
+    convert_model(model, cfg, dims)
+    shard_engram_tables(model, cfg, dims)
+    apply_activation_checkpointing(model, cfg.activation_checkpoint)
+    apply_training_mode(model, cfg.training.mode)
+    if cfg.deepspeed.zero_stage == 3:  # each block (+ its HF tensors) into its partitions
+        hf = cfg.model.hf_checkpoint
+        plan = plan_hf_load(model, hf, model.args) if hf else None  # checked before any read
+        tables = detach_tables(model)
+        materialize_into_partitions(model, tables, device, cfg.job.seed, ds_config, plan)
+        return tables
+    # ZeRO-1/2 keep whole weights on every rank anyway
+    model.to_empty(device=device)
+    model.init_weights(seed=cfg.job.seed)
+    if cfg.model.hf_checkpoint:  # a resumed run overwrites them with the checkpoint
+        load_hf_backbone(model, cfg.model.hf_checkpoint, model.args)
+    return detach_tables(model)
 
 
 # ----------------------------------------------------------------------------- gradients

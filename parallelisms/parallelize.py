@@ -66,13 +66,21 @@ def shard_engram_tables(model: nn.Module, cfg: JobConfig, dims: ParallelDims) ->
     )
 
 
-def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> list[nn.Parameter]:
-    """Apply every parallelism in place; returns the row-sharded Engram table parameters."""
-    dims.check_model(model.args, cfg.training.seq_len, engram_halo(cfg))
+def convert_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> None:
+    """The converter slot, on the meta model before any parallelism: float8, then LoRA (lora
+    mode: adapters, and the frozen backbone held in `frozen_dtype`). Also the DeepSpeed
+    variant's (parallelisms/deepspeed_engine.py place_for_engine), so LoRA is one code path.
+    Not named apply_*: it is no step of its own for planner/registry.py, only these two."""
     apply_float8(model, cfg.float8, dims.mesh().device_type, compiled=cfg.compile.enable)
     if cfg.training.mode == "lora":
         apply_lora(model, cfg.lora)
         hold_frozen_in(model, frozen_dtype(cfg, dims))
+
+
+def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> list[nn.Parameter]:
+    """Apply every parallelism in place; returns the row-sharded Engram table parameters."""
+    dims.check_model(model.args, cfg.training.seq_len, engram_halo(cfg))
+    convert_model(model, cfg, dims)
     if dims.tp_enabled:
         apply_tp(
             model,

@@ -3,65 +3,56 @@
     TRAIN_SCRIPT=recipes/train_deepspeed.py CONFIG_FILE=train_configs/debug_model.toml \
         NGPU=2 ./run_train.sh --deepspeed.zero_stage=3
 
-It reads the same TOML plus the [deepspeed] section (docs/deepspeed.md). What differs from
-train.py: the Engram tables are row-sharded as there, then taken out of the module tree
-(ZeRO-3 would partition them) and keep their own optimizer; everything else (backbone, Engram
-gates / projections / ShortConv) is handed to `deepspeed.initialize` with a torch AdamW. One
-optimizer step: `engine.backward` per micro-batch, then one global gradient norm over engine +
-tables (DeepSpeed's own clipping is off), the non-finite guard, `engine.step()` and the tables'
-step. The step folder holds the engine's checkpoint and the tables' DCP shards, committed together.
+It reads the same TOML plus the [deepspeed] section (docs/deepspeed.md) and is built from the
+same pieces as train.py (engram/train/: process, meta model, data, checkpoint manager, step,
+metrics, evaluation). What differs, and so is here: the model is placed for the engine
+(parallelisms/deepspeed_engine.py place_for_engine: LoRA as in train.py, the Engram tables
+row-sharded as there, then taken out of the module tree, since ZeRO-3 would partition them, and
+given their own optimizer); everything else (backbone, LoRA adapters, Engram gates /
+projections / ShortConv) is handed to `deepspeed.initialize` with a torch AdamW. One optimizer
+step: `engine.backward` per micro-batch, then one global gradient norm over engine + tables
+(DeepSpeed's own clipping is off), the non-finite guard, `engine.step()` and the tables' step.
+The step folder holds the engine's checkpoint and the tables' DCP shards, committed together.
 """
 
 from __future__ import annotations
 
-import sys
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `recipes` under torchrun
-
-from engram.checkpoint import CheckpointManager, ModelState, OptimizerState, TrainState  # noqa: E402
-from engram.checkpoint.fingerprint import config_fingerprint  # noqa: E402
-from engram.config import JobConfig, load_config  # noqa: E402
-from engram.data.loader import build_dataloader  # noqa: E402
-from engram.data.tokenizer import load_tokenizer  # noqa: E402
-from engram.hf.load import load_hf_backbone, plan_hf_load  # noqa: E402
-from engram.models.builder import build_hasher, build_model_from_config  # noqa: E402
-from engram.optim.builder import (  # noqa: E402
+from engram.checkpoint import ModelState, OptimizerState, TrainState
+from engram.config import JobConfig, load_config
+from engram.optim.builder import (
     SchedulersState,
-    apply_training_mode,
     build_lr_schedulers,
     build_optimizers,
     scheduled_lr,
 )
-from engram.runtime import device as dev  # noqa: E402
-from engram.runtime.distributed import destroy_distributed, init_distributed  # noqa: E402
-from engram.train.loss import LanguageModelLoss, cross_entropy  # noqa: E402
-from engram.train.metrics import MetricsLogger, init_logger, logger  # noqa: E402
-from engram.train.nonfinite import NonFiniteGuard  # noqa: E402
-from engram.train.profiling import maybe_profile  # noqa: E402
-from engram.train.table_check import warn_if_tables_collide  # noqa: E402
-from parallelisms.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
-from parallelisms.deepspeed_engine import (  # noqa: E402
+from engram.runtime import device as dev
+from engram.runtime.distributed import destroy_distributed
+from engram.train.build import build_checkpointer, build_loaders, build_meta_model, init_process
+from engram.train.evaluate import eval_due, evaluate
+from engram.train.loss import LanguageModelLoss, cross_entropy
+from engram.train.metrics import MetricsLogger, logger
+from engram.train.nonfinite import NonFiniteGuard
+from engram.train.profiling import maybe_profile
+from engram.train.progress import Progress, TrainResult
+from engram.train.step import dp_mean, next_batches, step_optimizers
+from parallelisms.deepspeed_engine import (
     EngineCheckpoint,
     build_ds_config,
     check_layout,
     clip_engine_and_tables_,
-    detach_tables,
     engine_update_discarded,
     import_deepspeed,
-    materialize_into_partitions,
+    place_for_engine,
 )
-from parallelisms.parallel_dims import parallel_dims_from_config  # noqa: E402
-from parallelisms.parallelize import engram_halo, shard_engram_tables  # noqa: E402
-from recipes.train import TrainResult, dp_mean, evaluate, to_device  # noqa: E402
+from parallelisms.parallel_dims import parallel_dims_from_config
 
 
 @dataclass
@@ -72,51 +63,22 @@ class DeepSpeedResult(TrainResult):
 
 def train(cfg: JobConfig) -> DeepSpeedResult:
     check_layout(cfg)
-    device_type = dev.resolve_device_type(cfg.job.device)
-    deepspeed = import_deepspeed(device_type)
+    deepspeed = import_deepspeed(dev.resolve_device_type(cfg.job.device))
 
-    # --- devices and process groups (DeepSpeed joins the default group created here) ----------
-    dev.import_device_backend(device_type)
-    dev.apply_device_env(device_type, cfg.job.deterministic)
-    rank, local_rank, world_size = init_distributed(device_type)
-    deepspeed.init_distributed(dist_backend=dev.dist_backend(device_type))  # joins that group
-    device = dev.local_device(device_type, local_rank)
-    init_logger(rank)
-    dims = parallel_dims_from_config(cfg, world_size)
-    dims.build_mesh(device_type)
+    # --- devices and process groups (DeepSpeed joins the default group created there) -------
+    proc = init_process(cfg)
+    deepspeed.init_distributed(dist_backend=dev.dist_backend(proc.device_type))
+    device, stage = proc.device, cfg.deepspeed.zero_stage
+    dims = parallel_dims_from_config(cfg, proc.world_size)
+    dims.build_mesh(proc.device_type)
     dp_mesh = dims.mesh("dp")
     dp_rank, dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()
-    if cfg.job.deterministic:
-        torch.use_deterministic_algorithms(True)
-    torch.manual_seed(cfg.job.seed)
-    logger.info(f"world {world_size} on {device_type}: DeepSpeed ZeRO-{cfg.deepspeed.zero_stage}")
+    logger.info(f"world {proc.world_size} on {proc.device_type}: DeepSpeed ZeRO-{stage}")
 
-    # --- tokenizer, Engram hashing, model on meta -------------------------------------------
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    hasher = build_hasher(cfg, tokenizer)
-    model = build_model_from_config(cfg, tokenizer.vocab_size)
-    if hasher is not None:
-        logger.info(f"Engram hashing: {hasher}")
-        warn_if_tables_collide(hasher)
-
-    # --- tables row-sharded as in train.py; AC; training mode ----------------------------------
-    dims.check_model(model.args, cfg.training.seq_len, engram_halo(cfg))
-    shard_engram_tables(model, cfg, dims)
-    apply_activation_checkpointing(model, cfg.activation_checkpoint)
-    apply_training_mode(model, cfg.training.mode)
-    ds_config = build_ds_config(cfg, world_size)
-    # The tables leave the module tree (ZeRO-3 would partition them); the rest becomes the engine.
-    if cfg.deepspeed.zero_stage == 3:  # each block (+ its HF tensors) into its partitions
-        hf = cfg.model.hf_checkpoint
-        plan = plan_hf_load(model, hf, model.args) if hf else None  # checked before any read
-        tables = detach_tables(model)
-        materialize_into_partitions(model, tables, device, cfg.job.seed, ds_config, plan)
-    else:  # ZeRO-1/2 keep whole weights on every rank anyway
-        model.to_empty(device=device)
-        model.init_weights(seed=cfg.job.seed)
-        if cfg.model.hf_checkpoint:  # a resumed run overwrites them with the checkpoint
-            load_hf_backbone(model, cfg.model.hf_checkpoint, model.args)
-        tables = detach_tables(model)
+    # --- model on meta, placed for the engine; the tables come out of its module tree -------
+    tokenizer, hasher, model = build_meta_model(cfg)
+    ds_config = build_ds_config(cfg, proc.world_size)
+    tables = place_for_engine(model, cfg, dims, device, ds_config)
 
     # --- optimizers (a torch AdamW for the engine, the tables' own), engine, data -------------
     table_params = list(tables.parameters())
@@ -124,10 +86,7 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
     table_optimizers = build_optimizers(tables, cfg) if table_params else []
     schedulers = build_lr_schedulers([dense_optimizer, *table_optimizers], cfg)
     engine, *_ = deepspeed.initialize(model=model, optimizer=dense_optimizer, config=ds_config)
-    train_loader = build_dataloader(cfg, tokenizer, hasher, dp_rank, dims.dp_size, split="train")
-
-    def make_eval_loader():
-        return build_dataloader(cfg, tokenizer, hasher, dp_rank, dims.dp_size, split="val")
+    train_loader, make_eval_loader = build_loaders(cfg, tokenizer, hasher, dp_rank, dims.dp_size)
 
     # --- run folder: checkpoints (engine + table shards in one step folder), metrics ----------
     state = TrainState()
@@ -139,111 +98,58 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
     if table_params:
         states["tables"] = ModelState(tables)
         states["table_optimizer"] = OptimizerState(tables, table_optimizers)
-    fingerprint = config_fingerprint(cfg, tokenizer, hasher)
-    fingerprint["engine"] = f"deepspeed-zero{cfg.deepspeed.zero_stage}"
-    checkpointer = CheckpointManager(
-        cfg.checkpoint,
-        cfg.run_folder,
-        states=states,
-        fingerprint=fingerprint,
-        data_meta={
-            "global_batch_samples": cfg.training.local_batch_size
-            * cfg.training.grad_accum_steps
-            * dims.dp_size,
-            "seq_len": cfg.training.seq_len,
-        },
+    checkpointer = build_checkpointer(
+        cfg, tokenizer, hasher, dims.dp_size, states, engine=f"deepspeed-zero{stage}",
         folder_states={"engine": EngineCheckpoint(engine)},
-    )
+    )  # fmt: skip
     start_step = checkpointer.load()
-    metrics = MetricsLogger(cfg.run_folder, cfg.metrics, rank, config_dict=cfg.to_dict())
+    metrics = MetricsLogger(cfg.run_folder, cfg.metrics, proc.rank, config_dict=cfg.to_dict())
     guard = NonFiniteGuard(cfg.training.max_nonfinite_steps, checkpointer.last_good_checkpoint)
     result = DeepSpeedResult(
         start_step=start_step, model=model, model_parts=[model], engine=engine, tables=tables
     )
 
-    # --- the loop (host reads on log steps only, plus the guard's one check: as train.py) ------
-    gas = cfg.training.grad_accum_steps
-    tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len * gas
+    # --- the loop: train.py's step with the engine's forward / backward and update ------------
+    accum = cfg.training.grad_accum_steps
     data_iter = iter(train_loader)
-    step_losses: list[torch.Tensor] = []
-    step_grad_norms: list[torch.Tensor] = []
-    dev.reset_peak_memory(device)
-    window_start, window_steps = time.perf_counter(), 0
-    with maybe_profile(
-        cfg.profiling, cfg.run_folder, rank, device_type=device_type, start_step=start_step
-    ) as profiler:
+    eval_loss_fn = LanguageModelLoss(1, None, sharded_logits=False)
+    profile = maybe_profile(cfg.profiling, cfg.run_folder, proc.rank, proc.device_type, start_step)
+    progress = Progress(cfg, dims.dp_size, state, metrics, train_loader, device)
+    with profile as profiler:
         for step in range(start_step + 1, cfg.training.steps + 1):
-            last_step = step == cfg.training.steps
-            log_step = step % cfg.metrics.log_freq == 0 or last_step
+            # data, then forward / backward per micro-batch through the engine
             loss_sum = torch.zeros((), device=device)
-            for micro in range(gas):
-                batch = to_device(next(data_iter), device)
+            for micro, batch in enumerate(next_batches(data_iter, accum, device)):
                 logits = engine(batch["input_ids"], hash_ids=batch.get("hash_ids"))
                 loss = cross_entropy(logits, batch["labels"])
-                engine.backward(loss)  # loss / gas; gradients reduced at the last micro-batch
+                engine.backward(loss)  # loss / accum; gradients reduced at the last micro-batch
                 loss_sum += loss.detach()
-                if micro < gas - 1:
+                if micro < accum - 1:
                     engine.step()  # between boundaries DeepSpeed only counts the micro-batch
+            # clip (one global norm over engine + tables), guard (before any update), update
             grad_norm = clip_engine_and_tables_(engine, table_params, cfg.training.max_norm)
-            loss = dp_mean(loss_sum / gas, dp_group)
+            loss = dp_mean(loss_sum / accum, dp_group)
             grad_norm = grad_norm.detach().float().to(loss.device)
-            skip = guard.skip(step, torch.stack([loss, grad_norm]))  # before any update
+            skip = guard.skip(step, torch.stack([loss, grad_norm]))
             applied_lr = scheduled_lr(schedulers[0], cfg.optimizer.lr)
             # A skipped step skips the engine too, also when only the tables' gradients are
             # not finite (DeepSpeed would see finite gradients and apply its update).
             with engine_update_discarded(engine) if skip else nullcontext():
                 engine.step()
-            for opt in table_optimizers:
-                if not skip:
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
-            for sched in schedulers:
-                sched.step()
+            step_optimizers(table_optimizers, schedulers, skip)
             profiler.step()
-            state.step = step
-            state.tokens_seen += tokens_per_step * dims.dp_size
-            step_losses.append(loss)
-            step_grad_norms.append(grad_norm)
-            window_steps += 1
-            if log_step:
-                dev.synchronize(device)
-                dt = (time.perf_counter() - window_start) / window_steps
-                mem = dev.memory_stats(device)
-                metrics.log(
-                    step,
-                    {
-                        "loss": loss.item(),
-                        "lr": applied_lr,
-                        "grad_norm": grad_norm.item(),
-                        "tokens_per_s": tokens_per_step * dims.dp_size / dt,
-                        "step_time_s": dt,
-                        "tokens_seen": state.tokens_seen,
-                        "nonfinite_steps": guard.total,
-                        **{f"mem_{k}": v for k, v in mem.items()},
-                        **{
-                            f"data_tokens/{name}": n * cfg.training.seq_len
-                            for name, n in train_loader.samples_per_source().items()
-                        },
-                    },
-                )
-            if cfg.data.eval_batches > 0 and (
-                (cfg.data.eval_every and step % cfg.data.eval_every == 0) or last_step
-            ):
-                eval_loss = evaluate(
-                    [engine],
-                    make_eval_loader(),
-                    cfg.data.eval_batches,
-                    device,
-                    dp_group,
-                    LanguageModelLoss(1, None, sharded_logits=False),
-                )
-                result.eval_losses[step] = eval_loss
-                metrics.log(step, {"eval_loss": eval_loss})
+            # log, evaluate, save
+            progress.record(step, loss, grad_norm, applied_lr, guard.total)
+            if eval_due(cfg, step):
+                result.eval_losses[step] = evaluate(
+                    [engine], make_eval_loader(), cfg.data.eval_batches, device, dp_group,
+                    eval_loss_fn,
+                )  # fmt: skip
+                metrics.log(step, {"eval_loss": result.eval_losses[step]})
+            last_step = step == cfg.training.steps
             checkpointer.maybe_save(step, last_step=last_step, finite=not skip)
-            if log_step:
-                window_start, window_steps = time.perf_counter(), 0
-    result.losses = torch.stack(step_losses).tolist() if step_losses else []
-    result.grad_norms = torch.stack(step_grad_norms).tolist() if step_grad_norms else []
+            progress.end_step(step)
+    result.losses, result.grad_norms = progress.history()
     metrics.close()
     guard.check_finished(cfg.training.steps)
     return result

@@ -93,11 +93,12 @@ def _leg(rank: int, world: int, raw: dict) -> dict:
     # Under PP each stage's first rank reports its stage (ranks are pp-major); merged by _merged.
     reports = rank % (world // raw["parallelism"]["pp"]) == 0
     import engram.checkpoint.manager as ckpt
+    import engram.train.build as build
     import recipes.train as recipe
 
     captured: dict = {}
     real_build_optimizers, real_load = recipe.build_optimizers, ckpt.CheckpointManager.load
-    real_build_dataloader = recipe.build_dataloader
+    real_build_dataloader = build.build_dataloader
 
     def build_optimizers(model, cfg):  # once per stage this rank holds
         opts = real_build_optimizers(model, cfg)
@@ -115,7 +116,7 @@ def _leg(rank: int, world: int, raw: dict) -> dict:
         captured["loaded"] = _full_state(captured["pairs"], captured["loader"])
         return step
 
-    recipe.build_optimizers, recipe.build_dataloader = build_optimizers, build_dataloader
+    recipe.build_optimizers, build.build_dataloader = build_optimizers, build_dataloader
     ckpt.CheckpointManager.load = load
     result = recipe.train(config_from_dict(raw))
     final = _full_state(captured["pairs"], captured["loader"])

@@ -144,6 +144,20 @@ def load_frozen_backbone(model: nn.Module, cfg: JobConfig) -> bool:
     return True
 
 
+def load_hf_at_start(
+    model_parts: list[nn.Module], cfg: JobConfig, start_step: int, frozen_read: bool
+) -> None:
+    """model.hf_checkpoint into a fresh run's backbone, after the checkpoint load (under PP each
+    stage reads its own layers). Nothing for a resumed run (its checkpoint has the weights) nor
+    when load_frozen_backbone (`frozen_read`) read the folder already."""
+    if not cfg.model.hf_checkpoint or start_step != 0:
+        return
+    if cfg.engram.enabled and cfg.engram.init != "identity":
+        logger.warning("engram.init is not 'identity': the pretrained function changes at step 0")
+    for part in model_parts if not frozen_read else ():
+        load_hf_backbone(part, cfg.model.hf_checkpoint, model_parts[0].args)
+
+
 # ----------------------------------------------------------------------------- folder
 
 

@@ -76,7 +76,9 @@ class LoRAMixin:
     @torch.no_grad()
     def init_lora(self, seed: int, fqn: str) -> None:
         """Layout-independent init (engram/models/init.py): A normal(0, 1/in), B zero."""
-        init_normal_(self.lora_A, 1.0 / math.sqrt(self.lora_A.shape[1]), seed, f"{fqn}.lora_A")
+        # in_features, not lora_A.shape[1]: a ZeRO-3 partitioned parameter's shape is (0,)
+        std = 1.0 / math.sqrt(self.in_features)  # type: ignore[attr-defined]  # on a Linear
+        init_normal_(self.lora_A, std, seed, f"{fqn}.lora_A")
         init_constant_(self.lora_B, 0.0)
 
     def delta_weight(self) -> torch.Tensor:

@@ -1,0 +1,108 @@
+"""What both recipes build before their loop, in their order: the process (device, default
+process group, logger, seed), the tokenizer / hasher / model on meta, the data loaders and the
+checkpoint manager of the run folder.
+
+How the model is placed on ranks is not here: that is parallelisms/ (FSDP2 / TP / PP:
+parallelisms/model_parts.py; DeepSpeed: parallelisms/deepspeed_engine.py), which engram/ does
+not import; the recipe passes this module the placed model's states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from engram.checkpoint import CheckpointManager
+from engram.checkpoint.fingerprint import config_fingerprint
+from engram.config import JobConfig
+from engram.data.loader import DataLoader, build_dataloader
+from engram.data.tokenizer import Tokenizer, load_tokenizer
+from engram.hashing.ngram import NgramHasher
+from engram.models.builder import build_hasher, build_model_from_config
+from engram.runtime import device as dev
+from engram.runtime.distributed import init_distributed
+from engram.train.metrics import init_logger, logger
+from engram.train.table_check import warn_if_tables_collide
+
+
+@dataclass
+class Process:
+    """This process in the job: its device and its place in the default process group."""
+
+    device_type: str
+    device: torch.device
+    rank: int
+    world_size: int
+
+
+def init_process(cfg: JobConfig) -> Process:
+    """Device backend, the default process group, the rank's logger, determinism and the seed."""
+    device_type = dev.resolve_device_type(cfg.job.device)
+    dev.import_device_backend(device_type)
+    dev.apply_device_env(device_type, cfg.job.deterministic)  # npu only; before HCCL starts
+    rank, local_rank, world_size = init_distributed(device_type)
+    device = dev.local_device(device_type, local_rank)
+    init_logger(rank)
+    if cfg.job.deterministic:
+        torch.use_deterministic_algorithms(True)
+    torch.manual_seed(cfg.job.seed)
+    return Process(device_type, device, rank, world_size)
+
+
+def build_meta_model(cfg: JobConfig) -> tuple[Tokenizer, NgramHasher | None, nn.Module]:
+    """The tokenizer, the Engram hasher (None without Engram) and the model on meta. The hasher
+    feeds the data loader; the model needs only the table sizes (from the config)."""
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    hasher = build_hasher(cfg, tokenizer)
+    model = build_model_from_config(cfg, tokenizer.vocab_size)
+    if hasher is not None:
+        logger.info(f"Engram hashing: {hasher}")
+        warn_if_tables_collide(hasher)
+    return tokenizer, hasher, model
+
+
+def build_loaders(
+    cfg: JobConfig, tokenizer: Tokenizer, hasher: NgramHasher | None, dp_rank: int, dp_size: int
+) -> tuple[DataLoader, Callable[[], DataLoader]]:
+    """The training loader and a factory of held-out loaders: a fresh one per evaluation scores
+    the same batches every time."""
+    train_loader = build_dataloader(cfg, tokenizer, hasher, dp_rank, dp_size, split="train")
+
+    def make_eval_loader() -> DataLoader:
+        return build_dataloader(cfg, tokenizer, hasher, dp_rank, dp_size, split="val")
+
+    return train_loader, make_eval_loader
+
+
+def build_checkpointer(
+    cfg: JobConfig,
+    tokenizer: Tokenizer,
+    hasher: NgramHasher | None,
+    dp_size: int,
+    states: dict[str, Any],
+    engine: str | None = None,
+    folder_states: dict[str, Any] | None = None,
+) -> CheckpointManager:
+    """The run folder's checkpoint manager over `states`. `engine` (e.g. "deepspeed-zero3") joins
+    the fingerprint: a checkpoint of one engine is not resumed by another; `folder_states` are
+    saved as files of the step folder (an engine's own checkpoint)."""
+    fingerprint = config_fingerprint(cfg, tokenizer, hasher)
+    if engine is not None:
+        fingerprint["engine"] = engine
+    return CheckpointManager(
+        cfg.checkpoint,
+        cfg.run_folder,
+        states=states,
+        fingerprint=fingerprint,
+        data_meta={
+            "global_batch_samples": cfg.training.local_batch_size
+            * cfg.training.grad_accum_steps
+            * dp_size,
+            "seq_len": cfg.training.seq_len,
+        },
+        folder_states=folder_states,
+    )

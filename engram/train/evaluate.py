@@ -1,0 +1,49 @@
+"""Held-out loss during training (data.eval_batches batches, every data.eval_every steps and at the
+last step), through the same loss and, under PP, the same pipeline as the training step."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engram.config import JobConfig
+from engram.train.loss import LanguageModelLoss, local_value
+from engram.train.step import PipelineRun, dp_mean, pipeline_forward_backward, to_device
+
+
+def eval_due(cfg: JobConfig, step: int) -> bool:
+    d = cfg.data
+    if d.eval_batches <= 0:
+        return False
+    return bool(d.eval_every and step % d.eval_every == 0) or step == cfg.training.steps
+
+
+@torch.no_grad()
+def evaluate(
+    model_parts: list[nn.Module],
+    loader,
+    num_batches: int,
+    device: torch.device,
+    dp_group: dist.ProcessGroup,
+    loss_fn: LanguageModelLoss,
+    pp: PipelineRun | None = None,
+) -> float:
+    """Held-out loss (`pp`: the PipelineRun under pipeline parallelism; its loss is loss_fn)."""
+    for part in model_parts:
+        part.eval()
+    total = torch.zeros((), device=device)
+    it = iter(loader)
+    for _ in range(num_batches):
+        batch = to_device(next(it), device)
+        if pp is not None:
+            total += pipeline_forward_backward(pp, batch, 1.0, train=False)
+            continue
+        (model,) = model_parts
+        output = model(batch["input_ids"], hash_ids=batch.get("hash_ids"))
+        total += local_value(loss_fn(output, batch["labels"]))
+    for part in model_parts:
+        part.train()
+    if pp is not None:
+        pp.broadcast_loss(total)
+    return dp_mean(total / num_batches, dp_group).item()

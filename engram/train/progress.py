@@ -1,0 +1,105 @@
+"""The training loop's running record: the checkpointed counters (TrainState), each step's loss
+and gradient norm, and the metrics of a log step.
+
+Host reads (.item(), device synchronisation) happen on log steps only, plus the guard's one
+finiteness check per step (engram/train/nonfinite.py): a host sync every step would stall an
+accelerator's queue. Per-step values stay on the device until the end of the run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engram.checkpoint import TrainState
+from engram.config import JobConfig
+from engram.data.loader import DataLoader
+from engram.runtime import device as dev
+from engram.train.metrics import MetricsLogger
+
+
+@dataclass
+class TrainResult:
+    """What a run leaves behind in memory (tests and notebooks use it; files are the real record)."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    model: torch.nn.Module | None = None
+    model_parts: list[torch.nn.Module] = field(default_factory=list)  # this rank's stages under PP
+    start_step: int = 0
+
+
+class Progress:
+    """Create it right before the loop (it resets the peak-memory counters and starts the first
+    timing window); per step: `record`, then, after evaluation and the checkpoint, `end_step`."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        dp_size: int,
+        state: TrainState,
+        metrics: MetricsLogger,
+        train_loader: DataLoader,
+        device: torch.device,
+    ) -> None:
+        t = cfg.training
+        self.cfg, self.dp_size, self.state = cfg, dp_size, state
+        self.metrics, self.train_loader, self.device = metrics, train_loader, device
+        self.tokens_per_step = t.local_batch_size * t.seq_len * t.grad_accum_steps  # this rank's
+        self.losses: list[torch.Tensor] = []  # global mean loss per step, on the device
+        self.grad_norms: list[torch.Tensor] = []
+        dev.reset_peak_memory(device)
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def is_log_step(self, step: int) -> bool:
+        return step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps
+
+    def record(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, nonfinite: int
+    ) -> None:
+        """Count the step; on a log step write its metrics (`lr`: the one its update used;
+        `nonfinite`: the guard's count of skipped steps)."""
+        self.state.step = step
+        self.state.tokens_seen += self.tokens_per_step * self.dp_size
+        self.losses.append(loss)
+        self.grad_norms.append(grad_norm)
+        self.window_steps += 1
+        if not self.is_log_step(step):
+            return
+        dev.synchronize(self.device)
+        dt = (time.perf_counter() - self.window_start) / self.window_steps
+        mem = dev.memory_stats(self.device)
+        seq_len = self.cfg.training.seq_len
+        self.metrics.log(
+            step,
+            {
+                "loss": loss.item(),
+                "lr": lr,
+                "grad_norm": grad_norm.item(),
+                "tokens_per_s": self.tokens_per_step * self.dp_size / dt,
+                "step_time_s": dt,  # mean over the steps since the last log
+                "tokens_seen": self.state.tokens_seen,
+                "nonfinite_steps": nonfinite,
+                **{f"mem_{k}": v for k, v in mem.items()},
+                # data: global tokens consumed per mixture source (tokens dataset)
+                **{
+                    f"data_tokens/{name}": n * seq_len
+                    for name, n in self.train_loader.samples_per_source().items()
+                },
+            },
+        )
+
+    def end_step(self, step: int) -> None:
+        """After a log step's evaluation and checkpoint: the next timing window starts (their
+        time is in no window)."""
+        if self.is_log_step(step):
+            self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def history(self) -> tuple[list[float], list[float]]:
+        """Every step's (loss, grad norm) of this run, read from the device once."""
+        if not self.losses:
+            return [], []
+        return torch.stack(self.losses).tolist(), torch.stack(self.grad_norms).tolist()

@@ -1,0 +1,115 @@
+"""One optimizer step's pieces: forward-backward of a micro-batch (whole model, or this rank's
+pipeline stages through their schedule), the data-parallel mean of a logged value, and the update
+(or the guard's skip) with the learning-rate schedules.
+
+The recipes call these in order (data, forward / backward, clip, guard, update); what an engine
+does differently (DeepSpeed's `engine.backward` / `engine.step`) stays in its recipe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from engram.train.loss import LanguageModelLoss, local_value
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def next_batches(
+    data_iter: Iterator[dict[str, torch.Tensor]], n: int, device: torch.device
+) -> list[dict[str, torch.Tensor]]:
+    """This step's `n` micro-batches, on the device, read up front (host tables prefetch their
+    rows from all of them before the first forward)."""
+    return [to_device(next(data_iter), device) for _ in range(n)]
+
+
+def forward_backward(
+    model_parts: list[nn.Module],
+    batch: dict[str, torch.Tensor],
+    loss_fn: LanguageModelLoss,
+    loss_scale: float,
+) -> torch.Tensor:
+    """One micro-batch: forward, loss, backward of `loss * loss_scale`; returns the detached
+    loss. Hash ids go by keyword so a pipeline schedule can forward them to every stage."""
+    (model,) = model_parts  # pp = 1: one part
+    output = model(batch["input_ids"], hash_ids=batch.get("hash_ids"))
+    loss = loss_fn(output, batch["labels"])
+    (loss * loss_scale).backward()
+    return local_value(loss)
+
+
+class PipelineLoss:
+    """The last stage's loss per micro-batch, times `scale`. torch does not rescale pipeline
+    grads (scale_grads=False): scale = 1 / (micro-batches x accumulation steps) makes the
+    gradients those of the mean loss over the local batch, as without PP."""
+
+    def __init__(self, loss_fn: LanguageModelLoss) -> None:
+        self.loss_fn = loss_fn
+        self.scale = 1.0
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, labels) * self.scale
+
+
+@dataclass
+class PipelineRun:
+    """This rank's pipeline schedules and where the loss lives (under PP only; built by
+    parallelisms/model_parts.py)."""
+
+    schedule: Any  # a torch.distributed.pipelining schedule over this rank's stages
+    eval_schedule: Any  # forward-only (see parallelisms/pipeline.py build_eval_schedule)
+    microbatches: int  # per schedule step
+    loss: PipelineLoss
+    has_first_stage: bool  # feeds input_ids
+    group: dist.ProcessGroup  # the pp group
+    last_stage_rank: int  # global rank holding the last stage (it computes the loss)
+
+    def broadcast_loss(self, value: torch.Tensor) -> None:
+        dist.broadcast(value, src=self.last_stage_rank, group=self.group)
+
+
+def pipeline_forward_backward(
+    pp: PipelineRun, batch: dict[str, torch.Tensor], loss_scale: float, train: bool = True
+) -> torch.Tensor:
+    """One local batch through the pipeline schedule (split into micro-batches by torch).
+    Returns the mean loss over the batch on the rank holding the last stage, 0 elsewhere.
+    Hash ids go by keyword: torch splits them along dim 0 and gives every stage its slice."""
+    schedule = pp.schedule if train else pp.eval_schedule
+    pp.loss.scale = loss_scale / pp.microbatches
+    args = (batch["input_ids"],) if pp.has_first_stage else ()
+    kwargs = {"hash_ids": batch["hash_ids"]} if "hash_ids" in batch else {}
+    losses: list[torch.Tensor] = []
+    run = schedule.step if train else schedule.eval
+    run(*args, target=batch["labels"], losses=losses, **kwargs)
+    if not losses:
+        return torch.zeros((), device=batch["labels"].device)
+    return sum(local_value(x) for x in losses) / loss_scale
+
+
+def dp_mean(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Mean of a per-rank scalar over the data-parallel ranks, on the device (no host read)."""
+    value = value.detach().float().clone()
+    dist.all_reduce(value, group=group)
+    return value / dist.get_world_size(group)
+
+
+def step_optimizers(
+    optimizers: list[torch.optim.Optimizer], schedulers: list[LambdaLR], skip: bool
+) -> None:
+    """The update, or none on a step the non-finite guard skips; the gradients are cleared and
+    the schedules advance either way (a skipped step still counts as a step)."""
+    for opt in optimizers:
+        if not skip:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    for sched in schedulers:
+        sched.step()
