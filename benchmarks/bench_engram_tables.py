@@ -3,7 +3,7 @@
 Runs real gloo ranks (forked on this machine) and counts the actual payload of every collective
 through a dispatch mode that sees each c10d op:
 
-  sharded     this repo's all-to-all lookup (parallelisms/engram_tables.py), dedup on and off:
+  sharded     this repo's all-to-all lookup (parallelisms/engram_tables/lookup.py), dedup on and off:
               counts + ids out, rows back (forward), row gradients back (backward). Bytes sent
               to OTHER ranks are counted (the self-chunk of an all-to-all never leaves the rank).
   replicated  a plain full table on every rank + a dense full-table gradient all-reduce (what

@@ -115,7 +115,7 @@ def train(cfg: JobConfig) -> TrainResult:
     with loss_fn.context(), profile as profiler:
         for step in range(start_step + 1, cfg.training.steps + 1):
             # data: this step's micro-batches up front; host tables prefetch their rows (behind
-            # the previous step's host update; see parallelisms/host_tables.py)
+            # the previous step's host update; see parallelisms/engram_tables/host.py)
             batches = next_batches(data_iter, accum, device)
             if prefetch:
                 for batch in batches:
