@@ -1,4 +1,4 @@
-"""recipes/train.py with kill -9 fault injection, for tests/test_faults_restart.py.
+"""recipes/train.py with kill -9 fault injection, for tests/test_recipes_faults_restart.py.
 
     FAULTS="0:step:1:3,1:save:0:6" TRAIN_SCRIPT=tests/fault_train.py ./run_train.sh ...
 

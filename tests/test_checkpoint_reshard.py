@@ -7,7 +7,7 @@ Each leg checks, right after its load, that the full model, both optimizers' sta
 data position equal bit for bit what the previous leg (another world size) saved, and that its
 losses replay the uninterrupted world-1 run. Losses across world sizes agree to float32
 reduction order (the gradients are summed in another order), not bit for bit; at a fixed layout
-the replay is exact (tests/test_resume.py, tests/test_checkpoint.py)."""
+the replay is exact (tests/test_checkpoint_resume.py, tests/test_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def test_resume_across_world_sizes_and_layouts(tmp_path):
         )
         prev_final, prev_end = _merged(out, "final"), end
     # The end state vs the uninterrupted run: reduction order differs between layouts, and Adam
-    # turns that into a fraction of one step (the criterion of tests/test_parity.py), except for
+    # turns that into a fraction of one step (the criterion of tests/test_parallelisms_parity.py), except for
     # entries whose gradient is near zero (rarely seen tokens' embedding rows): there the sign of
     # the summed gradient depends on the order and m / sqrt(v) makes a whole step of it. Measured
     # with the synthetic-facts data: 4 of 524,288 embedding entries at 1.6 steps after 10 steps.

@@ -311,7 +311,7 @@ LLAMA31_ROPE = {
 
 def test_config_json_numerics_warn(tmp_path):
     """Same shapes, other RoPE base / scaling (transformers 4 and 5 layouts): load_hf_backbone
-    loads, with a warning (the recipes' builder refuses it earlier, see test_hf_config.py)."""
+    loads, with a warning (the recipes' builder refuses it earlier, see test_models_hf_config.py)."""
     source, _ = _init(_raw(), SEED_A)
     export_hf(source, tmp_path)
     args = source.args

@@ -10,7 +10,7 @@ and off, and greedy generation token for token. The HF vocabulary (2112 rows) is
 debug tokenizer (2048 tokens), as Qwen2.5 pads its output rows.
 
 transformers runs only in one forked child: importing it creates nn.Module instances at module
-level, which would outlive every test of this pytest process (tests/test_teardown.py counts them).
+level, which would outlive every test of this pytest process (tests/test_runtime_teardown.py counts them).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import pytest
 import torch
 from launcher import run_distributed, run_isolated
 from safetensors import safe_open
-from test_checkpoint_export import _batch, _export
+from test_hf_checkpoint_export import _batch, _export
 
 from engram.config import config_from_dict, to_toml
 

@@ -3,8 +3,8 @@
 - the all-to-all lookup's row-sparse backward: no dense .grad, the owner's rows equal the dense
   gradient's, the clipped global norm equals the dense path's;
 - run-level parity of lazy_adam and rowwise_adagrad at 1 vs 2 vs 4 ranks (FSDP, DDP, grad
-  accumulation; losses, grad norms, updated weights; tests/test_parity.py's helpers and
-  tolerances; `adam` is covered by test_parity.py's layouts);
+  accumulation; losses, grad norms, updated weights; tests/test_parallelisms_parity.py's helpers and
+  tolerances; `adam` is covered by test_parallelisms_parity.py's layouts);
 - resume from a DCP checkpoint replays the uninterrupted run exactly (1 and 2 ranks);
 - every table optimizer's state is DTensor Shard(0) and reshards: saved at 2 ranks, loaded at 1
   and 4 ranks, equal to what was saved.
@@ -15,7 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 from launcher import run_distributed
-from test_parity import _assert_matches, _config, _initial_weights, _local_batch, _train, _with
+from test_parallelisms_parity import (
+    _assert_matches,
+    _config,
+    _initial_weights,
+    _local_batch,
+    _train,
+    _with,
+)
 from torch import nn
 
 from engram.config import config_from_dict

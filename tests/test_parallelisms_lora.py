@@ -2,7 +2,7 @@
 
 - parity: FSDP2, TP2, PP2, FSDP2 x TP2 with activation checkpointing and FSDP2 with compile
   (aot_eager) reproduce the single-process
-  lora run (tests/test_parity.py's criteria: losses 1e-5, step-1 grad norm 1e-6, updates 0.3%,
+  lora run (tests/test_parallelisms_parity.py's criteria: losses 1e-5, step-1 grad norm 1e-6, updates 0.3%,
   frozen weights bit-identical);
 - the single-process run changes only adapters and Engram parameters, and every lora_B;
 - zero-initialised B (and Engram's identity init) leave the backbone's logits exactly unchanged;
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from launcher import run_distributed
-from test_parity import GLOBAL_BATCH, _assert_matches, _config, _with
+from test_parallelisms_parity import GLOBAL_BATCH, _assert_matches, _config, _with
 from torch.distributed.tensor import DTensor
 
 from engram.config import ConfigError, config_from_dict, load_config
@@ -29,7 +29,7 @@ from engram.models.transformer import clean_fqn
 from engram.optim.builder import apply_training_mode
 from parallelisms.lora import apply_lora
 
-# Two steps, as tests/test_tp.py: TP's different fp32 summation order in the forward drifts the
+# Two steps, as tests/test_parallelisms_tp.py: TP's different fp32 summation order in the forward drifts the
 # loss by ~1e-5 relative from step 3 on (measured 7.5584 vs 7.5585 at lora TP2); step 1 trains B
 # and Engram (A's gradient is 0 while B = 0), step 2 all adapters.
 STEPS = 2
@@ -83,7 +83,7 @@ LAYOUTS = {
     "pp2": (2, {"pp": 2}, {"pipeline": {"schedule": "1F1B"}}),
     "fsdp2_x_tp2_ac": (4, {"tp": 2, "dp_shard": 2}, {"activation_checkpoint": {"mode": "full"}}),
     # aot_eager: dynamo + AOT autograd trace the LoRA blocks without generating code (see
-    # tests/test_compile.py for why inductor runs only there). Plain linears without TP take
+    # tests/test_parallelisms_compile.py for why inductor runs only there). Plain linears without TP take
     # the fused LoRA Function (as 1 rank, fsdp2 and pp2): here under AC and compile too.
     "fsdp2_compile_ac": (
         2,

@@ -77,7 +77,7 @@ def _train(
 
         RowSparseOptimizer._update_all = slow
     if nan_steps:
-        from test_faults_recipe import poison_loss
+        from test_recipes_faults import poison_loss
 
         poison_loss(nan_steps)
     result = recipe.train(config_from_dict(raw))
@@ -385,7 +385,7 @@ def test_host_checkpoint_async_save_and_reshard(tmp_path):
 
 def _assert_close_to_uninterrupted(got: dict, ref: dict, before: dict, where: str) -> None:
     """Steps 3-4 resumed at another world size vs the uninterrupted run's steps 3-4, to the
-    tolerances of tests/test_parity.py: losses rtol 1e-5; step 3's grad norm (identical
+    tolerances of tests/test_parallelisms_parity.py: losses rtol 1e-5; step 3's grad norm (identical
     weights) 1e-6, step 4's 1e-3; each table's update since step 2 (`before`) to 0.3% relative
     (Frobenius) and no element off by half an Adam step (lr 1e-3 x table_lr_mult 5)."""
     close = np.testing.assert_allclose

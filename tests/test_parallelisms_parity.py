@@ -86,7 +86,7 @@ LAYOUTS = {
     "fsdp_reshard_never": (2, {"dp_shard": 2, "fsdp_reshard_after_forward": "never"}, {}),
     "fsdp_cpu_offload": (2, {"dp_shard": 2, "cpu_offload": True}, {}),
     "fsdp_ac_full": (2, {"dp_shard": 2}, {"activation_checkpoint": {"mode": "full"}}),
-    # lazy_adam / rowwise_adagrad tables: tests/test_table_optim_dist.py
+    # lazy_adam / rowwise_adagrad tables: tests/test_optim_tables_dist.py
     "hsdp_2x2": (4, {"dp_replicate": 2, "dp_shard": 2}, {}),
     "fsdp": (4, {"dp_shard": 4}, {}),
     "fsdp_grad_accum": (2, {"dp_shard": 2}, {"training": {"grad_accum_steps": 2}}),

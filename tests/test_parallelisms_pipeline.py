@@ -1,6 +1,6 @@
 """Pipeline parallelism: stage splits, schedule checks, and run-level parity with one process.
 
-Parity (the bar of tests/test_parity.py, whose helpers this reuses): the debug model (4 layers) on
+Parity (the bar of tests/test_parallelisms_parity.py, whose helpers this reuses): the debug model (4 layers) on
 the same global batch of 8 sequences; per-step losses to rtol 1e-5, step-1 gradient norm to 1e-6,
 updated weights per tensor (the union over the pipeline ranks), and the held-out loss. Engram
 layers [0, 2] put an Engram block on both stages at pp 2 (and on stages 0 and 2 of 4 with two
@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 from launcher import run_distributed
-from test_parity import _assert_matches, _config, _initial_weights, _with
+from test_parallelisms_parity import _assert_matches, _config, _initial_weights, _with
 from torch.distributed.tensor import DTensor
 
 from engram.config import ConfigError, Pipeline, config_from_dict
@@ -203,9 +203,9 @@ COMPOSED = {
 
 
 # With TP the forward's own fp32 summation order changes, which Adam and the Engram gate amplify
-# after a few steps (measured by tests/test_tp.py on the tp branch: grad norms of steps 3-5 drift
+# after a few steps (measured by tests/test_parallelisms_tp.py on the tp branch: grad norms of steps 3-5 drift
 # up to 2.4e-3 without PP; here pp2 x tp2 step 5 drifted 1.05e-3). Compare the first 2 steps,
-# as test_tp.py does.
+# as test_parallelisms_tp.py does.
 TP_STEPS = 2
 
 
@@ -233,7 +233,7 @@ def test_engram_on_one_stage(tmp_path, layer_id, stage):
 @pytest.mark.slow
 def test_pp_fsdp_with_checkpointing_and_compile(tmp_path):
     """PP 2 x FSDP 2 with full activation checkpointing and every block compiled (aot_eager:
-    inductor's per-process compile would dominate CI, see tests/test_compile.py) against one
+    inductor's per-process compile would dominate CI, see tests/test_parallelisms_compile.py) against one
     eager process without either: recompute and compile change no number."""
     layouts = {"pp2_fsdp2_ac_compile": (4, {"pp": 2, "dp_shard": 2}, {"schedule": "1F1B"})}
     extra = {
@@ -254,7 +254,7 @@ def test_pp_with_float8(tmp_path):
     step (GPipe), so every float8 scale covers the same tokens as in the reference. Two steps:
     fp32 rounding-level differences (e.g. the grad norm is summed over pp in another order) are
     amplified once a value crosses a float8 rounding boundary: measured 1.5e-5 (loss, step 5)
-    and 2.8e-4 (grad norm, step 4) relative, as with TP (tests/test_float8.py)."""
+    and 2.8e-4 (grad norm, step 4) relative, as with TP (tests/test_parallelisms_float8.py)."""
     layouts = {"pp2_float8": (2, {"pp": 2}, {"schedule": "GPipe", "microbatches": 1})}
     extra = {"float8": {"enable": True, "emulate": True}, "training": {"steps": TP_STEPS}}
     _check_layouts(tmp_path, layouts, extra)

@@ -93,7 +93,7 @@ def _overrides(dump: Path) -> list[str]:
 # A gloo worker used to abort now and then ("terminate called without an active exception",
 # exit -6) when process groups held by FSDP reference cycles were torn down during interpreter
 # shutdown (about 1 in 20 runs); destroy_distributed now collects them first (tests/
-# test_teardown.py checks that). A -6 exit is still retried once, with a warning that carries the
+# test_runtime_teardown.py checks that). A -6 exit is still retried once, with a warning that carries the
 # log, as a safety net on this loaded 2-core box; any other failure fails at once.
 _TEARDOWN_ABORT = "exitcode: -6"
 

@@ -12,7 +12,7 @@ full activation checkpointing) reproduce the main recipe's FSDP2 run (same globa
   4.8e-4), 1e-2 for lazy_adam tables (measured 4.2e-3). The dense gradients are reduced in
   another order (flat ZeRO buckets vs FSDP2's per-parameter reduce-scatter); Adam turns that
   fp32 noise in near-zero gradient entries into a fraction of a step, and lazy Adam, which steps
-  every touched row by ~lr whatever its gradient's size, more so (test_parity.py's reasoning).
+  every touched row by ~lr whatever its gradient's size, more so (test_parallelisms_parity.py's reasoning).
 
 bf16 weights (ZeRO-2 and ZeRO-3) change the losses and track fp32 to rtol 2e-3.
 
@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 import torch
 from launcher import free_port, run_distributed
-from test_parity import _config as parity_config
+from test_parallelisms_parity import _config as parity_config
 from torch.distributed.tensor import DTensor
 
 from engram.checkpoint import CheckpointError
@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _config(folder: str, world: int, table_optimizer: str, **sections) -> dict:
-    """test_parity.py's job (debug model, Engram at layers 0 and 2, global batch 8, lr 1e-3, eps
+    """test_parallelisms_parity.py's job (debug model, Engram at layers 0 and 2, global batch 8, lr 1e-3, eps
     1e-6, 5 steps, max_norm 1.0) with the given table optimizer and sections."""
     raw = parity_config(folder, world, "full", {})
     raw["job"]["run_name"] = "run"

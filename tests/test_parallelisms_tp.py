@@ -1,4 +1,4 @@
-"""Tensor parallelism: every TP layout reproduces the single-process run (tests/test_parity.py's
+"""Tensor parallelism: every TP layout reproduces the single-process run (tests/test_parallelisms_parity.py's
 criteria and helpers), init is layout-independent, DCP resume of TP x FSDP replays exactly, and
 degrees that do not fit the model are refused with the fix.
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from launcher import run_distributed
-from test_parity import (
+from test_parallelisms_parity import (
     GLOBAL_BATCH,
     _assert_losses_and_norms_match,
     _assert_matches,
@@ -40,9 +40,9 @@ LAST = {"engram": {"layer_ids": [0, 3], "init": "identity"}}
 # Early steps only. Unlike data parallelism, TP changes the fp32 summation order of the forward
 # itself (row-wise partial sums), and two amplifiers turn that 1e-7 into visible drift later: the
 # gate above, and Adam, which moves every entry with a noise-level gradient by a full step. Over
-# 5 steps (test_parity's length) the gradient norm of steps 3-5 drifted by up to 2.4e-3 (qwen3
+# 5 steps (test_parallelisms_parity's length) the gradient norm of steps 3-5 drifted by up to 2.4e-3 (qwen3
 # fsdp2 x tp2; llama3 engram_only tp2 1.5e-3 at step 3) and gate-path weight updates by up to
-# 9e-3 relative, with steps 1-2 within tolerance; every other tensor stayed within test_parity's
+# 9e-3 relative, with steps 1-2 within tolerance; every other tensor stayed within test_parallelisms_parity's
 # bounds.
 TP_STEPS = 2
 
@@ -90,7 +90,7 @@ def test_tp_layouts_match_single_process(tmp_path):
 @pytest.mark.slow
 def test_tp_matches_over_10_steps_without_the_engram_gate(tmp_path):
     """Without Engram, TP reproduces one process over 10 steps by every criterion of
-    test_parity (measured: grad norms 2.2e-6, updates 8e-6 relative). With Engram at identity
+    test_parallelisms_parity (measured: grad norms 2.2e-6, updates 8e-6 relative). With Engram at identity
     init the gate starts inactive: losses (1e-5) and grad norms (1e-3; measured 1.3e-4) hold
     over 10 steps, the gate path's weights drift (measured 2.5e-3 relative at TP 2, 3.6e-2 at
     FSDP 2 x TP 2: the signed-sqrt gate amplifies TP's fp32 summation order), so they are not
@@ -170,7 +170,7 @@ def test_tp_with_activation_checkpointing(tmp_path):
     "world, layout", [(2, {"tp": 2, "dp_shard": 1}), (4, {"tp": 2, "dp_shard": 2})]
 )
 def test_tp_with_compile_and_checkpointing(tmp_path, world, layout):
-    """TP 2 and FSDP2 x TP2 with every block compiled (aot_eager, as in tests/test_compile.py)
+    """TP 2 and FSDP2 x TP2 with every block compiled (aot_eager, as in tests/test_parallelisms_compile.py)
     and full activation checkpointing, Engram in a middle layer, against one eager process.
     Before the embedding's output got its own storage (tensor_parallel._stream_own_storage)
     the embedding's gradient was zero here (FSDP2 x TP2) or the backward crashed (TP2)."""

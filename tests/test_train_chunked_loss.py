@@ -20,7 +20,7 @@ import pytest
 import torch
 from launcher import run_distributed
 from small_job import small_job
-from test_parity import _assert_losses_and_norms_match
+from test_parallelisms_parity import _assert_losses_and_norms_match
 from torch.distributed.tensor import DTensor
 
 from engram.config import ConfigError, config_from_dict
@@ -194,7 +194,7 @@ def _train_all(rank: int, world: int, raws: list[dict]) -> list[dict]:
 
 
 def _assert_same_run(got: dict, ref: dict, where: str) -> None:
-    """Losses and grad norms as tests/test_parity.py bounds them (step 1 on identical weights to
+    """Losses and grad norms as tests/test_parallelisms_parity.py bounds them (step 1 on identical weights to
     fp32 rounding; later steps 1e-3: Adam turns summation-order noise in near-zero gradient
     entries into up to a step), eval losses, and updated weights within half an Adam step."""
     _assert_losses_and_norms_match(got, ref, where)

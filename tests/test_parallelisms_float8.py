@@ -150,7 +150,7 @@ def test_float8_fsdp2_matches_its_single_process_run(runs):
 def test_float8_tensor_parallel_matches_its_single_process_run(runs):
     """float8 linears under TP 2 (sequence + loss parallel; the colwise / rowwise weights are
     DTensors inside Float8Linear). TP changes the fp32 summation order of the forward itself
-    (tests/test_tp.py compares 2 steps for that reason) and float8 rounding turns that into
+    (tests/test_parallelisms_tp.py compares 2 steps for that reason) and float8 rounding turns that into
     larger steps later: measured 1.5e-4 over steps 1-4 and 7.6e-3 at step 5. Step 1 to 1e-5,
     steps 1-4 to 1e-3, the 5-step mean to 2% (as above)."""
     one, tp = np.array(runs["f8_one"]["losses"]), np.array(runs["f8_tp"]["losses"])
@@ -247,7 +247,7 @@ def test_torchao_missing_names_the_install(monkeypatch):
 @pytest.mark.slow
 def test_float8_with_compile_and_checkpointing_matches_eager(runs):
     """The recommended combination (float8 + compile, here with full activation checkpointing;
-    aot_eager backend, see tests/test_compile.py) computes what eager float8 computes."""
+    aot_eager backend, see tests/test_parallelisms_compile.py) computes what eager float8 computes."""
     got, ref = runs["f8_compiled"]["losses"], runs["f8_one"]["losses"][:3]
     assert runs["f8_compiled"]["float8_linears"] == 28
     np.testing.assert_allclose(got, ref, rtol=1e-5)

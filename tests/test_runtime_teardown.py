@@ -2,7 +2,7 @@
 
 FSDP parameter groups hold the C++ process groups and sit in reference cycles; when they were
 left for the interpreter's shutdown, gloo's teardown there aborted about 1 in 20 two-node runs
-(test_multinode.py). `destroy_distributed` collects them while the interpreter is alive.
+(test_runtime_multinode.py). `destroy_distributed` collects them while the interpreter is alive.
 """
 
 from __future__ import annotations
