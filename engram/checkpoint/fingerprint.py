@@ -1,8 +1,8 @@
 """What a checkpoint's weights mean: everything that changes how a stored number is used.
 
-Computed from the config, the tokenizer and the hasher only (never from a model part's layers),
-so every pipeline stage and every layout computes the same fingerprint. A resume compares it
-key by key (engram/checkpoint/); harmless settings (lr, steps, logging, eval, num_workers,
+Computed from the config, the tokenizer, the hasher and (trainable_only) the frozen HF folder's
+content digest, never from a model part's layers, so every pipeline stage and every layout
+computes the same fingerprint. A resume compares it key by key (engram/checkpoint/); harmless settings (lr, steps, logging, eval, num_workers,
 parallel layout) are deliberately absent. Two parts exist only where they apply: `lora` (rank,
 alpha, target modules) in lora mode, and `frozen_base` (the identity of the backbone a
 checkpoint.trainable_only checkpoint does not hold: base_identity.py).
