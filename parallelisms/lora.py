@@ -29,7 +29,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     """Add adapters to every `cfg.target_modules` projection of `model.layers` in place (works on
     meta and on a pipeline stage); returns the adapted modules' names."""
     paths = [LORA_TARGETS[t] for t in cfg.target_modules]
-    adapted = add_lora_adapters(model, paths, cfg.rank, cfg.alpha, cfg.dropout)
+    adapted = add_lora_adapters(model, paths, cfg.rank, cfg.alpha, cfg.dropout, cfg.init_a)
     if not adapted:
         raise ConfigError(
             "training.mode = 'lora' but this model (stage) has no decoder layer to adapt"

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     prepare_output_folder(ns.out, ns.overwrite)
     engram_config = dataclasses.asdict(cfg.engram)
     if cfg.training.mode == "lora" and not (ns.merged or ns.engram_only):
-        files = export_peft(model, cfg, engram_config, fingerprint, ns.out)
+        files = export_peft(model, cfg, path, engram_config, fingerprint, ns.out)
     else:
         merge_lora_(model)
         files = export(

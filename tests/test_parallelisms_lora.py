@@ -7,17 +7,19 @@
 - the single-process run changes only adapters and Engram parameters, and every lora_B;
 - zero-initialised B (and Engram's identity init) leave the backbone's logits exactly unchanged;
 - the frozen backbone is held in the compute dtype under FSDP (bf16), adapters in fp32;
-- bad settings are refused by name.
+- bad settings are refused by name;
+- lora.init_a = "peft" draws A from PEFT's default distribution (the default is unchanged).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import numpy as np
 import pytest
 import torch
-from launcher import run_distributed
+from launcher import run_distributed, run_isolated
 from test_parallelisms_parity import GLOBAL_BATCH, _assert_matches, _config, _with
 from torch.distributed.tensor import DTensor
 
@@ -194,6 +196,7 @@ def test_training_mode_freezes_all_but_adapters_and_engram(tmp_path):
         ({"target_modules": ["q_proj", "wq"]}, "match no module; valid names: q_proj, k_proj"),
         ({"target_modules": []}, "at least one projection"),
         ({"frozen_dtype": "fp16"}, "lora.frozen_dtype must be compute or float32"),
+        ({"init_a": "kaiming"}, "lora.init_a must be normal or peft"),
     ],
 )
 def test_bad_lora_settings_name_the_setting(lora, needle):
@@ -262,3 +265,65 @@ def test_fused_path_is_taken_only_where_it_is_exact():
 
     f8 = Float8Linear.from_float(torch.nn.Linear(32, 32))
     assert not add_lora(f8, rank=4, alpha=8.0, dropout=0.0)._fusable()  # keeps float8's forward
+
+
+def _peft_lora_a(in_features: int, rank: int) -> np.ndarray:
+    """A of PEFT's default init (LoraConfig(init_lora_weights=True)) on a plain linear."""
+    import peft
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(in_features, 64)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=rank, target_modules=["proj"], init_lora_weights=True)
+    model = peft.get_peft_model(Net(), config)
+    return model.base_model.model.proj.lora_A["default"].weight.detach().numpy()
+
+
+def _ks(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the empirical CDFs."""
+    grid = np.sort(np.concatenate([a, b]))
+    cdf = [np.searchsorted(np.sort(x), grid, side="right") / x.size for x in (a, b)]
+    return float(np.abs(cdf[0] - cdf[1]).max())
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("peft") is None,
+    reason="peft is not installed: pip install -e '.[dev]'",
+)
+def test_init_a_peft_draws_from_pefts_default_distribution(tmp_path):
+    """lora.init_a = "peft" gives A PEFT's distribution, U(-1/sqrt(in), 1/sqrt(in)); not PEFT's
+    values (it draws from the global RNG in module-creation order, ours is layout-independent
+    per (seed, name)). The default "normal" stays this repo's N(0, 1/in), bit for bit."""
+    from engram.models.init import chunk_seed
+    from engram.models.lora import add_lora
+
+    in_features, rank, key = 768, 16, "layers.0.feed_forward.w2"
+    theirs = run_isolated(_peft_lora_a, in_features, rank).ravel()  # peft imports transformers
+
+    def ours(init_a: str) -> np.ndarray:
+        linear = add_lora(torch.nn.Linear(in_features, 64), rank, 8.0, 0.0, init_a=init_a)
+        linear.init_lora(seed=0, fqn=key)
+        assert not linear.lora_B.any()
+        return linear.lora_A.detach().numpy().ravel()
+
+    peft_like, normal = ours("peft"), ours("normal")
+    bound = 1 / math.sqrt(in_features)
+    for a in (theirs, peft_like):
+        assert bound * 0.999 < np.abs(a).max() <= bound
+    # 12288 samples each: the KS statistic's 0.1% critical value is 0.025
+    assert _ks(peft_like, theirs) < 0.025, _ks(peft_like, theirs)
+    assert _ks(normal, theirs) > 0.1  # the test tells the two inits apart
+    gen = torch.Generator().manual_seed(chunk_seed(0, f"{key}.lora_A", 0))
+    expected = torch.randn(rank * in_features, generator=gen) * bound
+    np.testing.assert_array_equal(normal, expected.numpy())
+    model, _ = _built(_raw(tmp_path, 1, {}, {"lora": {"init_a": "peft"}}))  # the config reaches A
+    adapters = [m for m in model.modules() if isinstance(m, LoRAMixin)]
+    assert adapters and all(
+        m.lora_A.abs().max() <= 1 / math.sqrt(m.in_features) < m.lora_A.std() * 2 for m in adapters
+    )

@@ -3,6 +3,8 @@
 One file per job, lowest first (a file imports only files above it in this list):
 
 - `errors.py`: `CheckpointError`, what every checkpoint problem raises.
+- `base_identity.py`: the content digest of the frozen HF backbone a trainable_only checkpoint
+  does not hold, and the message when a resume gives another one.
 - `collectives.py`: rank, world size, barrier, broadcast, all-gather, raise-if-any-rank-failed;
   each also works without a process group.
 - `dcp_io.py`: DCP kept tensors-only: the restricted `.metadata` reader, the load / save
@@ -33,6 +35,7 @@ from engram.checkpoint.folder import (
     find_checkpoint,
     fingerprint_mismatches,
     load_model_checkpoint,
+    read_fingerprint,
     read_manifest,
     step_folders,
     verify_checkpoint,
@@ -53,6 +56,7 @@ __all__ = [
     "find_checkpoint",
     "fingerprint_mismatches",
     "load_model_checkpoint",
+    "read_fingerprint",
     "read_manifest",
     "step_folders",
     "verify_checkpoint",

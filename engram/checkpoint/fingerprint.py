@@ -1,9 +1,11 @@
 """What a checkpoint's weights mean: everything that changes how a stored number is used.
 
-Computed from the config, the tokenizer and the hasher only (never from a model part's layers),
-so every pipeline stage and every layout computes the same fingerprint. A resume compares it
-key by key (engram/checkpoint/); harmless settings (lr, steps, logging, eval, num_workers,
-parallel layout) are deliberately absent.
+Computed from the config, the tokenizer, the hasher and (trainable_only) the frozen HF folder's
+content digest, never from a model part's layers, so every pipeline stage and every layout
+computes the same fingerprint. A resume compares it key by key (engram/checkpoint/); harmless settings (lr, steps, logging, eval, num_workers,
+parallel layout) are deliberately absent. Two parts exist only where they apply: `lora` (rank,
+alpha, target modules) in lora mode, and `frozen_base` (the identity of the backbone a
+checkpoint.trainable_only checkpoint does not hold: base_identity.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 import hashlib
 from typing import Any
 
+from engram.checkpoint.base_identity import frozen_base
 from engram.config import JobConfig
 from engram.models.builder import model_args_for
 
@@ -38,6 +41,19 @@ def config_fingerprint(cfg: JobConfig, tokenizer: Any, hasher: Any | None) -> di
         "training_mode": cfg.training.mode,
         "table_optimizer": cfg.optimizer.table_optimizer,
     }
+    if cfg.training.mode == "lora":
+        # What the adapters mean: their shapes (rank), where they sit and their scale. Not
+        # dropout (training-time noise only: eval, generation and export are the same function)
+        # nor init_a (used at step 0 only). Absent in other modes, so their fingerprint is as
+        # before and their checkpoints still resume.
+        fp["lora"] = {
+            "rank": cfg.lora.rank,
+            "alpha": cfg.lora.alpha,
+            "target_modules": sorted(cfg.lora.target_modules),
+        }
+    if cfg.checkpoint.trainable_only:
+        # The frozen backbone is not in such a checkpoint: record which one it trained on.
+        fp["frozen_base"] = frozen_base(cfg.model.hf_checkpoint, cfg.job.seed)
     if hasher is not None:
         e = cfg.engram
         fp["engram"] = {

@@ -29,6 +29,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from engram.checkpoint.base_identity import base_mismatch
 from engram.checkpoint.collectives import all_gather_objects, get_rank, get_world_size
 from engram.checkpoint.dcp_io import dcp_load
 from engram.checkpoint.errors import CheckpointError
@@ -88,12 +89,33 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: obj}
 
 
+# Fingerprint keys added after checkpoints were written without them (issue 30). A checkpoint
+# that lacks one cannot be checked on it: that is warned about, not refused, so it still resumes.
+_RECORDED_LATER = {
+    "frozen_base": "which frozen backbone it was trained on (it was saved with "
+    "checkpoint.trainable_only = false, or before base identities were recorded)",
+    "lora": "its lora.rank / lora.alpha / lora.target_modules (it was saved before they were "
+    "recorded)",
+}
+
+
 def fingerprint_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Human-readable differences between two fingerprints (after a JSON round trip)."""
-    a = _flatten(json.loads(json.dumps(saved)))
-    b = _flatten(json.loads(json.dumps(current)))
-    missing = object()
+    """Human-readable differences between two fingerprints (after a JSON round trip). The frozen
+    base (base_identity.py) is compared by content, its folder path aside, in one line naming
+    the recorded and the given base."""
+    saved, current = json.loads(json.dumps(saved)), json.loads(json.dumps(current))
+    unverified = [
+        what for key, what in _RECORDED_LATER.items() if key in current and key not in saved
+    ]
+    for key in _RECORDED_LATER:
+        if key not in saved:
+            current.pop(key, None)
     lines = []
+    if "frozen_base" in saved:
+        line = base_mismatch(saved.pop("frozen_base"), current.pop("frozen_base", None))
+        lines += [line] if line else []
+    a, b = _flatten(saved), _flatten(current)
+    missing = object()
     for key in sorted(set(a) | set(b)):
         va, vb = a.get(key, missing), b.get(key, missing)
         if va != vb:
@@ -102,6 +124,11 @@ def fingerprint_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> li
             if len(sa) + len(sb) > 200:  # long lists (table primes): say that, not all of them
                 sa, sb = sa[:90] + "...", sb[:90] + "..."
             lines.append(f"{key}: checkpoint {sa}, this run {sb}")
+    if unverified and not lines and get_rank() == 0:
+        logger.warning(
+            "the checkpoint does not record %s: not verified, make sure they are the same",
+            "; nor ".join(unverified),
+        )
     return lines
 
 
@@ -285,16 +312,20 @@ def find_checkpoint(folder: Path, step: int = -1, on_damaged: str = "error") -> 
     )
 
 
-def check_fingerprint(path: Path, fingerprint: dict[str, Any], ignore: Sequence[str] = ()) -> None:
-    """Refuse checkpoint folder `path` if its fingerprint differs from this job's (keys in
-    `ignore` aside), naming every difference."""
+def read_fingerprint(path: Path) -> dict[str, Any]:
+    """The fingerprint checkpoint folder `path` was written with."""
     try:
-        saved = json.loads((path / FINGERPRINT_FILE).read_text())
+        return json.loads((path / FINGERPRINT_FILE).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(
             f"checkpoint {path}: {FINGERPRINT_FILE} cannot be read: {e}"
         ) from None
-    saved = {k: v for k, v in saved.items() if k not in ignore}
+
+
+def check_fingerprint(path: Path, fingerprint: dict[str, Any], ignore: Sequence[str] = ()) -> None:
+    """Refuse checkpoint folder `path` if its fingerprint differs from this job's (keys in
+    `ignore` aside), naming every difference."""
+    saved = {k: v for k, v in read_fingerprint(path).items() if k not in ignore}
     diffs = fingerprint_mismatches(saved, fingerprint)
     if diffs:
         raise CheckpointError(

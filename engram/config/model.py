@@ -171,7 +171,7 @@ LORA_TARGETS = {
 @dataclass
 class Lora:
     """LoRA adapters (training.mode = "lora"): y = W x + (alpha / rank) B A dropout(x), A [rank,
-    in] normal(0, 1 / in), B [out, rank] zero, so the model is unchanged at step 0."""
+    in] drawn by init_a, B [out, rank] zero, so the model is unchanged at step 0."""
 
     rank: int = 8
     """Adapter rank r (PEFT's `r`)."""
@@ -186,6 +186,9 @@ class Lora:
     """dtype the frozen backbone is held in: compute (parallelism.mixed_precision_param where FSDP
     applies, e.g. bfloat16 on accelerators: half the bytes, no fp32 master copy, no gradient, no
     optimizer state) | float32."""
+    init_a: str = "normal"
+    """Init of A: normal (N(0, 1 / in), this repo's default) | peft (U(-1/sqrt(in), 1/sqrt(in)),
+    PEFT's default: kaiming_uniform with a = sqrt(5), nn.Linear's init). Step 0 only."""
 
     def __post_init__(self) -> None:
         check(self.rank >= 1, f"lora.rank must be >= 1, got {self.rank}")
@@ -203,6 +206,10 @@ class Lora:
         check(
             self.frozen_dtype in ("compute", "float32"),
             f"lora.frozen_dtype must be compute or float32, got {self.frozen_dtype!r}",
+        )
+        check(
+            self.init_a in ("normal", "peft"),
+            f"lora.init_a must be normal or peft, got {self.init_a!r}",
         )
 
     @property

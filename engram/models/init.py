@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -89,6 +90,34 @@ def _check_contiguous(param: DTensor, local_shape: tuple[int, ...]) -> None:
 def init_normal_(param: torch.Tensor, std: float, seed: int, key: str, mean: float = 0.0) -> None:
     """Fill `param` (or its local shard) with N(mean, std^2) values of the layout-independent
     global tensor identified by (seed, key)."""
+
+    def draw(n: int, gen: torch.Generator) -> torch.Tensor:
+        return torch.randn(n, generator=gen, dtype=torch.float32)
+
+    _fill_chunks(param, seed, key, draw, std, mean)
+
+
+@torch.no_grad()
+def init_uniform_(param: torch.Tensor, bound: float, seed: int, key: str) -> None:
+    """Fill `param` (or its local shard) with U(-bound, bound) values of the layout-independent
+    global tensor identified by (seed, key)."""
+
+    def draw(n: int, gen: torch.Generator) -> torch.Tensor:
+        return torch.rand(n, generator=gen, dtype=torch.float32).mul_(2.0).sub_(1.0)
+
+    _fill_chunks(param, seed, key, draw, bound, 0.0)
+
+
+def _fill_chunks(
+    param: torch.Tensor,
+    seed: int,
+    key: str,
+    draw: Callable[[int, torch.Generator], torch.Tensor],
+    scale: float,
+    shift: float,
+) -> None:
+    """The chunks of the global tensor (seed, key) that overlap this shard: `draw(numel, gen)`
+    per chunk, times `scale` plus `shift`, sliced to the local block."""
     local, shape, offset = local_view(param)
     if local.numel() == 0 or local.is_meta:  # nothing held here (or not materialised yet)
         return
@@ -105,14 +134,13 @@ def init_normal_(param: torch.Tensor, std: float, seed: int, key: str, mean: flo
         c0 = c * rows_per_chunk
         c1 = min(c0 + rows_per_chunk, global_shape[0])
         gen = torch.Generator(device="cpu").manual_seed(chunk_seed(seed, key, c))
-        block = torch.randn((c1 - c0) * row_numel, generator=gen, dtype=torch.float32)
-        block = block.view(c1 - c0, *row_shape)
+        block = draw((c1 - c0) * row_numel, gen).view(c1 - c0, *row_shape)
         lo, hi = max(r0, c0), min(r1, c1)
         piece = block[(slice(lo - c0, hi - c0), *col_slices)]
-        if std != 1.0:
-            piece = piece * std
-        if mean != 0.0:
-            piece = piece + mean
+        if scale != 1.0:
+            piece = piece * scale
+        if shift != 0.0:
+            piece = piece + shift
         local[lo - r0 : hi - r0].copy_(piece)
 
 

@@ -6,7 +6,8 @@ torchtitan's LoRA converter does: the base weight keeps its name (`...wq.weight`
 and checkpoints see the same keys) and the base forward stays the parent class's (float8 matmul
 included). The adapters are two direct parameters:
 
-    lora_A  [rank, in_features]   normal(0, 1 / in_features)   (PEFT: lora_A.weight)
+    lora_A  [rank, in_features]   normal(0, 1 / in_features), or with init_a = "peft" PEFT's
+                                  U(-1/sqrt(in), 1/sqrt(in))   (PEFT: lora_A.weight)
     lora_B  [out_features, rank]  zeros                        (PEFT: lora_B.weight)
 
 B = 0 makes the adapter output exactly 0 at step 0. The adapters compute in high precision (the
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from engram.models.init import init_constant_, init_normal_
+from engram.models.init import init_constant_, init_normal_, init_uniform_
 
 LORA_PARAMS = ("lora_A", "lora_B")
 
@@ -43,6 +44,7 @@ class LoRAMixin:
     lora_rank: int
     lora_scaling: float
     lora_dropout: float  # a float, not a Dropout child: TP styles partition every child module
+    lora_init_a: str  # "normal" | "peft" (engram.config.Lora.init_a)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fusable():
@@ -75,10 +77,14 @@ class LoRAMixin:
 
     @torch.no_grad()
     def init_lora(self, seed: int, fqn: str) -> None:
-        """Layout-independent init (engram/models/init.py): A normal(0, 1/in), B zero."""
+        """Layout-independent init (engram/models/init.py): A normal(0, 1/in) or (init_a =
+        "peft") uniform within +-1/sqrt(in) as PEFT's kaiming_uniform(a=sqrt(5)), B zero."""
         # in_features, not lora_A.shape[1]: a ZeRO-3 partitioned parameter's shape is (0,)
-        std = 1.0 / math.sqrt(self.in_features)  # type: ignore[attr-defined]  # on a Linear
-        init_normal_(self.lora_A, std, seed, f"{fqn}.lora_A")
+        scale = 1.0 / math.sqrt(self.in_features)  # type: ignore[attr-defined]  # on a Linear
+        if self.lora_init_a == "peft":
+            init_uniform_(self.lora_A, scale, seed, f"{fqn}.lora_A")
+        else:
+            init_normal_(self.lora_A, scale, seed, f"{fqn}.lora_A")
         init_constant_(self.lora_B, 0.0)
 
     def delta_weight(self) -> torch.Tensor:
@@ -124,7 +130,9 @@ class _FusedLoRALinear(torch.autograd.Function):
         return grad_x, grad_w, grad_bias, grad_a, grad_lb, None
 
 
-def add_lora(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> nn.Linear:
+def add_lora(
+    linear: nn.Linear, rank: int, alpha: float, dropout: float, init_a: str = "normal"
+) -> nn.Linear:
     """Turn `linear` into a LoRA linear in place (class swap + two adapter parameters)."""
     if isinstance(linear, LoRAMixin):
         raise ValueError("add_lora: this linear already has LoRA adapters")
@@ -139,11 +147,17 @@ def add_lora(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> nn.L
     linear.lora_rank = rank
     linear.lora_scaling = alpha / rank
     linear.lora_dropout = float(dropout)
+    linear.lora_init_a = init_a
     return linear
 
 
 def add_lora_adapters(
-    model: nn.Module, paths: list[str], rank: int, alpha: float, dropout: float
+    model: nn.Module,
+    paths: list[str],
+    rank: int,
+    alpha: float,
+    dropout: float,
+    init_a: str = "normal",
 ) -> list[str]:
     """`add_lora` on every `layers.<i>.<path>` linear of `model` for `path` in `paths` (our module
     paths, e.g. attention.wq); before any wrapper (names unprefixed). Returns the names."""
@@ -154,7 +168,7 @@ def add_lora_adapters(
             continue
         if not isinstance(module, nn.Linear):
             raise TypeError(f"LoRA target {name} is a {type(module).__name__}, not a linear")
-        add_lora(module, rank, alpha, dropout)
+        add_lora(module, rank, alpha, dropout, init_a)
         adapted.append(name)
     return adapted
 
