@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,7 +172,11 @@ def _tensor_files(folder: Path) -> dict[str, str]:
             f"HF checkpoint folder {folder} does not exist: set model.hf_checkpoint to the folder "
             "that holds config.json and *.safetensors (e.g. a `huggingface-cli download` target)"
         )
-    verify_folder(folder)  # an export's checksums.sha256; a download has none (a warning)
+    # An export's checksums.sha256 (a download has none: a warning). Hashing reads every file,
+    # so one process per node does it (the node's ranks read the same copy); when it refuses,
+    # the launcher (torchrun, srun --kill-on-bad-exit) stops the node's other ranks.
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        verify_folder(folder)
     index = folder / INDEX_FILE
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map")

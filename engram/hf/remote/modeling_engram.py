@@ -12,6 +12,8 @@ are computed in torch from input_ids, bit-exact with the training data loader: c
 (the `engram_hash.lookup` table saved with the weights), XOR of id x odd multiplier over each
 n-gram window, left-padded with the compressed pad id, modulo a distinct prime per (layer, n,
 head), plus the head's offset into the layer's concatenated table.
+The multipliers and primes are derived here from config.engram's seed and sizes (config.json
+stores them for reading only; a stored value that disagrees is refused, naming the key).
 
 Incremental decoding: the hash ids of position t depend on the last max_ngram tokens, the
 ShortConv on the last (kernel_size - 1) x dilation positions. Both windows live in the KV cache:
