@@ -21,8 +21,8 @@ as generation).
 --out must be new or empty; --overwrite removes its model files first (an export beside an
 earlier one's shards and index would mix two models). A run's folder (or a folder inside one or
 holding the checkpoint) is refused as --out. Every folder gets checksums.sha256
-(`sha256sum -c checksums.sha256` checks it; our readers verify it). It runs in one process (no GPU needed);
-DCP reshards whatever layout the run was saved with. A checkpoint of recipes/train_deepspeed.py is
+(`sha256sum -c checksums.sha256` checks it; our readers verify it). It runs in one process (no
+GPU needed); DCP reshards whatever layout the run was saved with. A checkpoint of recipes/train_deepspeed.py is
 read with DeepSpeed's zero_to_fp32 (docs/deepspeed.md).
 """
 

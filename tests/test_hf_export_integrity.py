@@ -203,8 +203,11 @@ def test_edited_hashing_values_are_refused(exported, tmp_path):
     def prime(e):
         e["table_primes"]["1"][1] = 1019
 
+    def pad(e):
+        e["compressed_pad_id"] += 1
+
     folders = {}
-    for name, edit in (("mult", mult), ("seed", seed), ("prime", prime)):
+    for name, edit in (("mult", mult), ("seed", seed), ("prime", prime), ("pad", pad)):
         folders[name] = _copy(exported / "hf", tmp_path / name)
         _edit_config(folders[name], edit)
     with pytest.raises(HFLoadError, match=r"engram\.multipliers\['1'\] = \[\d+, .*derive"):
@@ -216,10 +219,13 @@ def test_edited_hashing_values_are_refused(exported, tmp_path):
     # An intact folder read by a run that hashes differently is refused too.
     with pytest.raises(HFLoadError, match=r"engram\.seed = 0 in the folder, 5 in this run"):
         _import(exported / "hf", seed=5)
-    names = {"mult": "multipliers", "seed": "multipliers", "prime": "table_primes"}
-    msgs = run_isolated(_transformers_load, [str(folders[n]) for n in names], timeout=300)
-    for key, msg in zip(names.values(), msgs, strict=True):
-        assert f"engram.{key}['1']" in msg, msg
+    named = {
+        "mult": "engram.multipliers['1']", "seed": "engram.multipliers['1']",
+        "prime": "engram.table_primes['1']", "pad": "compressed_pad_id",
+    }  # fmt: skip
+    msgs = run_isolated(_transformers_load, [str(folders[n]) for n in named], timeout=300)
+    for key, msg in zip(named.values(), msgs, strict=True):
+        assert key in msg, msg
 
 
 # ----------------------------------------------------------------------------- 6, 7: transformers
