@@ -19,8 +19,10 @@ The checkpoint is the run's newest one (or --step), verified against its manifes
 fingerprint first (engram/checkpoint/ find_checkpoint, engram/inference/ load_checkpoint_weights,
 as generation).
 --out must be new or empty; --overwrite removes its model files first (an export beside an
-earlier one's shards and index would mix two models). It runs in one process (no GPU needed);
-DCP reshards whatever layout the run was saved with. A checkpoint of recipes/train_deepspeed.py is
+earlier one's shards and index would mix two models). A run's folder (or a folder inside one or
+holding the checkpoint) is refused as --out. Every folder gets checksums.sha256
+(`sha256sum -c checksums.sha256` checks it; our readers verify it). It runs in one process (no
+GPU needed); DCP reshards whatever layout the run was saved with. A checkpoint of recipes/train_deepspeed.py is
 read with DeepSpeed's zero_to_fp32 (docs/deepspeed.md).
 """
 
@@ -36,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engram.checkpoint import find_checkpoint  # noqa: E402
 from engram.checkpoint.fingerprint import config_fingerprint  # noqa: E402
 from engram.config import load_config, to_toml  # noqa: E402
-from engram.hf.export import export, prepare_output_folder  # noqa: E402
+from engram.hf.export import check_not_run_folder, export, prepare_output_folder  # noqa: E402
 from engram.hf.peft import export_peft  # noqa: E402
 from engram.inference import build_for_generation, load_checkpoint_weights  # noqa: E402
 from engram.models.lora import merge_lora_  # noqa: E402
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     cfg = load_config(rest)
     init_logger(0)
     path = find_checkpoint(cfg.run_folder / cfg.checkpoint.folder, ns.step)
+    check_not_run_folder(ns.out, path, cfg.checkpoint.folder)  # before the (long) load
     model, tokenizer, hasher = build_for_generation(cfg, cfg.training.seq_len)
     fingerprint = config_fingerprint(cfg, tokenizer, hasher)
     if ns.merged and cfg.training.mode != "lora":
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         load_deepspeed_weights(model, path, fingerprint)
     else:
         load_checkpoint_weights(model, cfg, path, fingerprint)
-    prepare_output_folder(ns.out, ns.overwrite)
+    prepare_output_folder(ns.out, ns.overwrite, path, cfg.checkpoint.folder)
     engram_config = dataclasses.asdict(cfg.engram)
     if cfg.training.mode == "lora" and not (ns.merged or ns.engram_only):
         files = export_peft(model, cfg, path, engram_config, fingerprint, ns.out)

@@ -131,6 +131,7 @@ def test_export_at_one_layout_import_at_another(tmp_path):
         "tokenizer.json",
         "tokenizer_config.json",
         "generation_config.json",
+        "checksums.sha256",
     }
     config = json.loads((out / "config.json").read_text())
     assert (
@@ -158,7 +159,7 @@ def test_export_at_one_layout_import_at_another(tmp_path):
     # (b) Engram-only weights.
     only = tmp_path / "only"
     run_isolated(_export, ["--out", str(only), "--engram-only", f"--job.config_file={toml}"])
-    assert [p.name for p in only.iterdir()] == ["engram.safetensors"]
+    assert sorted(p.name for p in only.iterdir()) == ["checksums.sha256", "engram.safetensors"]
     got = run_isolated(_engram_only, raw, str(only / "engram.safetensors"), False)
     assert got.pop("n") == len(ref["engram"])
     for name, value in ref["engram"].items():
@@ -185,5 +186,15 @@ def test_export_at_one_layout_import_at_another(tmp_path):
     run_isolated(_export, ["--out", str(stale), "--overwrite", f"--job.config_file={toml}"])
     assert sorted(p.name for p in stale.iterdir()) == sorted(
         ["config.json", "generation_config.json", "model.safetensors", "modeling_engram.py",
-         "notes.txt", "tokenizer.json", "tokenizer_config.json"]
+         "notes.txt", "tokenizer.json", "tokenizer_config.json", "checksums.sha256"]
     )  # fmt: skip
+    # The run's folder (or one inside it) is refused even with --overwrite, before any file of
+    # the run is touched.
+    run = tmp_path / "export"
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    assert "config.toml" in before
+    for out in (run, run / "hf", run / "checkpoint"):
+        with pytest.raises(FileExistsError, match="training run's folder"):
+            run_isolated(_export, ["--out", str(out), "--overwrite", f"--job.config_file={toml}"])
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    assert not (run / "hf").exists()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -131,7 +133,13 @@ def test_peft_and_merged_exports_reproduce_the_trained_model(tmp_path):
     peft_dir, merged = tmp_path / "peft", tmp_path / "merged"
     files = run_isolated(_export, ["--out", str(peft_dir), f"--job.config_file={toml}"])
     names = sorted(p.rsplit("/", 1)[-1] for p in files)
-    assert names == ["adapter_config.json", "adapter_model.safetensors", "engram.safetensors"]
+    assert names == [
+        "adapter_config.json", "adapter_model.safetensors", "checksums.sha256", "engram.safetensors"
+    ]  # fmt: skip
+    listed = (peft_dir / "checksums.sha256").read_text().splitlines()
+    assert sorted(line.split("  ")[1] for line in listed) == [n for n in names if "sha256" not in n]
+    if shutil.which("sha256sum"):
+        subprocess.run(["sha256sum", "-c", "checksums.sha256"], cwd=peft_dir, check=True)
     config = json.loads((peft_dir / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
     assert config["target_modules"] == ["down_proj", "q_proj", "v_proj"]
@@ -166,8 +174,6 @@ def test_trainable_only_checkpoint_resumes_exactly_on_the_hf_folder(tmp_path):
     """checkpoint.trainable_only saves adapters, Engram and their optimizer state only; a resume
     from it on the same HF folder replays the uninterrupted run's losses exactly, and the export
     reads it on top of that folder."""
-    import shutil
-
     import torch.distributed.checkpoint as dcp
 
     base = str(tmp_path / "base")

@@ -17,6 +17,8 @@ One file per job, lowest first (a file imports only files above it in this list)
 - `save_errors.py`: the message of a failed save (full disk: free and needed bytes).
 - `manager.py`: `CheckpointManager` (save / async save / load / prune / resume).
 - `fingerprint.py`: what of the config a checkpoint must agree with to be resumed.
+- `run_folder.py`: what makes a folder a run's folder (`run_folder_markers`), for tools that
+  must not write into one (the export).
 
 Where a new feature goes: a new file or field in a step folder -> `folder.py` (and `FORMAT` if
 old readers would misread it); a new kind of saved state -> `state.py`; a new rule for what a

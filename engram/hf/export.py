@@ -32,10 +32,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tokenizers import Tokenizer, processors
 from torch import nn
 
 from engram.checkpoint import fingerprint_mismatches
+from engram.checkpoint.run_folder import run_folder_markers
 from engram.hf.adapter import ENGRAM_PREFIX, HASH_LOOKUP, to_hf_state_dict
+from engram.hf.checksums import CHECKSUMS_FILE, verify_folder, write_checksums
+from engram.hf.hash_params import check_hash_params
 from engram.models.args import ModelArgs
 from engram.models.engram import is_engram_param
 from engram.models.init import local_view
@@ -57,14 +61,17 @@ _MODEL_FILE_PATTERNS = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "modeling_engram.py",
+    "adapter_config.json",
+    CHECKSUMS_FILE,
 )
 ENGRAM_FORMAT = "engram-safetensors/1"
 MODELING_FILE = Path(__file__).parent / "remote" / "modeling_engram.py"
-# model.name -> (plain architecture, model_type, Engram architecture, Engram model_type)
+# model.name -> (plain architecture, model_type, Engram architecture); an Engram folder keeps the
+# plain model_type (earlier exports wrote engram_llama / ...: engram/models/hf_config.py reads both)
 _ARCH = {
-    "llama3": ("LlamaForCausalLM", "llama", "EngramLlamaForCausalLM", "engram_llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", "EngramQwen2ForCausalLM", "engram_qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3", "EngramQwen3ForCausalLM", "engram_qwen3"),
+    "llama3": ("LlamaForCausalLM", "llama", "EngramLlamaForCausalLM"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", "EngramQwen2ForCausalLM"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", "EngramQwen3ForCausalLM"),
 }
 
 
@@ -122,7 +129,7 @@ def engram_hf_config(model: nn.Module, hasher: Any) -> dict[str, Any]:
     if cfg.hc_mult != 1:
         raise EngramExportError(f"engram.hc_mult = {cfg.hc_mult}: the export computes hc_mult 1")
     layers = hasher.layer_ids
-    return {
+    engram = {
         "layer_ids": layers,
         "max_ngram": hasher.max_ngram,
         "n_head_per_ngram": hasher.n_head_per_ngram,
@@ -132,6 +139,7 @@ def engram_hf_config(model: nn.Module, hasher: Any) -> dict[str, Any]:
         "hc_mult": cfg.hc_mult,
         "use_bias": cfg.use_bias,
         "seed": cfg.seed,
+        "vocab_size_per_ngram": [int(v) for v in cfg.vocab_size_per_ngram],
         "pad_id": hasher.pad_id,
         "compressed_pad_id": hasher.compressed_pad_id,
         "num_token_ids": hasher.num_ids,
@@ -142,6 +150,8 @@ def engram_hf_config(model: nn.Module, hasher: Any) -> dict[str, Any]:
             str(i): [int(m) for m in hasher.multipliers[k]] for k, i in enumerate(layers)
         },
     }
+    check_hash_params(engram, "the export")  # readers derive them again: they must agree
+    return engram
 
 
 def provenance(config_toml: str, fingerprint: dict[str, Any]) -> dict[str, Any]:
@@ -180,19 +190,27 @@ def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _tokenizer_files(out: Path, tokenizer: Any, max_len: int, suppress: list[int]) -> None:
-    tokenizer.hf.save(str(out / "tokenizer.json"))
-    hf = tokenizer.hf
-
-    def token(i: int | None) -> str | None:
-        return None if i is None else hf.id_to_token(i)
-
+    """The run's tokenizer.json with one change, plus transformers' settings. Our packer starts
+    every document with eos (engram/data/), so the model only ever saw text after an eos: the
+    post-processor becomes "eos $A" (it replaces the tokenizer's own, e.g. Llama-3's
+    begin_of_text, which training never put there) and HF's bos token is eos, so
+    `tokenizer(prompt)` starts a prompt as training did and as recipes/generate.py does by
+    default (`--prefix eos`). Encoding with add_special_tokens=False is the run's tokenizer."""
+    hf = Tokenizer.from_str(tokenizer.hf.to_str())
+    eos = hf.id_to_token(tokenizer.eos_id)
+    hf.post_processor = processors.TemplateProcessing(
+        single=f"{eos}:0 $A:0",
+        pair=f"{eos}:0 $A:0 {eos}:1 $B:1",
+        special_tokens=[(eos, tokenizer.eos_id)],
+    )
+    hf.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": token(tokenizer.eos_id),
-                "bos_token": token(tokenizer.bos_id),
-                "pad_token": token(tokenizer.pad_id),
+                "eos_token": eos,
+                "bos_token": eos,
+                "pad_token": hf.id_to_token(tokenizer.pad_id),
                 "model_max_length": max_len,
             },
             indent=2,
@@ -200,9 +218,9 @@ def _tokenizer_files(out: Path, tokenizer: Any, max_len: int, suppress: list[int
         + "\n"
     )
     generation = {
+        "bos_token_id": tokenizer.eos_id,
         "eos_token_id": tokenizer.eos_id,
         "pad_token_id": tokenizer.pad_id,
-        **({"bos_token_id": tokenizer.bos_id} if tokenizer.bos_id is not None else {}),
         # Rows past the tokenizer (padded embeddings) have no token to hash or decode.
         **({"suppress_tokens": suppress} if suppress else {}),
     }
@@ -246,7 +264,7 @@ def export(
             "fingerprint": json.dumps(fingerprint, sort_keys=True),
         }
         save_file(engram, str(out / ENGRAM_FILE), metadata=header)
-        return [out / ENGRAM_FILE]
+        return [out / ENGRAM_FILE, write_checksums(out, [ENGRAM_FILE])]
     if tokenizer is None:
         raise ValueError("export of a Hugging Face folder needs the run's tokenizer")
     config = hf_config(model.args, family)
@@ -258,20 +276,17 @@ def export(
         tensors.update({"model." + k[len(ENGRAM_PREFIX) :]: v for k, v in engram.items()})
         lookup = hasher.lookup if hasher.lookup is not None else range(hasher.num_ids)
         tensors[HASH_LOOKUP] = torch.as_tensor(lookup, dtype=torch.int64).clone()
-        arch, model_type = _ARCH[family][2:]
-        name = MODELING_FILE.stem
+        arch = _ARCH[family][2]
+        # model_type stays the backbone's: transformers then reads the config (and the tokenizer)
+        # without running the folder's code; only the model class is remote code.
         config.update(
             architectures=[arch],
-            model_type=model_type,
-            auto_map={
-                "AutoConfig": f"{name}.{arch.replace('ForCausalLM', 'Config')}",
-                "AutoModelForCausalLM": f"{name}.{arch}",
-            },
+            auto_map={"AutoModelForCausalLM": f"{MODELING_FILE.stem}.{arch}"},
             engram=engram_hf_config(model, hasher),
         )
     config.update(
         eos_token_id=tokenizer.eos_id,
-        bos_token_id=tokenizer.bos_id,
+        bos_token_id=tokenizer.eos_id,  # a document starts after eos (_tokenizer_files)
         pad_token_id=tokenizer.pad_id,
         engram_titan=provenance(config_toml, fingerprint),
     )
@@ -285,13 +300,46 @@ def export(
     suppress = list(range(tokenizer.vocab_size, model.args.vocab_size))
     _tokenizer_files(out, tokenizer, model.args.max_seq_len, suppress)
     names = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-    return written + [out / n for n in names]
+    written += [out / n for n in names]
+    return written + [write_checksums(out, written)]
 
 
-def prepare_output_folder(out: str | Path, overwrite: bool) -> None:
-    """Refuse a non-empty export folder (a new export beside an old one's files mixes two
-    models) unless `overwrite`; then remove the model files an export writes or replaces (any
-    safetensors, index, config and tokenizer files) and keep, with a warning, anything else."""
+def check_not_run_folder(
+    out: str | Path, checkpoint: str | Path | None = None, checkpoint_folder: str = "checkpoint"
+) -> None:
+    """Refuse an export folder that is, or is inside, a training run's folder
+    (run_folder_markers: an export there mixes with the run's files, --overwrite deletes some),
+    or that contains `checkpoint` (the step folder being exported)."""
+    out = Path(out).resolve()
+    for folder in (out, *out.parents):
+        markers = run_folder_markers(folder, checkpoint_folder)
+        if markers:
+            where = "is" if folder == out else f"is inside {folder}, which is"
+            raise FileExistsError(
+                f"--out {out} {where} a training run's folder (it holds {', '.join(markers)}): "
+                "an export there would mix with or replace the run's files. Export to a folder "
+                "outside the run, e.g. --out exported/<run name>"
+            )
+    if checkpoint is not None:
+        ckpt = Path(checkpoint).resolve()
+        if ckpt == out or out in ckpt.parents:
+            raise FileExistsError(
+                f"--out {out} contains the checkpoint being exported ({ckpt}): --overwrite would "
+                "delete its files. Export to a folder outside the run"
+            )
+
+
+def prepare_output_folder(
+    out: str | Path,
+    overwrite: bool,
+    checkpoint: str | Path | None = None,
+    checkpoint_folder: str = "checkpoint",
+) -> None:
+    """Refuse a run's folder, or one holding `checkpoint` (check_not_run_folder), and a
+    non-empty export folder (a new export beside an old one's files mixes two models) unless
+    `overwrite`; then remove the model files an export writes or replaces (any safetensors,
+    index, config, tokenizer and checksum files) and keep, with a warning, anything else."""
+    check_not_run_folder(out, checkpoint, checkpoint_folder)
     out = Path(out)
     if not out.exists():
         return
@@ -333,7 +381,9 @@ def load_engram_safetensors(
     """Copy the Engram weights of `file` into `model`'s (local shards of) Engram parameters, in
     any layout; returns how many tensors were copied. With `fingerprint` (this run's
     engram.checkpoint.fingerprint.config_fingerprint) the Engram-related keys of the file's fingerprint
-    must match it (same hashing, tables, widths), else EngramExportError naming them."""
+    must match it (same hashing, tables, widths), else EngramExportError naming them. The
+    folder's checksums.sha256, when present, must hold (engram/hf/checksums.py)."""
+    verify_folder(Path(file).parent)
     header = read_engram_header(file)
     if fingerprint is not None:
         keys = [k for k in fingerprint if k.startswith("engram") or k == "tokenizer"]

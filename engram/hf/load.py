@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from engram.config import JobConfig
 from engram.hf.adapter import from_hf_state_dict
+from engram.hf.checksums import verify_folder
 from engram.hf.export import ENGRAM_FILE
+from engram.hf.hash_params import check_hash_params
 from engram.models.args import ModelArgs
 from engram.models.engram import is_engram_param
 from engram.models.hf_config import CONFIG_FILE, HFConfigError, args_from_hf_config, read_hf_config
@@ -128,6 +131,7 @@ def plan_hf_load(model: nn.Module, hf_dir: str | Path, model_args: ModelArgs) ->
     folder = Path(hf_dir)
     key_files = _tensor_files(folder)
     _check_hf_config(folder, model_args)
+    _check_engram_config(folder, getattr(model, "engram_cfg", None))
     params = _parameters(model, allow_meta=True)
     plan = _plan(folder, key_files, params, model_args, _other_stage(model))
     _check_shapes(folder, plan, params)
@@ -168,6 +172,11 @@ def _tensor_files(folder: Path) -> dict[str, str]:
             f"HF checkpoint folder {folder} does not exist: set model.hf_checkpoint to the folder "
             "that holds config.json and *.safetensors (e.g. a `huggingface-cli download` target)"
         )
+    # An export's checksums.sha256 (a download has none: a warning). Hashing reads every file,
+    # so one process per node does it (the node's ranks read the same copy); when it refuses,
+    # the launcher (torchrun, srun --kill-on-bad-exit) stops the node's other ranks.
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        verify_folder(folder)
     index = folder / INDEX_FILE
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map")
@@ -248,6 +257,41 @@ def _check_hf_config(folder: Path, args: ModelArgs) -> None:
                 "(model.flavor = 'hf' takes every value from config.json)",
                 config_file, hf_key, getattr(theirs, ours), ours, getattr(args, ours),
             )  # fmt: skip
+
+
+# The settings of config.json's `engram` that decide which table row a token reads: another
+# value than this run's would load tables addressed by another hash.
+_ENGRAM_HASHING = ("seed", "max_ngram", "n_head_per_ngram", "vocab_size_per_ngram")
+
+
+def _check_engram_config(folder: Path, ours) -> None:
+    """An exported folder's `engram` section: its stored multipliers / primes must be what its
+    seed and sizes derive (an edited file is refused by key), and its hashing settings this
+    run's (`ours`: the model's EngramConfig)."""
+    config_file = folder / CONFIG_FILE
+    if not config_file.is_file():
+        return
+    engram = read_hf_config(folder).get("engram")
+    if not isinstance(engram, dict):
+        return
+    try:
+        check_hash_params(engram, str(config_file))
+    except ValueError as e:
+        raise HFLoadError(str(e)) from None
+    if ours is None or not ours.enabled:
+        return
+    diffs = [
+        f"engram.{k} = {engram.get(k)} in the folder, {getattr(ours, k)} in this run"
+        for k in _ENGRAM_HASHING
+        if engram.get(k) != getattr(ours, k)
+    ]
+    if diffs:
+        raise HFLoadError(
+            f"{config_file} hashes n-grams differently from this run:\n  "
+            + "\n  ".join(diffs)
+            + "\nIts tables would be read at other rows. Fix: set these engram.* values to the "
+            "folder's (its config.json engram_titan.training_config is the run it came from)"
+        )
 
 
 # ----------------------------------------------------------------------------- plan and checks

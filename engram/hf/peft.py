@@ -28,6 +28,7 @@ from torch import nn
 from engram.checkpoint import read_fingerprint
 from engram.config import ConfigError, JobConfig, Lora
 from engram.hf.adapter import hf_module_name
+from engram.hf.checksums import CHECKSUMS_FILE, write_checksums
 from engram.hf.export import export, full_cpu
 from engram.models.lora import LoRAMixin
 from engram.models.transformer import clean_fqn
@@ -140,4 +141,5 @@ def export_peft(
     written = [out / ADAPTER_CONFIG, out / ADAPTER_WEIGHTS]
     if any(".engram." in f".{n}" for n, _ in model.named_parameters()):
         written += export(model, cfg.model.name, engram_config, fingerprint, out, engram_only=True)
-    return written
+    written = [p for p in written if p.name != CHECKSUMS_FILE]
+    return written + [write_checksums(out, written)]

@@ -12,6 +12,8 @@ are computed in torch from input_ids, bit-exact with the training data loader: c
 (the `engram_hash.lookup` table saved with the weights), XOR of id x odd multiplier over each
 n-gram window, left-padded with the compressed pad id, modulo a distinct prime per (layer, n,
 head), plus the head's offset into the layer's concatenated table.
+The multipliers and primes are derived here from config.engram's seed and sizes (config.json
+stores them for reading only; a stored value that disagrees is refused, naming the key).
 
 Incremental decoding: the hash ids of position t depend on the last max_ngram tokens, the
 ShortConv on the last (kernel_size - 1) x dilation positions. Both windows live in the KV cache:
@@ -64,6 +66,180 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+# --- hashing constants, derived from config.engram's seed and sizes -------------------------------
+# A transcription of engram-titan's engram/hashing/ngram.py (layer_multipliers: numpy's
+# default_rng(seed + 10007 * layer).integers(0, bound, n, int64) * 2 + 1; find_table_primes), in
+# plain Python so this file needs no numpy: SeedSequence -> PCG64 -> Lemire's bounded integers.
+_M32, _M64, _M128 = 2**32 - 1, 2**64 - 1, 2**128 - 1
+_PCG_MULT = (2549297995355413924 << 64) + 4865540595714422341
+_INT64_MAX = 2**63 - 1
+
+
+def _hashmix(value: int, const: list[int]) -> int:
+    value ^= const[0]
+    const[0] = (const[0] * 0x931E8875) & _M32
+    value = (value * const[0]) & _M32
+    return value ^ (value >> 16)
+
+
+def _mix(x: int, y: int) -> int:
+    r = (0xCA01F9DD * x - 0x4973F715 * y) & _M32
+    return r ^ (r >> 16)
+
+
+def _seed_sequence_state(seed: int, words: int) -> list[int]:
+    """numpy.random.SeedSequence(seed).generate_state(words, uint32) (pool size 4)."""
+    entropy = []
+    while True:
+        entropy.append(seed & _M32)
+        seed >>= 32
+        if not seed:
+            break
+    const = [0x43B0D7E5]
+    pool = [_hashmix(entropy[i] if i < len(entropy) else 0, const) for i in range(4)]
+    for src in range(4):
+        for dst in range(4):
+            if src != dst:
+                pool[dst] = _mix(pool[dst], _hashmix(pool[src], const))
+    for src in range(4, len(entropy)):
+        for dst in range(4):
+            pool[dst] = _mix(pool[dst], _hashmix(entropy[src], const))
+    out, const_b = [], 0x8B51F9DD
+    for i in range(words):
+        v = pool[i % 4] ^ const_b
+        const_b = (const_b * 0x58F38DED) & _M32
+        v = (v * const_b) & _M32
+        out.append(v ^ (v >> 16))
+    return out
+
+
+class _PCG64:
+    """numpy's PCG64 (XSL-RR 128/64) seeded as default_rng(seed) seeds it."""
+
+    def __init__(self, seed: int) -> None:
+        w = _seed_sequence_state(seed, 8)
+        s = [w[2 * i] | (w[2 * i + 1] << 32) for i in range(4)]  # uint32 pairs -> uint64
+        init, inc = (s[0] << 64) | s[1], (s[2] << 64) | s[3]
+        self.inc = ((inc << 1) | 1) & _M128
+        self.state = (self.inc + init) & _M128  # step from 0, add the seed ...
+        self.state = (self.state * _PCG_MULT + self.inc) & _M128  # ... and step again
+        self.buf, self.bcnt = 0, 0
+
+    def next64(self) -> int:
+        self.state = (self.state * _PCG_MULT + self.inc) & _M128
+        x, rot = ((self.state >> 64) ^ self.state) & _M64, self.state >> 122
+        return ((x >> rot) | (x << ((64 - rot) & 63))) & _M64
+
+    def next32(self) -> int:  # numpy's buffered uint32: low half first, then high half
+        if not self.bcnt:
+            self.buf, self.bcnt = self.next64(), 1
+        else:
+            self.buf, self.bcnt = self.buf >> 32, 0
+        return self.buf & _M32
+
+    def bounded(self, rng: int) -> int:
+        """A uniform integer in [0, rng] (Lemire's method, as numpy's bounded fill)."""
+        bits, draw = (32, self.next32) if rng <= _M32 else (64, self.next64)
+        excl, mask = rng + 1, (1 << bits) - 1
+        m = draw() * excl
+        if m & mask < excl:
+            threshold = (mask - rng) % excl
+            while m & mask < threshold:
+                m = draw() * excl
+        return m >> bits
+
+
+def layer_multipliers(seed: int, layer_id: int, max_ngram: int, compressed_vocab: int) -> list[int]:
+    """The odd multipliers of one Engram layer (engram-titan's hashing.layer_multipliers)."""
+    g = _PCG64(int(seed) + 10007 * int(layer_id))
+    rng = max(1, (_INT64_MAX // int(compressed_vocab)) // 2) - 1
+    return [2 * (g.bounded(rng) if rng else 0) + 1 for _ in range(max_ngram)]
+
+
+def _is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin for 64-bit integers."""
+    bases = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    if n < 2:
+        return False
+    for p in bases:
+        if n % p == 0:
+            return n == p
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in bases:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def table_primes(
+    vocab_size_per_ngram, layer_ids, max_ngram: int, heads: int
+) -> dict[str, list[int]]:
+    """Each layer's head primes, order-major: the smallest unused prime above a search start
+    that begins at vocab_size_per_ngram[n - 2] - 1 and moves to each prime found."""
+    used, out = set(), {}
+    for layer in layer_ids:
+        flat = []
+        for n in range(2, max_ngram + 1):
+            start = int(vocab_size_per_ngram[n - 2]) - 1
+            for _ in range(heads):
+                c = start + 1
+                while c in used or not _is_prime(c):
+                    c += 1
+                used.add(c)
+                flat.append(c)
+                start = c
+        out[str(layer)] = flat
+    return out
+
+
+def derive_hash_params(engram: dict) -> dict[str, dict]:
+    """multipliers, table_primes and table_rows (keyed by str(layer)) from config.engram's seed
+    and sizes; ValueError naming every stored value that disagrees (an edited config.json)."""
+    need = ("seed", "layer_ids", "max_ngram", "n_head_per_ngram", "vocab_size_per_ngram",
+            "compressed_vocab")  # fmt: skip
+    absent = [k for k in need if k not in engram]
+    if absent:
+        raise ValueError(
+            f"config.json's engram lacks {absent}: re-export the folder with engram-titan's "
+            "scripts/export_hf.py"
+        )
+    layers = [int(i) for i in engram["layer_ids"]]
+    max_ngram = int(engram["max_ngram"])
+    primes = table_primes(
+        engram["vocab_size_per_ngram"], layers, max_ngram, int(engram["n_head_per_ngram"])
+    )
+    derived = {
+        "multipliers": {
+            str(i): layer_multipliers(engram["seed"], i, max_ngram, engram["compressed_vocab"])
+            for i in layers
+        },
+        "table_primes": primes,
+        "table_rows": {k: sum(v) for k, v in primes.items()},
+    }
+    diffs = [
+        f"engram.{key}[{layer!r}] = {(engram.get(key) or {}).get(layer)}, derived {want}"
+        for key, per_layer in derived.items()
+        for layer, want in per_layer.items()
+        if not isinstance(engram.get(key), dict) or engram[key].get(layer) != want
+    ]
+    if diffs:
+        raise ValueError(
+            f"config.json disagrees with engram.seed = {engram['seed']} and the table sizes "
+            "that derive the hashing values:\n  " + "\n  ".join(diffs) + "\nThe file was "
+            "edited: restore it from the export, or re-export with the settings you want"
+        )
+    return derived
+
+
 class NgramHash(nn.Module):
     """input_ids [B, T] -> Engram row ids [B, T, L, H] (L Engram layers, H hash heads)."""
 
@@ -74,11 +250,12 @@ class NgramHash(nn.Module):
         self.pad = int(engram["compressed_pad_id"])
         self.register_buffer("lookup", torch.zeros(int(engram["num_token_ids"]), dtype=torch.long))
         heads = int(engram["n_head_per_ngram"])
-        primes = [engram["table_primes"][str(i)] for i in engram["layer_ids"]]
+        derived = derive_hash_params(engram)  # never the stored values: they could be edited
+        primes = [derived["table_primes"][str(i)] for i in engram["layer_ids"]]
         offsets = [[sum(p[:j]) for j in range(len(p))] for p in primes]
-        # Python ints, not buffers: they are the config's, and multipliers exceed float precision.
+        # Python ints, not buffers: derived from the config, and multipliers exceed float precision.
         self._ints = {
-            "mult": [engram["multipliers"][str(i)] for i in engram["layer_ids"]],
+            "mult": [derived["multipliers"][str(i)] for i in engram["layer_ids"]],
             "primes": [p[k : k + heads] for p in primes for k in range(0, len(p), heads)],
             "offsets": [o[k : k + heads] for o in offsets for k in range(0, len(o), heads)],
         }
@@ -206,7 +383,20 @@ class _EngramCausalLM:
             raise ValueError(
                 f"the checkpoint does not match the Engram model: {bad or info['error_msgs']}"
             )
+        model._check_lookup()
         return (model, info) if output_loading_info else model
+
+    def _check_lookup(self) -> None:
+        """The saved compression table must give the compressed vocabulary and pad id the
+        config states (the multipliers were derived from them)."""
+        e, lookup = self.config.engram, self.engram_hash.lookup
+        got = (int(lookup.max()) + 1, int(lookup[int(e["pad_id"])]))
+        want = (int(e["compressed_vocab"]), int(e["compressed_pad_id"]))
+        if got != want:
+            raise ValueError(
+                f"engram_hash.lookup gives compressed_vocab, compressed_pad_id = {got}, but "
+                f"config.json's engram states {want}: the folder was edited; re-export it"
+            )
 
     def _engram_cache(self, cache):
         """Make the Engram layers' cache layers KV + conv-state layers (only while empty)."""
@@ -298,20 +488,10 @@ class _EngramCausalLM:
         return args, {**kwargs, "hidden_states": hidden}
 
 
-class EngramLlamaConfig(LlamaConfig):
-    model_type = "engram_llama"
-
-
-class EngramQwen2Config(Qwen2Config):
-    model_type = "engram_qwen2"
-
-
-class EngramQwen3Config(Qwen3Config):
-    model_type = "engram_qwen3"
-
-
+# The configs are transformers' own (config.json's model_type is the backbone's), so reading the
+# config or the tokenizer runs no code from the folder; only these model classes are remote code.
 class EngramLlamaForCausalLM(_EngramCausalLM, LlamaForCausalLM):
-    config_class = EngramLlamaConfig
+    config_class = LlamaConfig
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -319,7 +499,7 @@ class EngramLlamaForCausalLM(_EngramCausalLM, LlamaForCausalLM):
 
 
 class EngramQwen2ForCausalLM(_EngramCausalLM, Qwen2ForCausalLM):
-    config_class = EngramQwen2Config
+    config_class = Qwen2Config
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -327,7 +507,7 @@ class EngramQwen2ForCausalLM(_EngramCausalLM, Qwen2ForCausalLM):
 
 
 class EngramQwen3ForCausalLM(_EngramCausalLM, Qwen3ForCausalLM):
-    config_class = EngramQwen3Config
+    config_class = Qwen3Config
 
     def __init__(self, config) -> None:
         super().__init__(config)
