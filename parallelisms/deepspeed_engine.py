@@ -18,7 +18,9 @@ only its loop:
 - `EngineCheckpoint`: the engine's own checkpoint as a folder state of CheckpointManager, so it
   is committed with the table shards in one step folder; `convert_to_universal` (the command
   scripts/deepspeed_universal.py) adds DeepSpeed's universal format to a step folder, which
-  the engine loads at another world size.
+  the engine loads at another world size. Every read of DeepSpeed's files (resume,
+  conversion) runs inside parallelisms/deepspeed_files.py `weights_only_loads`: no pickled
+  code runs; reading a step folder into an unsharded model is there too.
 
 The engine gets a torch optimizer through DeepSpeed's client-optimizer path
 (`deepspeed.initialize(optimizer=torch.optim.AdamW(...))`, `zero_allow_untested_optimizer`,
@@ -52,12 +54,17 @@ from engram.models.table_grad import row_grad, scale_row_grads_
 from engram.models.transformer import clean_fqn
 from engram.optim.builder import apply_training_mode
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.deepspeed_files import (
+    ENGINE_TAG,
+    is_deepspeed_step,
+    register_at,
+    weights_only_loads,
+)
 from parallelisms.engram_tables import ShardedEngramTable
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import convert_model, engram_halo, shard_engram_tables
 
 INSTALL = 'pip install -e ".[deepspeed]"'
-ENGINE_TAG = "model"  # engine checkpoint: <step folder>/engine/model/ (+ engine/latest)
 UNIVERSAL_TAG = f"{ENGINE_TAG}_universal"  # <step folder>/engine/model_universal/ (converted)
 CONVERT = "python scripts/deepspeed_universal.py"  # convert_to_universal on the command line
 logger = logging.getLogger("engram")
@@ -226,17 +233,6 @@ def build_ds_config(cfg: JobConfig, world_size: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the tables
 
 
-def _mirror(root: nn.Module, fqn: str, module: nn.Module) -> None:
-    """Register `module` under `root` at the dotted path `fqn`, creating empty parents."""
-    *parents, leaf = fqn.split(".")
-    node = root
-    for name in parents:
-        if name not in node._modules:
-            node.add_module(name, nn.Module())
-        node = node._modules[name]
-    node.add_module(leaf, module)
-
-
 def detach_tables(model: nn.Module) -> nn.Module:
     """Take the row-sharded Engram tables out of `model`'s module tree; return a module that
     holds them under their original names (`layers.1.engram.table.weight`, as in train.py's
@@ -250,7 +246,7 @@ def detach_tables(model: nn.Module) -> nn.Module:
         parent = model.get_submodule(parent_name)
         del parent._modules[attr]
         object.__setattr__(parent, attr, table)  # an attribute, not a registered submodule
-        _mirror(tables, clean_fqn(fqn), table)  # without activation-checkpoint wrapper names
+        register_at(tables, clean_fqn(fqn), table)  # without activation-checkpoint wrapper names
     return tables
 
 
@@ -460,7 +456,8 @@ def convert_to_universal(step_dir: Path, workers: int = 1) -> Path:
         strict=True,
         inject_missing_state=True,  # the version marker ZeRO-1/2 checkpoints of a plain model lack
     )
-    ds_to_universal.main(args)
+    with weights_only_loads(step_dir):  # the converter's own torch.load calls (and its workers')
+        ds_to_universal.main(args)
     os.rename(tmp, out)
     (engine / "latest_universal").write_text(UNIVERSAL_TAG)  # the converter wrote the tmp name
     names = sorted(str(p.relative_to(step_dir)) for p in out.rglob("*") if p.is_file())
@@ -476,7 +473,8 @@ def _repair_zero3_universal_load(optimizer: Any, folder: Path) -> None:
     (torch's Adam increments it in place once per group and step: wrong bias correction). Each
     group gets its saved values back, as the same-world-size load restores them, and each state
     its own step."""
-    sd = torch.load(folder / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    with weights_only_loads(folder):
+        sd = torch.load(folder / "zero" / "optimizer_state.pt", map_location="cpu")
     saved = sd["optimizer_state_dict"]["param_groups"]
     live = optimizer.optimizer.param_groups
     if len(saved) != len(live):
@@ -540,54 +538,13 @@ class EngineCheckpoint:
             raise CheckpointError(f"{folder / tag} is missing: no DeepSpeed engine checkpoint")
         config.load_universal_checkpoint = universal
         try:
-            path, _ = self.engine.load_checkpoint(
-                str(folder), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
-            )
+            with weights_only_loads(folder / tag):  # DeepSpeed's torch.load calls too
+                path, _ = self.engine.load_checkpoint(
+                    str(folder), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+                )
         finally:
             config.load_universal_checkpoint = asked
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load the engine checkpoint {folder / tag}")
         if universal and self.engine.zero_optimization_stage() == 3:
             _repair_zero3_universal_load(self.engine.optimizer, folder / tag)
-
-
-def is_deepspeed_step(step_dir: Path) -> bool:
-    """`step_dir` was written by recipes/train_deepspeed.py (it holds an engine checkpoint)."""
-    return (Path(step_dir) / "engine" / ENGINE_TAG).is_dir()
-
-
-def load_deepspeed_weights(
-    model: nn.Module, step_dir: Path, fingerprint: dict[str, Any] | None = None
-) -> None:
-    """Fill an unsharded model (export, generation) from a step folder of train_deepspeed.py,
-    in one process: the engine's fp32 master weights consolidated by DeepSpeed's zero_to_fp32
-    (any ZeRO stage, any saved world size) and the Engram tables from their DCP shards.
-    `fingerprint` (this job's config_fingerprint): any difference but the engine is refused."""
-    import torch.distributed.checkpoint as dcp
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    from engram.checkpoint import ModelState, check_fingerprint
-    from engram.models.engram import EngramTable
-
-    step_dir = Path(step_dir)
-    if fingerprint is not None:
-        check_fingerprint(step_dir, fingerprint, ignore=("engine",))
-    dense = get_fp32_state_dict_from_zero_checkpoint(str(step_dir / "engine"), tag=ENGINE_TAG)
-    dense = {clean_fqn(k): v for k, v in dense.items()}
-    tables = nn.Module()
-    for fqn, table in model.named_modules():
-        if isinstance(table, EngramTable):
-            _mirror(tables, clean_fqn(fqn), table)
-    table_keys = {f"{clean_fqn(n)}" for n, _ in tables.named_parameters()}
-    missing, unexpected = model.load_state_dict(dense, strict=False)
-    missing = {clean_fqn(k) for k in missing} - table_keys
-    if missing or unexpected:
-        raise CheckpointError(
-            f"the engine checkpoint in {step_dir} does not fit this model: missing "
-            f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}. Fix: pass the config "
-            "file the run was trained with"
-        )
-    if table_keys:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"tables": ModelState(tables)}, checkpoint_id=str(step_dir), no_dist=True)

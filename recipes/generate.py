@@ -12,8 +12,10 @@ config, tokenizer and Engram hasher; engram/inference/build.py), then its weight
               verified against its manifest and fingerprint as a training resume verifies it
               (engram/checkpoint/ find_checkpoint / load_model_checkpoint). DCP reshards: a
               checkpoint saved by N ranks (FSDP2 shards, row-sharded Engram tables) loads into
-              this unsharded model. When the run has checkpoints, a damaged one is an error,
-              never a fallback to hf / init.
+              this unsharded model. A step of recipes/train_deepspeed.py is read as
+              scripts/export_hf.py reads it (parallelisms/deepspeed_files.py: zero_to_fp32 +
+              the tables' DCP shards). When the run has checkpoints, a damaged one is an
+              error, never a fallback to hf / init.
   hf          the Hugging Face folder in `model.hf_checkpoint` (backbone; Engram keeps its init)
   init        the deterministic random init of `job.seed` (a smoke test, not a language model)
 
@@ -48,6 +50,7 @@ from engram.inference import (
 )
 from engram.runtime import device as dev
 from engram.train.metrics import init_logger
+from parallelisms.deepspeed_files import read_deepspeed_step
 
 logger = logging.getLogger("engram")
 
@@ -110,7 +113,9 @@ def main(argv: list[str] | None = None) -> str:
     )
     warn_if_longer_than_trained(cfg, len(prompt_ids), args.max_new_tokens)
     fingerprint = config_fingerprint(cfg, tokenizer, hasher)
-    source = load_weights(model, cfg, args.source, args.checkpoint_step, fingerprint)
+    source = load_weights(
+        model, cfg, args.source, args.checkpoint_step, fingerprint, read_deepspeed_step
+    )
     logger.info(f"model {cfg.model.name}/{cfg.model.flavor} on {device}, weights: {source}")
 
     generator = torch.Generator(device=device).manual_seed(

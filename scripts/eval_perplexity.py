@@ -29,6 +29,7 @@ from engram.data.loader import build_dataloader  # noqa: E402
 from engram.inference import SOURCES, build_for_generation, load_weights  # noqa: E402
 from engram.runtime import device as dev  # noqa: E402
 from engram.train.metrics import init_logger  # noqa: E402
+from parallelisms.deepspeed_files import read_deepspeed_step  # noqa: E402
 
 
 @torch.no_grad()
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     dev.import_device_backend(device_type)
     device = dev.local_device(device_type, 0)
     model, tokenizer, hasher = build_for_generation(cfg, cfg.training.seq_len, device)
-    source = load_weights(model, cfg, ns.source, ns.checkpoint_step)
+    source = load_weights(model, cfg, ns.source, ns.checkpoint_step, read_step=read_deepspeed_step)
     loader = build_dataloader(cfg, tokenizer, hasher, 0, 1, split="val")
     loss, tokens = heldout_loss(model, loader, ns.batches, device)
     result = {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens}

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from engram.checkpoint import CheckpointError
 from engram.config import ConfigError, config_from_dict, load_config
 from engram.models.transformer import clean_fqn
-from parallelisms.deepspeed_engine import load_deepspeed_weights
+from parallelisms.deepspeed_files import load_deepspeed_weights
 
 pytest.importorskip("deepspeed")
 ROOT = Path(__file__).resolve().parents[1]

@@ -308,12 +308,14 @@ class CheckpointManager:
 
     def _save_failed(self, step: int, tmp: Path, e: BaseException) -> CheckpointError:
         """A save raised (on any rank): remove our partial folder, report the path and why."""
+        # Described first: removing the partial save frees the space a full disk lacked.
+        message = describe_save_error(self.folder, step, tmp, e)
         if self.rank == 0 and tmp.is_dir():
             try:
                 self._remove_own_tmp(tmp)
             except (OSError, CheckpointError) as cleanup:
                 logger.warning("could not remove partial checkpoint %s: %s", tmp, cleanup)
-        return CheckpointError(describe_save_error(self.folder, step, tmp, e))
+        return CheckpointError(message)
 
     def _commit(self, step: int, tmp: Path, final: Path, checksums: dict[str, Any]) -> None:
         meta = {

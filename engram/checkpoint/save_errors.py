@@ -48,16 +48,28 @@ def space_left(folder: Path) -> tuple[int | None, int | None]:
     return free, need
 
 
+def _written(tmp: Path) -> int:
+    """Bytes in the partial save `tmp` (0 when it is gone or unreadable)."""
+    try:
+        return sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+    except OSError:
+        return 0
+
+
 def describe_save_error(folder: Path, step: int, tmp: Path, e: BaseException) -> str:
-    """The message for save `step` into `tmp` (in checkpoint folder `folder`) failing with `e`."""
-    # A full disk often surfaces as another error (torch's zip writer: "file write
-    # failed"): the free space decides, not only the exception's errno.
+    """The message for save `step` into `tmp` (in checkpoint folder `folder`) failing with `e`.
+    Call it before the partial save `tmp` is removed: that frees the space a full disk lacked."""
+    # A full disk often surfaces as another error (torch's zip writer: "file write failed" or
+    # "unexpected pos 704 vs 598"): the free space decides, not only the exception's errno.
     free, need = space_left(folder)
     full = free is not None and free < (need if need is not None else 1 << 20)
     if _is_no_space(e) or full:
         sizes = f"{_mib(free)} free" if free is not None else "free space unknown"
         if need is not None:
             sizes += f", the previous checkpoint took {_mib(need)}"
+        written = _written(tmp)
+        if written:
+            sizes += f", this save needed more than the {_mib(written)} it had written"
         first = (str(e).strip().splitlines() or [""])[0][:160]
         what = f"no space left on the device ({sizes}; {type(e).__name__}: {first})"
     else:
