@@ -10,14 +10,18 @@
    vocabulary 32768), seq 1024, trained a few steps with the recipe's own placement, optimizers
    and step (parallelisms/trial_step.py, synthetic batches), Engram off, then on (one Engram
    layer at layer 1, 2 orders x 8 heads x 64, tables of 2 x 8 x ~32 K rows, dense Adam). The last
-   step of each is timed; FLOPs per token as engram/train/flops.py counts them.
-3. The table: step time, tokens/s, TFLOP/s and MFU per device, and the on / off ratios.
+   step of each is timed (cpu: the only one); FLOPs per token as engram/train/flops.py counts them.
+3. The table: step time, tokens/s, TFLOP/s and MFU per device, the share of the CPU threads the
+   step got, and (cpu) the MFU of the CPU time it got: model FLOPs per CPU second over the
+   GEMM's FLOPs per CPU second, which a machine shared with other jobs moves much less than
+   wall-clock MFU; then the on / off ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -62,17 +66,50 @@ def run(engram: bool, args, device, peak_tflops: float) -> dict:
     return {"step": step, "tokens_per_s": tokens}
 
 
+def gemm_per_cpu_second(n: int = 512, budget_s: float = 1.0) -> float:
+    """cpu: GEMM FLOPs per second of this process's CPU time (all threads): the peak per CPU
+    second, which other jobs on a shared machine barely move (they take whole time slices)."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+    a @ b
+    done, c0, t0 = 0, time.process_time(), time.perf_counter()
+    while time.perf_counter() - t0 < budget_s:
+        a @ b
+        done += 1
+    return 2.0 * n**3 * done / (time.process_time() - c0) / 1e12
+
+
+def share(step) -> str:
+    """cpu: the share of this process's threads' time the timed step got (a loaded machine
+    shows here, not as a slow kernel)."""
+    threads = torch.get_num_threads()
+    return f"{100 * step.cpu_time_s / (step.step_time_s * threads):.0f}% of {threads}"
+
+
+def cpu_mfu(step, args, per_cpu_s: float) -> str:
+    """The step's model FLOPs per CPU second over the GEMM's: MFU of the CPU time it got."""
+    if not per_cpu_s:
+        return "-"
+    flops = step.flops.per_token * args.seq * args.batch
+    return f"{100 * flops / step.cpu_time_s / 1e12 / per_cpu_s:.1f}%"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=2, help="per variant; the last one is timed")
+    ap.add_argument(
+        "--steps", type=int, default=0, help="per variant, the last timed (0: 1 on cpu, else 3)"
+    )
     ap.add_argument("--threads", type=int, default=2, help="cpu threads")
     ap.add_argument("--dtype", default="", help="FSDP compute dtype (default: bf16 off cpu)")
     args = ap.parse_args()
     device_type = dev.resolve_device_type(args.device)
     args.dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
+    # cpu: one ~40 s step per variant (a warm-up step would double the run); accelerators: the
+    # first steps pay for kernel selection and allocator growth.
+    args.steps = args.steps or (1 if device_type == "cpu" else 3)
     if device_type == "cpu":
         torch.set_num_threads(args.threads)
     dev.import_device_backend(device_type)
@@ -91,24 +128,30 @@ def main() -> None:
             + (f"; table: {spec.bf16_tflops:g} ({spec.name})" if spec else ""),
             f"MFU divides by {peak:.3g} TFLOP/s ({'table' if spec else 'measured'})",
         ]
+        per_cpu_s = gemm_per_cpu_second() if device_type == "cpu" else 0.0
+        if per_cpu_s:
+            lines.append(f"GEMM per CPU second: {per_cpu_s:.3g} TFLOP (float32, 512^3)")
         rows = {e: run(e, args, device, peak) for e in (False, True)}
         off, on = rows[False], rows[True]
         lines += [
             "",
             f"model llama3/{FLAVOR}, seq {args.seq}, batch {args.batch} per rank, "
             f"{args.dtype}, timed step {args.steps} of {args.steps}",
-            "| Engram | FLOPs / token | step s | tokens/s per device | TFLOP/s | MFU |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| Engram | FLOPs / token | step s | tokens/s per device | TFLOP/s | MFU | CPU share "
+            "| MFU of the CPU time |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for label, r in (("off", off), ("on", on)):
             s = r["step"]
             lines.append(
                 f"| {label} | {s.flops.per_token / 1e9:.3f} G | {s.step_time_s:.2f} | "
-                f"{r['tokens_per_s']:,.0f} | {s.tflops:.3g} | {s.mfu:.1f}% |"
+                f"{r['tokens_per_s']:,.0f} | {s.tflops:.3g} | {s.mfu:.1f}% | {share(s)} | "
+                f"{cpu_mfu(s, args, per_cpu_s)} |"
             )
         lines.append(
             f"on / off: MFU x{on['step'].mfu / off['step'].mfu:.3f}, tokens/s "
-            f"x{on['tokens_per_s'] / off['tokens_per_s']:.3f}"
+            f"x{on['tokens_per_s'] / off['tokens_per_s']:.3f}, CPU seconds per step "
+            f"x{on['step'].cpu_time_s / off['step'].cpu_time_s:.3f}"
         )
         if dist.get_rank() == 0:
             print("\n".join(lines), flush=True)

@@ -115,6 +115,9 @@ def current_rss_bytes() -> int:
 @dataclass
 class TrialStep:
     step_time_s: float
+    cpu_time_s: float
+    """This process's CPU time (all threads) during the timed step: on a shared cpu machine,
+    cpu_time_s / (step_time_s x threads) is the share of the cores the step got."""
     peak_bytes: int
     """Peak live tensors (accelerators), or growth of the resident set during build + steps
     (cpu: approximate, allocator caching and lazily loaded libraries included)."""
@@ -168,12 +171,12 @@ def run_trial_step(
     with loss_fn.context():
         for _ in range(steps):
             dev.synchronize(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             forward_backward(model_parts, batch, loss_fn, 1.0)
             clip_grad_norm_(trainable, cfg.training.max_norm)
             step_optimizers(optimizers, [], skip=False)
             dev.synchronize(device)
-            step_time = time.perf_counter() - t0
+            step_time, cpu_time = time.perf_counter() - t0, time.process_time() - c0
     if device.type == "cpu":
         peak = max(0, dev.peak_memory_bytes(device)[0] - rss_before)
     else:
@@ -182,4 +185,6 @@ def run_trial_step(
     tokens_per_s = t.local_batch_size * t.seq_len * dims.dp_size / step_time
     tflops = flops.per_token * tokens_per_s / dims.world_size / 1e12
     peak_spec = resolve_peak(device.type, dev.device_name(device), cfg.metrics.peak_tflops)
-    return TrialStep(step_time, peak, flops, peak_spec, tflops, 100 * tflops / peak_spec.tflops)
+    return TrialStep(
+        step_time, cpu_time, peak, flops, peak_spec, tflops, 100 * tflops / peak_spec.tflops
+    )

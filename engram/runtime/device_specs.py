@@ -113,8 +113,9 @@ def measure_gemm_tflops(
     """Achieved TFLOP/s of square n x n matmuls on `device`, best of repeated timings within
     about `budget_s` seconds (after one warm-up): the CPU's peak stand-in, measured not looked up.
     On 2 shared cores the figure moves with the machine's load; it is what this process got."""
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(0)  # its own: the run's global RNG stream is untouched
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
     (a @ b).sum().item()  # warm-up: thread pool, kernels
     best, start, flops = 0.0, time.perf_counter(), 2.0 * n**3
     while time.perf_counter() - start < budget_s:
