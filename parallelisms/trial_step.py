@@ -63,8 +63,9 @@ def cut_config(cfg: JobConfig, layers: int, cpu: bool, tp: int = 1) -> tuple[Job
         head_dim = max(8, args.head_dim // 2 // 2 * 2)
         changes.update(
             n_heads=heads, n_kv_heads=kv, head_dim=head_dim, dim=heads * head_dim,
-            ffn_dim=_multiple(args.ffn_dim // CPU_WIDTH_DIV, tp * 8),
-            vocab_size=_multiple(vocab // CPU_WIDTH_DIV, tp * 64),
+            ffn_dim=_multiple(max(64, args.ffn_dim // CPU_WIDTH_DIV), tp * 8),
+            # Not below the shipped debug tokenizer's 2048 ids (the planner reads it for "").
+            vocab_size=_multiple(max(2048, vocab // CPU_WIDTH_DIV), tp * 64),
         )  # fmt: skip
         training = dataclasses.replace(
             training, seq_len=min(training.seq_len, CPU_SEQ_LEN), local_batch_size=1
