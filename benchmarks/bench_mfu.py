@@ -6,7 +6,7 @@
 1. The peak: square GEMMs timed on this device (float32 on cpu, bfloat16 on accelerators), and
    on accelerators the dense bf16 figure of engram/runtime/device_specs.py beside it. MFU divides
    by the measured peak on cpu and by the table's on accelerators (as training logs it).
-2. A ~270M-parameter Llama-shaped model (dim 1024, 16 layers, 16 heads / 8 KV, FFN 2816,
+2. A 256M-parameter Llama-shaped model (dim 1024, 16 layers, 16 heads / 8 KV, FFN 2816,
    vocabulary 32768), seq 1024, trained a few steps with the recipe's own placement, optimizers
    and step (parallelisms/trial_step.py, synthetic batches), Engram off, then on (one Engram
    layer at layer 1, 2 orders x 8 heads x 64, tables of 2 x 8 x ~32 K rows, dense Adam). The last
@@ -37,7 +37,7 @@ from engram.runtime.distributed import destroy_distributed, init_distributed  # 
 from parallelisms.parallel_dims import parallel_dims_from_config  # noqa: E402
 from parallelisms.trial_step import run_trial_step  # noqa: E402
 
-FLAVOR = "bench-270M"
+FLAVOR = "bench-256M"
 MODEL_FLAVORS["llama3"][FLAVOR] = ModelArgs(
     dim=1024, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=2816, vocab_size=32768,
     rope_theta=500000.0, max_seq_len=1024,
