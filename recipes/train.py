@@ -38,6 +38,7 @@ from engram.train.build import (
     init_process,
 )
 from engram.train.evaluate import eval_due, evaluate
+from engram.train.flops import model_flops
 from engram.train.metrics import MetricsLogger, logger
 from engram.train.nonfinite import NonFiniteGuard
 from engram.train.profiling import maybe_profile
@@ -49,6 +50,7 @@ from engram.train.step import (
     pipeline_forward_backward,
     step_optimizers,
 )
+from engram.train.throughput import Throughput
 from parallelisms.engram_tables import prefetch_host_tables
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.model_parts import build_model_parts
@@ -70,6 +72,7 @@ def train(cfg: JobConfig) -> TrainResult:
     # (pipeline stages under PP, each parallelised in the order of parallelisms/parallelize.py,
     # materialised and initialised; the one loss of every forward path; the PP schedules)
     tokenizer, hasher, model = build_meta_model(cfg)
+    flops = model_flops(model, cfg)  # of the whole model, before placement (engram/train/flops.py)
     model_parts, loss_fn, pp = build_model_parts(model, cfg, dims, device)
     model = model_parts[0]
 
@@ -110,13 +113,15 @@ def train(cfg: JobConfig) -> TrainResult:
         and not (dims.tp_enabled or dims.pp_enabled)
     )
     profile = maybe_profile(cfg.profiling, cfg.run_folder, proc.rank, proc.device_type, start_step)
-    progress = Progress(cfg, dims.dp_size, state, metrics, train_loader, device)
+    throughput = Throughput(flops, device, proc.world_size, cfg.metrics.peak_tflops)
+    progress = Progress(cfg, dims.dp_size, state, metrics, train_loader, device, throughput)
     # One loss context (TP loss parallel) around every forward path: train, pipeline, eval.
     with loss_fn.context(), profile as profiler:
         for step in range(start_step + 1, cfg.training.steps + 1):
             # data: this step's micro-batches up front; host tables prefetch their rows (behind
             # the previous step's host update; see parallelisms/engram_tables/host.py)
-            batches = next_batches(data_iter, accum, device)
+            with progress.data_timer():
+                batches = next_batches(data_iter, accum, device)
             if prefetch:
                 for batch in batches:
                     prefetch_host_tables(model, batch["hash_ids"])

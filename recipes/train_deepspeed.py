@@ -37,12 +37,14 @@ from engram.runtime import device as dev
 from engram.runtime.distributed import destroy_distributed
 from engram.train.build import build_checkpointer, build_loaders, build_meta_model, init_process
 from engram.train.evaluate import eval_due, evaluate
+from engram.train.flops import model_flops
 from engram.train.loss import LanguageModelLoss, cross_entropy
 from engram.train.metrics import MetricsLogger, logger
 from engram.train.nonfinite import NonFiniteGuard
 from engram.train.profiling import maybe_profile
 from engram.train.progress import Progress, TrainResult
 from engram.train.step import dp_mean, next_batches, step_optimizers
+from engram.train.throughput import Throughput
 from parallelisms.deepspeed_engine import (
     EngineCheckpoint,
     build_ds_config,
@@ -77,6 +79,7 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
 
     # --- model on meta, placed for the engine; the tables come out of its module tree -------
     tokenizer, hasher, model = build_meta_model(cfg)
+    flops = model_flops(model, cfg)  # before the engine takes the model
     ds_config = build_ds_config(cfg, proc.world_size)
     tables = place_for_engine(model, cfg, dims, device, ds_config)
 
@@ -114,12 +117,15 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
     data_iter = iter(train_loader)
     eval_loss_fn = LanguageModelLoss(1, None, sharded_logits=False)
     profile = maybe_profile(cfg.profiling, cfg.run_folder, proc.rank, proc.device_type, start_step)
-    progress = Progress(cfg, dims.dp_size, state, metrics, train_loader, device)
+    throughput = Throughput(flops, device, proc.world_size, cfg.metrics.peak_tflops)
+    progress = Progress(cfg, dims.dp_size, state, metrics, train_loader, device, throughput)
     with profile as profiler:
         for step in range(start_step + 1, cfg.training.steps + 1):
             # data, then forward / backward per micro-batch through the engine
+            with progress.data_timer():
+                batches = next_batches(data_iter, accum, device)
             loss_sum = torch.zeros((), device=device)
-            for micro, batch in enumerate(next_batches(data_iter, accum, device)):
+            for micro, batch in enumerate(batches):
                 logits = engine(batch["input_ids"], hash_ids=batch.get("hash_ids"))
                 loss = cross_entropy(logits, batch["labels"])
                 engine.backward(loss)  # loss / accum; gradients reduced at the last micro-batch

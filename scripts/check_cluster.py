@@ -21,6 +21,9 @@ status 1 if any check FAILs (every rank), 0 otherwise. The checks, in order:
                                  <dump_folder>/check_cluster (must be storage every rank sees)
     bandwidth[intra|inter-node|world]   timed all_to_all_single and all_gather_into_tensor
     tp_mlp                       with --tp: ColwiseParallel / RowwiseParallel MLP vs unsharded
+    real_step                    one training step of the config cut to --step-layers layers at its
+                                 layout (scripts/cluster_step.py): TFLOP/s, MFU, peak memory vs
+                                 the planner's for the same cut (on cpu the widths shrink too)
     peak_memory                  the largest per-rank peak of the run
 
 A check that raises on one rank while the others wait in a collective stalls until the process
@@ -55,6 +58,7 @@ from torch import nn  # noqa: E402
 from engram.config import load_config  # noqa: E402
 from engram.runtime import device as dev  # noqa: E402
 from engram.runtime.distributed import destroy_distributed, init_distributed  # noqa: E402
+from scripts.cluster_step import real_step  # noqa: E402
 
 A2A_DTYPES = (torch.int64, torch.int32, torch.bfloat16, torch.float32)
 INJECT_ENV = "ENGRAM_CHECK_INJECT"
@@ -91,6 +95,9 @@ FIXES = {
     "and the RoCE / InfiniBand setup",
     "bandwidth[world]": "check the interconnect",
     "tp_mlp": "keep parallelism.tp = 1 on this cluster (use FSDP / HSDP only)",
+    "real_step": "the config's own step fails at its layout: fix the error shown (an out-of-memory "
+    "names the planner's misfit: rerun scripts/estimate_memory.py with a smaller batch or more "
+    "sharding) before a long run",
     "peak_memory": "",
 }
 
@@ -506,6 +513,11 @@ class Checker:
             self.run("tp_mlp", self.check_tp)
         else:
             self.rows.append(Row("tp_mlp", "SKIP", "pass --tp to check tensor parallelism"))
+        if self.args.step_layers:
+            cfg, argv, n = self.args.cfg, self.args.cfg_argv, self.args.step_layers
+            self.run("real_step", lambda: real_step(cfg, argv, self.device, n))
+        else:
+            self.rows.append(Row("real_step", "SKIP", "--step-layers 0"))
         self.run("peak_memory", self.check_memory)
 
     def table(self) -> str:
@@ -543,8 +555,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--bandwidth-iters", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=600, help="process-group timeout (s)")
+    parser.add_argument("--step-layers", type=int, default=2, help="real_step's layers (0: skip)")
     args, rest = parser.parse_known_args(argv)
-    args.cfg = load_config(rest)  # --job.config_file and --section.key=value, as in training
+    args.cfg, args.cfg_argv = (
+        load_config(rest),
+        rest,
+    )  # --job.config_file and --section.key=value, as in training
     return args
 
 

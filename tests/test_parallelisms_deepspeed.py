@@ -660,7 +660,13 @@ def test_run_train_sh_zero3_trains_and_exports(tmp_path):
     }
     args = [f"--job.dump_folder={tmp_path}", "--training.steps=6", "--checkpoint.enable=true"]
     proc = subprocess.run(
-        ["./run_train.sh", "--deepspeed.zero_stage=3", "--metrics.log_freq=1", *args],
+        [
+            "./run_train.sh",
+            "--deepspeed.zero_stage=3",
+            "--metrics.log_freq=1",
+            "--metrics.peak_tflops=2.0",
+            *args,
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -673,6 +679,10 @@ def test_run_train_sh_zero3_trains_and_exports(tmp_path):
     ]
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 6 and losses[-1] < losses[0], losses
+    # This recipe logs the throughput keys too; the MFU divides by metrics.peak_tflops.
+    for r in (r for r in records if "loss" in r):
+        assert r["tflops"] > 0 and r["mfu"] == pytest.approx(100 * r["tflops"] / 2.0), r
+        assert {"max_active_gib", "max_reserved_pct", "data_time_s", "data_pct"} <= r.keys()
     step = tmp_path / "debug" / "checkpoint" / "step-6"
     assert (step / "engine" / "model").is_dir() and (step / "manifest.json").is_file()
     out = tmp_path / "hf"

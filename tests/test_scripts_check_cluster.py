@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,7 @@ ALL_CHECKS = [
     "bandwidth[inter-node]",
     "bandwidth[world]",
     "tp_mlp",
+    "real_step",
     "peak_memory",
 ]
 
@@ -66,6 +68,8 @@ def _run(rank: int, world_size: int, argv: list[str]) -> tuple[int, str]:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_check_passes_on_gloo(world_size: int, tmp_path: Path) -> None:
     argv = ["--job.device=cpu", f"--job.dump_folder={tmp_path}", "--tp", "--bandwidth-mib=1"]
+    if world_size == 2:  # real_step: a cut of the 32B NPU config, at its layout (FSDP over all)
+        argv.append(f"--job.config_file={ROOT / 'train_configs/32b_npu.toml'}")
     results = run_distributed(_run, world_size, argv)
     assert [status for status, _ in results] == [0] * world_size, results[0][1]
     table = results[0][1]
@@ -78,6 +82,12 @@ def test_every_check_passes_on_gloo(world_size: int, tmp_path: Path) -> None:
     assert f"check_cluster: {world_size} ranks on 1 host(s), device cpu, backend gloo" in table
     assert "RESULT: PASS" in table
     assert not any((tmp_path / "check_cluster").iterdir())  # the DCP scratch folder is removed
+    step = next(line for line in table.splitlines() if line.startswith("real_step"))
+    assert "cut to 2 layers" in step and "cpu: widths / 16" in step, step
+    assert "TFLOP/s per device" in step and "MFU" in step, step
+    assert re.search(r"vs planner \d+\.\d+ GiB: ratio \d+\.\d+", step), step
+    if world_size == 2:
+        assert "qwen2/32B cut to 2 layers, Engram at layer 1; dim 320, 5 heads" in step, step
 
 
 @pytest.mark.slow
@@ -115,7 +125,7 @@ def test_rejected_bf16_all_to_all_fails_and_names_the_setting(tmp_path: Path) ->
         'fix: the Engram table all-to-all carries rows in this dtype: set parallelism.engram_a2a_dtype = "float32"'
         in table
     )
-    assert "RESULT: FAIL (1 of 17: all_to_all_single[bfloat16])" in table
+    assert "RESULT: FAIL (1 of 18: all_to_all_single[bfloat16])" in table
     # Every other check still ran (the failure did not stop the table).
     assert {n: s for n, s in rows.items() if s == "PASS"}.keys() == set(ALL_CHECKS) - {
         "all_to_all_single[bfloat16]",

@@ -280,9 +280,13 @@ class Metrics:
     enable_tensorboard: bool = True
     tb_folder: str = "tb"
     """Sub-folder of the run folder for TensorBoard events."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s per device that `mfu` divides by. 0: the dense bf16 figure of engram/runtime/device_specs.py for the device's name, or on cpu (and devices the table lacks) a short GEMM measured at start (logged as "measured")."""
 
     def __post_init__(self) -> None:
         check(self.log_freq >= 1, "metrics.log_freq must be >= 1")
+        check_finite(self.peak_tflops, "metrics.peak_tflops")
+        check(self.peak_tflops >= 0, "metrics.peak_tflops must be >= 0 (0 = from the device table)")
 
 
 @dataclass

@@ -165,6 +165,49 @@ def memory_stats(device: torch.device | str) -> dict[str, float]:
     }
 
 
+def device_name(device: torch.device | str) -> str:
+    """What the device calls itself ("NVIDIA H100 80GB HBM3", "Ascend910B2"; "cpu" on cpu): the
+    key of device_specs.PEAK_SPECS."""
+    device = _as_device(device)
+    mod = device_module(device.type)
+    return "cpu" if mod is None else str(mod.get_device_name(device))
+
+
+def mem_get_info(device: torch.device | str) -> tuple[int, int] | None:
+    """(free, total) bytes the device reports now (other processes' use included); None on cpu or
+    where the device module has no mem_get_info."""
+    device = _as_device(device)
+    mod = device_module(device.type)
+    if mod is None or not hasattr(mod, "mem_get_info"):
+        return None
+    free, total = mod.mem_get_info(device)
+    return int(free), int(total)
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host (the cpu "device"'s total)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def peak_memory_bytes(device: torch.device | str) -> tuple[int, int, int]:
+    """(peak active, peak reserved, usable) bytes since the last reset_peak_memory.
+
+    Accelerators: the caching allocator's peak of live tensors ("active_bytes.all.peak", or
+    max_memory_allocated where memory_stats lacks it), its peak reserved segments, and the total
+    the device reports. CPU has no allocator statistics: active and reserved are both the
+    process's peak resident set (ru_maxrss: since the process started, never reset; libraries
+    included), and usable is the host's physical memory."""
+    device = _as_device(device)
+    mod = device_module(device.type)
+    if mod is None:
+        rss = memory_stats(device)["max_rss_gib"] * _GIB
+        return int(rss), int(rss), host_memory_bytes()
+    stats = mod.memory_stats(device) if hasattr(mod, "memory_stats") else {}
+    active = stats.get("active_bytes.all.peak") or mod.max_memory_allocated(device)
+    reserved = mod.max_memory_reserved(device)
+    return int(active), int(reserved), int(mod.get_device_properties(device).total_memory)
+
+
 def reset_peak_memory(device: torch.device | str) -> None:
     """Reset the accelerator's peak-memory counters (no-op on cpu)."""
     device = _as_device(device)

@@ -4,6 +4,9 @@
   last stage and evaluation.
 - `nonfinite.py`: the non-finite guard (skip a step whose loss or gradients are not finite).
 - `metrics.py`: per-step metrics (metrics.jsonl, console, TensorBoard).
+- `flops.py`: FLOPs per token of the model as built (the numerator of TFLOP/s and MFU).
+- `throughput.py`: the throughput keys of a log step (tflops, mfu, device memory, data time)
+  and the start-up device-memory log.
 - `profiling.py`: torch.profiler windows and memory snapshots.
 - `table_check.py`: the start-up warning for tables too small for the tokenizer.
 

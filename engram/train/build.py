@@ -27,6 +27,7 @@ from engram.runtime import device as dev
 from engram.runtime.distributed import init_distributed
 from engram.train.metrics import init_logger, logger
 from engram.train.table_check import warn_if_tables_collide
+from engram.train.throughput import log_device_memory
 
 
 @dataclass
@@ -47,6 +48,7 @@ def init_process(cfg: JobConfig) -> Process:
     rank, local_rank, world_size = init_distributed(device_type)
     device = dev.local_device(device_type, local_rank)
     init_logger(rank)
+    log_device_memory(device)  # total / free beside the usable figure, before anything is placed
     if cfg.job.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.job.seed)

@@ -9,6 +9,7 @@ accelerator's queue. Per-step values stay on the device until the end of the run
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ from engram.config import JobConfig
 from engram.data.loader import DataLoader
 from engram.runtime import device as dev
 from engram.train.metrics import MetricsLogger
+from engram.train.throughput import Throughput
 
 
 @dataclass
@@ -44,15 +46,21 @@ class Progress:
         metrics: MetricsLogger,
         train_loader: DataLoader,
         device: torch.device,
+        throughput: Throughput | None = None,
     ) -> None:
         t = cfg.training
         self.cfg, self.dp_size, self.state = cfg, dp_size, state
         self.metrics, self.train_loader, self.device = metrics, train_loader, device
+        self.throughput = throughput
         self.tokens_per_step = t.local_batch_size * t.seq_len * t.grad_accum_steps  # this rank's
         self.losses: list[torch.Tensor] = []  # global mean loss per step, on the device
         self.grad_norms: list[torch.Tensor] = []
         dev.reset_peak_memory(device)
         self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def data_timer(self):
+        """Around the step's wait for its batches (the data_time_s metric)."""
+        return self.throughput.data_timer() if self.throughput else nullcontext()
 
     def is_log_step(self, step: int) -> bool:
         return step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps
@@ -73,13 +81,17 @@ class Progress:
         dt = (time.perf_counter() - self.window_start) / self.window_steps
         mem = dev.memory_stats(self.device)
         seq_len = self.cfg.training.seq_len
+        tokens_per_s = self.tokens_per_step * self.dp_size / dt
+        extra = (
+            self.throughput.metrics(tokens_per_s, dt, self.window_steps) if self.throughput else {}
+        )
         self.metrics.log(
             step,
             {
                 "loss": loss.item(),
                 "lr": lr,
                 "grad_norm": grad_norm.item(),
-                "tokens_per_s": self.tokens_per_step * self.dp_size / dt,
+                "tokens_per_s": tokens_per_s,
                 "step_time_s": dt,  # mean over the steps since the last log
                 "tokens_seen": self.state.tokens_seen,
                 "nonfinite_steps": nonfinite,
@@ -89,6 +101,7 @@ class Progress:
                     f"data_tokens/{name}": n * seq_len
                     for name, n in self.train_loader.samples_per_source().items()
                 },
+                **extra,  # tflops, mfu, device memory, data time (engram/train/throughput.py)
             },
         )
 

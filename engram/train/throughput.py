@@ -1,0 +1,104 @@
+"""Throughput accounting both recipes log: TFLOP/s and MFU per device, device memory against what
+the device can use, and the time a step waits for its batch; plus the start-up memory log.
+
+The per-log-step keys (docs/architecture.md, "Throughput metrics"):
+
+    tflops            model FLOPs per token (engram/train/flops.py) x tokens per second per
+                      device / 1e12 (tokens_per_s / world size: every rank of a TP / PP / CP
+                      group shares its tokens, as torchtitan divides by the non-data-parallel size)
+    mfu               100 x tflops / the peak (engram/runtime/device_specs.py resolve_peak)
+    max_active_gib    peak of live tensors since the loop started (accelerators), the
+                      process's peak resident set on cpu
+    max_reserved_gib  peak of the allocator's reserved segments (cpu: the resident set again)
+    max_active_pct / max_reserved_pct   of the memory the device reports (cpu: the host's)
+    data_time_s       seconds per step spent waiting for the step's batches (mean over the window)
+    data_pct          its share of step_time_s, in %
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from engram.runtime import device as dev
+from engram.runtime.device_specs import DEVICE_SPECS, resolve_peak, usable_memory_gib
+from engram.train.flops import FlopCount
+from engram.train.metrics import logger
+
+GIB = float(1 << 30)
+# The runtime's own context (CANN / CUDA) takes a few hundred MiB of every device before the
+# first tensor: free memory below the usable figure by less than this is normal.
+FREE_MEMORY_SLACK_GIB = 1.0
+
+
+def log_device_memory(device: torch.device) -> str | None:
+    """Log the device's total and free memory (mem_get_info) beside device_specs' usable figure;
+    warn, naming the device, when free memory is below it (by more than the runtime's own
+    context). Returns the warning (None when there is none). Call before the model is placed."""
+    info = dev.mem_get_info(device)
+    usable = usable_memory_gib(device.type)
+    if info is None:
+        host = dev.host_memory_bytes() / GIB
+        logger.info(f"device memory: {device} reports no mem_get_info; host memory {host:.1f} GiB")
+        return None
+    free, total = (x / GIB for x in info)
+    table = f"{usable:.2f} GiB usable per device_specs" if usable else "no device_specs entry"
+    logger.info(
+        f"device memory {device} ({dev.device_name(device)}): total {total:.2f} GiB, "
+        f"free {free:.2f} GiB; {table}"
+    )
+    if usable is None or free >= usable - FREE_MEMORY_SLACK_GIB:
+        return None
+    msg = (
+        f"{device} ({dev.device_name(device)}): free memory {free:.2f} GiB is below the "
+        f"{usable:.2f} GiB that device_specs.DEVICE_SPECS[{device.type!r}] "
+        f"({DEVICE_SPECS[device.type].name}) and the memory planner budget with: another "
+        f"process holds {total - free:.2f} GiB of this device (check npu-smi info / nvidia-smi), "
+        f"or the device is smaller; plan with --device_memory_gib {free:.0f}"
+    )
+    logger.warning(msg)
+    return msg
+
+
+class Throughput:
+    """The model's FLOPs per token and the device's peak, fixed at start; per log step the
+    throughput metrics of the window (see the module docstring)."""
+
+    def __init__(
+        self, flops: FlopCount, device: torch.device, world_size: int, peak_tflops: float = 0.0
+    ) -> None:
+        self.flops, self.device, self.world_size = flops, device, world_size
+        self.peak = resolve_peak(device.type, dev.device_name(device), peak_tflops)
+        self.data_s = 0.0  # waiting for batches, this window
+        logger.info(self.flops.describe())
+        logger.info(f"MFU against {self.peak.describe()}")
+
+    @contextmanager
+    def data_timer(self) -> Iterator[None]:
+        """Around the step's wait for its batches."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.data_s += time.perf_counter() - t0
+
+    def metrics(self, tokens_per_s: float, step_time_s: float, steps: int) -> dict[str, float]:
+        """The window's keys: `tokens_per_s` global, `step_time_s` its mean, over `steps` steps.
+        Starts the next window's data time."""
+        tflops = self.flops.per_token * tokens_per_s / self.world_size / 1e12
+        active, reserved, usable = dev.peak_memory_bytes(self.device)
+        data_time = self.data_s / max(steps, 1)
+        self.data_s = 0.0
+        return {
+            "tflops": tflops,
+            "mfu": 100.0 * tflops / self.peak.tflops,
+            "max_active_gib": active / GIB,
+            "max_active_pct": 100.0 * active / usable,
+            "max_reserved_gib": reserved / GIB,
+            "max_reserved_pct": 100.0 * reserved / usable,
+            "data_time_s": data_time,
+            "data_pct": 100.0 * data_time / step_time_s,
+        }

@@ -1,0 +1,191 @@
+"""One real training step of a config's cut on this rank, with the recipe's own pieces: for
+scripts/check_cluster.py's `real_step` row on a new cluster.
+
+The cut keeps the config's layout, precision, activation checkpointing, loss and optimizers and
+`layers` decoder layers of its model (one Engram layer among them, with its full tables). On
+accelerators the widths, sequence length and batch stay the config's, so the step's peak memory
+and speed are those of the real run's layers. On cpu ranks the widths shrink too (`cpu_cut`): a
+32B layer does not fit a test machine. The batch is synthetic (random token ids and table rows):
+the check times the step, not the data.
+
+It lives in parallelisms/ because it places the model (build_model_parts), as model_parts.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engram.config import JobConfig
+from engram.data.tokenizer import load_tokenizer
+from engram.hashing.ngram import engram_table_rows
+from engram.models.args import MODEL_FLAVORS
+from engram.models.builder import build_model, flavor_args
+from engram.optim.builder import build_optimizers, clip_grad_norm_
+from engram.runtime import device as dev
+from engram.runtime.device_specs import Peak, resolve_peak
+from engram.train.flops import FlopCount, model_flops
+from engram.train.step import forward_backward, step_optimizers
+from parallelisms.model_parts import build_model_parts
+from parallelisms.parallel_dims import ParallelDims
+
+CPU_WIDTH_DIV = 16  # cpu: model width, FFN width and vocabulary / 16; attention heads / 8
+CPU_SEQ_LEN = 256
+CPU_TABLE_DIV = 1000  # cpu: Engram table rows / 1000
+
+
+def _multiple(n: int, k: int) -> int:
+    return max(k, -(-n // k) * k)
+
+
+def cut_config(cfg: JobConfig, layers: int, cpu: bool, tp: int = 1) -> tuple[JobConfig, str]:
+    """The config with its model cut to `layers` decoder layers (registered as a flavor
+    "<flavor>-cut<layers>[-cpu]" so every piece, the planner too, builds it by name) and one
+    Engram layer among them; with `cpu`, widths, sequence, batch and tables shrunk. Returns the
+    config and a sentence saying what was cut."""
+    args = flavor_args(cfg.model)
+    # Debug flavors take the vocabulary from the tokenizer; the cut fixes it (no tokenizer read later).
+    vocab = (
+        args.vocab_size
+        or cfg.model.vocab_size
+        or load_tokenizer(cfg.model.tokenizer_path).vocab_size
+    )
+    changes: dict[str, object] = {"n_layers": layers, "vocab_size": vocab}
+    training = dataclasses.replace(cfg.training, grad_accum_steps=1)
+    engram = cfg.engram
+    if cpu:
+        kv = _multiple(max(1, args.n_kv_heads // 8), tp)
+        heads = _multiple(max(kv, args.n_heads // 8), kv * tp)
+        head_dim = max(8, args.head_dim // 2 // 2 * 2)
+        changes.update(
+            n_heads=heads, n_kv_heads=kv, head_dim=head_dim, dim=heads * head_dim,
+            ffn_dim=_multiple(max(64, args.ffn_dim // CPU_WIDTH_DIV), tp * 8),
+            # Not below the shipped debug tokenizer's 2048 ids (the planner reads it for "").
+            vocab_size=_multiple(max(2048, vocab // CPU_WIDTH_DIV), tp * 64),
+        )  # fmt: skip
+        training = dataclasses.replace(
+            training, seq_len=min(training.seq_len, CPU_SEQ_LEN), local_batch_size=1
+        )
+        per_head = max(1, engram.n_embed_per_ngram // CPU_WIDTH_DIV // engram.n_head_per_ngram)
+        engram = dataclasses.replace(
+            engram,
+            n_embed_per_ngram=per_head * engram.n_head_per_ngram,
+            vocab_size_per_ngram=[max(17, v // CPU_TABLE_DIV) for v in engram.vocab_size_per_ngram],
+        )
+    if engram.enabled and engram.layer_ids:
+        kept = [i for i in engram.layer_ids if i < layers] or [layers - 1]
+        engram = dataclasses.replace(engram, layer_ids=kept[:1])
+    flavor = f"{cfg.model.flavor}-cut{layers}" + ("-cpu" if cpu else "")
+    MODEL_FLAVORS[cfg.model.name][flavor] = args.replace(**changes)
+    model = dataclasses.replace(
+        cfg.model, flavor=flavor, tokenizer_path="", vocab_size=0, hf_checkpoint=""
+    )
+    cut = dataclasses.replace(cfg, model=model, engram=engram, training=training)
+    cut_args = MODEL_FLAVORS[cfg.model.name][flavor]
+    what = (
+        f"{cfg.model.name}/{cfg.model.flavor} cut to {layers} layers"
+        + (
+            f", Engram at layer {engram.layer_ids[0]}"
+            if engram.enabled and engram.layer_ids
+            else ""
+        )
+        + f"; dim {cut_args.dim}, {cut_args.n_heads} heads, seq {training.seq_len}, "
+        f"batch {training.local_batch_size}"
+        + (
+            f" (cpu: widths / {CPU_WIDTH_DIV}, tables / {CPU_TABLE_DIV}, shorter sequence)"
+            if cpu
+            else " (the config's widths)"
+        )
+    )
+    return cut, what
+
+
+def current_rss_bytes() -> int:
+    """This process's resident set now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+@dataclass
+class TrialStep:
+    step_time_s: float
+    cpu_time_s: float
+    """This process's CPU time (all threads) during the timed step: on a shared cpu machine,
+    cpu_time_s / (step_time_s x threads) is the share of the cores the step got."""
+    peak_bytes: int
+    """Peak live tensors (accelerators), or growth of the resident set during build + steps
+    (cpu: approximate, allocator caching and lazily loaded libraries included)."""
+    flops: FlopCount
+    peak: Peak
+    tflops: float
+    mfu: float
+
+
+def _synthetic_batch(cfg: JobConfig, vocab: int, seed: int, device) -> dict[str, torch.Tensor]:
+    t = cfg.training
+    gen = torch.Generator().manual_seed(seed)
+    shape = (t.local_batch_size, t.seq_len)
+    batch = {
+        "input_ids": torch.randint(0, vocab, shape, generator=gen),
+        "labels": torch.randint(0, vocab, shape, generator=gen),
+    }
+    e = cfg.engram
+    if e.enabled and e.layer_ids:
+        rows = engram_table_rows(e)
+        ids = [
+            torch.randint(0, rows[layer], (*shape, 1, e.num_heads), generator=gen)
+            for layer in e.layer_ids
+        ]
+        batch["hash_ids"] = torch.cat(ids, dim=2)
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def run_trial_step(
+    cfg: JobConfig, dims: ParallelDims, device: torch.device, steps: int = 2
+) -> TrialStep:
+    """Build `cfg`'s model (a cut: see cut_config) with the recipe's placement, then `steps`
+    optimizer steps (forward / backward, clip, update) on synthetic batches; the last one is
+    timed (the first pays for allocations and kernel selection)."""
+    if dims.pp_enabled:
+        raise NotImplementedError(
+            "the trial step does not run pipeline schedules: check the layout without pp"
+        )
+    dev.reset_peak_memory(device)
+    rss_before = current_rss_bytes()
+    meta = build_model(
+        cfg.model, cfg.engram, 0, engram_table_rows(cfg.engram) if cfg.engram.enabled else {},
+        "meta", max_seq_len=cfg.training.seq_len,
+    )  # fmt: skip
+    flops = model_flops(meta, cfg)
+    vocab = meta.args.vocab_size
+    model_parts, loss_fn, _ = build_model_parts(meta, cfg, dims, device)
+    optimizers = [opt for part in model_parts for opt in build_optimizers(part, cfg)]
+    trainable = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+    batch = _synthetic_batch(cfg, vocab, 1000 + dims.mesh("dp").get_local_rank(), device)
+    with loss_fn.context():
+        for _ in range(steps):
+            dev.synchronize(device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            forward_backward(model_parts, batch, loss_fn, 1.0)
+            clip_grad_norm_(trainable, cfg.training.max_norm)
+            step_optimizers(optimizers, [], skip=False)
+            dev.synchronize(device)
+            step_time, cpu_time = time.perf_counter() - t0, time.process_time() - c0
+    if device.type == "cpu":
+        peak = max(0, dev.peak_memory_bytes(device)[0] - rss_before)
+    else:
+        peak = dev.peak_memory_bytes(device)[0]
+    t = cfg.training
+    tokens_per_s = t.local_batch_size * t.seq_len * dims.dp_size / step_time
+    tflops = flops.per_token * tokens_per_s / dims.world_size / 1e12
+    peak_spec = resolve_peak(device.type, dev.device_name(device), cfg.metrics.peak_tflops)
+    return TrialStep(
+        step_time, cpu_time, peak, flops, peak_spec, tflops, 100 * tflops / peak_spec.tflops
+    )
