@@ -55,9 +55,8 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
 
     def __post_init__(self) -> None:
-        if (
-            self.job.device != "auto"
-        ):  # "auto" is checked when it resolves (parallelisms/compile.py)
+        # job.device = "auto" is checked once it resolves (engram/train/build.py init_process)
+        if self.job.device != "auto":
             self.compile.check_device(self.job.device)
         check(
             not (
