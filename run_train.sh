@@ -25,6 +25,10 @@
 #                  that survives a killed rank (torch issue 135712; docs/multinode.md)  [0]
 # Device-specific variables (NCCL_*, HCCL_*, GLOO_SOCKET_IFNAME, ASCEND_RT_VISIBLE_DEVICES,
 # TORCH_DEVICE_BACKEND_AUTOLOAD) pass through unchanged: see docs/multinode.md.
+# Set here when unset, and echoed (the recipe also sets the HCCL timeouts from [comm] and logs
+# every runtime default; docs/npu.md, "The first day on a cluster"):
+#   PYTORCH_CUDA_ALLOC_CONF / PYTORCH_NPU_ALLOC_CONF   the allocator's expandable segments: fewer
+#                  fragmentation OOMs on long runs       [expandable_segments:True]
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -46,6 +50,19 @@ if [[ ! -f "$TRAIN_SCRIPT" ]]; then
     echo "run_train.sh: TRAIN_SCRIPT '$TRAIN_SCRIPT' does not exist." >&2
     exit 2
 fi
+
+# Before torchrun, so every process has them before its first device allocation. A user's
+# PYTORCH_ALLOC_CONF (torch's device-neutral name) counts as set for CUDA.
+set_default() {
+    if [[ -z "${!1+x}" ]]; then
+        export "$1=$2"
+        echo "run_train.sh: $1=$2 (default; export $1 to choose)"
+    fi
+}
+if [[ -z "${PYTORCH_ALLOC_CONF+x}" ]]; then
+    set_default PYTORCH_CUDA_ALLOC_CONF expandable_segments:True
+fi
+set_default PYTORCH_NPU_ALLOC_CONF expandable_segments:True
 
 if [[ -n "${TORCHRUN:-}" ]]; then
     read -r -a launcher <<<"$TORCHRUN"

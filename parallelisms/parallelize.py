@@ -14,6 +14,13 @@ before FSDP shards it. The training mode (`requires_grad`, engram.optim.builder.
 last, once every parallelism has created its parameters. Compile comes after activation
 checkpointing and before FSDP (torchtitan's order), so FSDP's hooks and collectives stay outside
 the compiled blocks.
+
+Every dtype cast of a parameter (today only lora mode's frozen backbone, `hold_frozen_in`) happens
+before FSDP wraps it, on the meta model: torch_npu's dtype cast has no DTensor sharding strategy,
+so a `.to(dtype)` on a sharded parameter fails on Ascend (ms-swift#7870) while it works on CPU.
+After `fully_shard` only FSDP's MixedPrecisionPolicy casts (its all-gather copies), and
+materialisation / init / HF loading write into the local shards in place.
+tests/test_parallelisms_cast_order.py fails on any cast of a DTensor here.
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--device_memory_gib",
         type=float,
         default=None,
-        help="device memory; default 64 for job.device npu, 80 for cuda, else 64",
+        help="device memory budget, GiB; default: the usable memory of job.device (npu 61, cuda "
+        "79.6: what the device reports to PyTorch, not the nameplate; "
+        "engram/runtime/device_specs.py), else the npu figure",
     )
     p.add_argument("--fragmentation", type=float, default=0.10, help="allocator overhead fraction")
     p.add_argument(

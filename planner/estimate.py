@@ -15,6 +15,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from engram.config import ConfigError, JobConfig
 from engram.hashing.ngram import engram_table_rows
 from engram.models.builder import build_model
+from engram.runtime.device_specs import DEVICE_SPECS
 from parallelisms.float8 import check_float8_device
 from parallelisms.parallel_dims import ParallelDims, parallel_dims_from_config
 from parallelisms.pipeline import check_schedule
@@ -39,7 +40,10 @@ from planner.results import (
 )
 from planner.tables import replicated_tables
 
-DEVICE_MEMORY_GIB = {"npu": 64.0, "cuda": 80.0}  # Atlas 800T A2 (910B) / A100-H100 80 GB
+# The default budget per device type: the usable memory the device reports to PyTorch (about
+# 61 GiB of a "64 GB" Atlas A2 / A3), not the nameplate; engram/runtime/device_specs.py has the
+# figures and their sources. Other device types (cpu) are budgeted as a 64 GB NPU.
+DEVICE_MEMORY_GIB = {name: spec.usable_memory_gib for name, spec in DEVICE_SPECS.items()}
 
 
 def default_ranks(world_size: int) -> list[int]:
@@ -193,7 +197,7 @@ def estimate(
     ranks = _checked_ranks(world_size, ranks)
     check_modelled(cfg)
     if device_memory_gib is None:
-        device_memory_gib = DEVICE_MEMORY_GIB.get(cfg.job.device, 64.0)
+        device_memory_gib = DEVICE_MEMORY_GIB.get(cfg.job.device, DEVICE_MEMORY_GIB["npu"])
     cfg = _planning_config(cfg)
     dims = parallel_dims_from_config(cfg, world_size)  # validates the degrees up front
     # Unsharded gradients kept across micro-batches: the recipe's no-sync DDP accumulation, or

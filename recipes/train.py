@@ -29,7 +29,7 @@ from engram.optim.builder import (
     scheduled_lr,
 )
 from engram.runtime import device as dev
-from engram.runtime.distributed import destroy_distributed
+from engram.runtime.distributed import destroy_distributed, set_pg_timeouts
 from engram.runtime.host_worker import wait_host_work
 from engram.train.build import (
     build_checkpointer,
@@ -158,6 +158,8 @@ def train(cfg: JobConfig) -> TrainResult:
             last_step = step == cfg.training.steps
             checkpointer.maybe_save(step, last_step=last_step, finite=not skip)
             progress.end_step(step)
+            if step == start_step + 1:  # start-up is over (load, compile, first step): [comm]
+                set_pg_timeouts(cfg.comm.train_timeout_s)
     wait_host_work()  # the last host-table update
     result.losses, result.grad_norms = progress.history()
     metrics.close()

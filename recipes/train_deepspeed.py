@@ -34,7 +34,7 @@ from engram.optim.builder import (
     scheduled_lr,
 )
 from engram.runtime import device as dev
-from engram.runtime.distributed import destroy_distributed
+from engram.runtime.distributed import destroy_distributed, set_pg_timeouts
 from engram.train.build import build_checkpointer, build_loaders, build_meta_model, init_process
 from engram.train.evaluate import eval_due, evaluate
 from engram.train.flops import model_flops
@@ -155,6 +155,8 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
             last_step = step == cfg.training.steps
             checkpointer.maybe_save(step, last_step=last_step, finite=not skip)
             progress.end_step(step)
+            if step == start_step + 1:  # start-up is over (load, compile, first step): [comm]
+                set_pg_timeouts(cfg.comm.train_timeout_s)
     result.losses, result.grad_norms = progress.history()
     metrics.close()
     guard.check_finished(cfg.training.steps)

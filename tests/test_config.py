@@ -74,12 +74,34 @@ def test_cli_overrides_toml(tmp_path):
         ({"training": {"mode": "qlora"}}, "full, engram_only, lora"),
         ({"data": {"dataset": "jsonl"}}, "data.path is required"),
         ({"parallelism": {"fsdp_reshard_after_forward": "sometimes"}}, "always, never or default"),
+        ({"comm": {"train_timeout_s": 0}}, "comm.train_timeout_s must be > 0"),
+        ({"job": {"cpu_affinity": "socket"}}, "job.cpu_affinity must be numa or none"),
+        ({"job": {"device": "npu"}, "compile": {"enable": True}}, "triton-lang/triton-ascend#424"),
     ],
 )
 def test_bad_config_errors_name_the_fix(raw, needle):
     with pytest.raises(ConfigError, match=None) as e:
         config_from_dict(raw)
     assert needle in str(e.value)
+
+
+def test_compile_on_npu_needs_the_opt_in_and_then_warns():
+    refused = {"job": {"device": "npu"}, "compile": {"enable": True}}
+    with pytest.raises(ConfigError, match="compile.allow_on_npu = true"):
+        config_from_dict(refused)
+    allowed = config_from_dict({**refused, "compile": {"enable": True, "allow_on_npu": True}})
+    assert "not shown to work on Ascend" in allowed.compile.check_device("npu")
+    assert allowed.compile.check_device("cuda") is None  # other devices: nothing to say
+    # job.device = auto is checked when it resolves (engram/train/build.py init_process).
+    auto = config_from_dict({"compile": {"enable": True}})
+    with pytest.raises(ConfigError, match="triton-ascend#424"):
+        auto.compile.check_device("npu")
+
+
+def test_comm_defaults_cover_a_32b_checkpoint_on_64_ranks():
+    comm = config_from_dict({}).comm
+    # 12 B x 32.8B params (fp32 weights + Adam) through a 200 MB/s shared file system: ~33 min.
+    assert min(comm.init_timeout_s, comm.train_timeout_s) >= 12 * 32.8e9 / 200e6
 
 
 def test_bad_override_syntax():

@@ -372,7 +372,7 @@ def test_compare_on_the_32b_config_at_64_ranks(capfd):
     assert [r.layout for r in rows] == names
     assert all(r.estimate is not None for r in rows)
     by_name = {r.layout: r for r in rows}
-    assert not by_name["HSDP8x8"].estimate.fits  # 8-way sharding of 32B + Adam: > 64 GiB
+    assert not by_name["HSDP8x8"].estimate.fits  # 8-way sharding of 32B + Adam: > 61 GiB
     assert by_name["FSDP64"].estimate.fits
     for r in rows:
         worst = max(r.estimate.ranks, key=lambda m: m.peak_bytes)
@@ -390,12 +390,12 @@ def test_compare_on_the_32b_config_at_64_ranks(capfd):
 
 
 def test_long_context_config_needs_tensor_parallelism():
-    """32b_gpu_32k.toml (TP 4 x FSDP 16, seq_len 32768) fits in 80 GB; the same model and
+    """32b_gpu_32k.toml (TP 4 x FSDP 16, seq_len 32768) fits in 80 GB (79.6 GiB usable); the same model and
     sequence on FSDP-64 does not (the fp32 loss of one 32768-token sequence alone is 55.7 GiB)."""
     cfg = _cfg("train_configs/32b_gpu_32k.toml")
     assert cfg.training.seq_len == 32768 and cfg.parallelism.tp == 4
     est = run_isolated(estimate, cfg, 64, ranks=[0])
-    assert est.fits and est.device_memory_bytes == 80 * 2**30
+    assert est.fits and est.device_memory_bytes == int(79.6 * 2**30)  # usable, not 80
     fsdp = _cfg(
         "train_configs/32b_gpu_32k.toml",
         "--parallelism.tp=1",

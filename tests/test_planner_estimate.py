@@ -19,6 +19,7 @@ from engram.data.tokenizer import load_tokenizer
 from engram.hashing.ngram import NgramHasher, engram_table_rows
 from engram.models.args import get_model_args
 from engram.models.builder import build_model
+from engram.runtime.device_specs import usable_memory_gib
 from planner.activations import _layer_bytes_per_token, activation_estimate
 from planner.cli import main
 from planner.estimate import estimate
@@ -144,9 +145,10 @@ def test_32b_npu_parameter_totals_and_table_rows(est_32b):
 
 
 def test_32b_npu_fits_in_64gb_with_per_micro_batch_sync(est_32b):
-    assert est_32b.device_memory_bytes == 64 * GIB  # job.device = npu
+    # job.device = npu: the budget is the usable 61 GiB of a "64 GB" NPU, not the nameplate
+    assert est_32b.device_memory_bytes == int(usable_memory_gib("npu") * GIB) == int(61.0 * GIB)
     for mem in est_32b.ranks:
-        assert mem.peak_bytes < 64 * GIB, f"rank {mem.rank}: {mem.peak_bytes / GIB:.1f} GiB"
+        assert mem.peak_bytes < 61 * GIB, f"rank {mem.rank}: {mem.peak_bytes / GIB:.1f} GiB"
     assert est_32b.fits
     # Row sharding vs replicating the tables: the replicated state alone is 16 B/param.
     assert est_32b.replicated_tables.ddp_bytes == 16 * est_32b.global_table_params
@@ -217,9 +219,13 @@ def test_cli_markdown_and_json(capfd):
     _main(["--job.config_file", DEBUG, "--world_size", "2", "--ranks", "0,1"])
     md = capfd.readouterr().out
     assert "| per rank | rank 0 | rank 1 | kind |" in md and "Fits: **yes**" in md
-    _main(["--job.config_file", DEBUG, "--world_size", "2", "--json", "--training.seq_len=64"])
+    # default budget: the usable memory of an NPU (also for cpu / auto), not the nameplate
+    assert "| device memory, GiB | 61.000 | 61.000 | --device_memory_gib |" in md
+    json_args = ["--json", "--training.seq_len=64", "--device_memory_gib", "64"]
+    _main(["--job.config_file", DEBUG, "--world_size", "2", *json_args])
     data = json.loads(capfd.readouterr().out)
     assert data["seq_len"] == 64 and data["world_size"] == 2 and data["fits"] is True
+    assert data["device_memory_bytes"] == 64 * 2**30  # an explicit budget still wins
     assert [r["rank"] for r in data["ranks"]] == [0, 1]
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import engram.runtime.device as device
-from engram.runtime.distributed import destroy_distributed, init_distributed
+from engram.runtime.distributed import destroy_distributed, init_distributed, set_pg_timeouts
 from tests.launcher import run_distributed
 
 GIB = 1 << 30
@@ -250,6 +250,60 @@ def test_init_distributed_inside_existing_group() -> None:
     assert run_distributed(_ranks, 2) == [(0, 0, 2), (1, 1, 2)]
 
 
+# --- [comm] timeouts on real gloo process groups -----------------------------------------------
+
+
+def _pg_timeouts() -> list[float]:
+    """The timeout each of this rank's process groups' gloo backend holds, seconds."""
+    return [
+        pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for pg in dist.distributed_c10d._world.pg_map
+    ]
+
+
+def _check_recipe_timeouts(tmp: str) -> None:
+    """recipes/train.py: the default group is created with comm.init_timeout_s and holds it
+    through the first step; then every group holds comm.train_timeout_s."""
+    from engram.config import config_from_dict
+    from recipes import train as recipe
+    from tests.small_job import small_job
+
+    torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork (a hang)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(var, None)
+    before: list[list[float]] = []
+    set_timeouts = recipe.set_pg_timeouts
+
+    def spy(timeout_s: float) -> int:
+        before.append(_pg_timeouts())
+        return set_timeouts(timeout_s)
+
+    recipe.set_pg_timeouts = spy
+    comm = {"comm": {"init_timeout_s": 1234, "train_timeout_s": 567}}
+    cfg = config_from_dict(small_job(tmp, "comm", 1, 3, comm))
+    try:
+        recipe.train(cfg)
+        assert before == [[1234.0]], before  # once, after the first step
+        assert _pg_timeouts() == [567.0]
+    finally:
+        destroy_distributed()
+
+
+def test_comm_timeouts_reach_the_process_group(tmp_path: Path) -> None:
+    run_forked(_check_recipe_timeouts, str(tmp_path))
+
+
+def _set_timeouts_on_subgroups(rank: int, world_size: int) -> list[float]:
+    dist.new_group([0, 1])  # created without a timeout: torch's 30 min default
+    assert set_pg_timeouts(42) == 2
+    return _pg_timeouts()
+
+
+@pytest.mark.slow
+def test_train_timeout_reaches_every_gloo_group() -> None:
+    assert run_distributed(_set_timeouts_on_subgroups, 2) == [[42.0, 42.0]] * 2
+
+
 # --- Ascend settings (stand-in NPU, forked: they change os.environ and torch.random) ------------
 
 ASCEND_VARS = (
@@ -265,26 +319,30 @@ class _PGStarted(Exception):
     pass
 
 
-def _check_env_before_process_group(fake_dir: str) -> None:
+def _check_env_before_process_group(fake_dir: str, user_exec_timeout: str | None) -> None:
     """recipes/train.py with job.device=npu: the variables are in place when the process group
-    is created (init_process_group is stopped there: no HCCL here)."""
+    is created (init_process_group is stopped there: no HCCL here), and the group gets the
+    longer [comm] timeout (hccl cannot change it after the first step)."""
     sys.path.insert(0, fake_dir)
     for var in ASCEND_VARS:
         os.environ.pop(var, None)
-    os.environ["HCCL_EXEC_TIMEOUT"] = "999"  # the user's value wins over the default
+    if user_exec_timeout is not None:
+        os.environ["HCCL_EXEC_TIMEOUT"] = user_exec_timeout  # the user's value wins
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(var, None)
-    seen: dict[str, str | None] = {}
+    seen: dict[str, Any] = {}
 
     def init_process_group(*args: Any, **kwargs: Any) -> None:
         seen.update({var: os.environ.get(var) for var in ASCEND_VARS})
+        seen["timeout_s"] = kwargs["timeout"].total_seconds()
         raise _PGStarted
 
     dist.init_process_group = init_process_group
     from engram.config import config_from_dict
     from recipes.train import train
 
-    cfg = config_from_dict({"job": {"device": "npu", "deterministic": True}})
+    comm = {"init_timeout_s": 1000, "train_timeout_s": 2000}
+    cfg = config_from_dict({"job": {"device": "npu", "deterministic": True}, "comm": comm})
     try:
         train(cfg)
     except _PGStarted:
@@ -295,22 +353,61 @@ def _check_env_before_process_group(fake_dir: str) -> None:
         "HCCL_DETERMINISTIC": "true",
         "CLOSE_MATMUL_K_SHIFT": "1",
         "HCCL_CONNECT_TIMEOUT": device.NPU_ENV_DEFAULTS["HCCL_CONNECT_TIMEOUT"],
-        "HCCL_EXEC_TIMEOUT": "999",
+        "HCCL_EXEC_TIMEOUT": user_exec_timeout or "2000",  # else max of the [comm] timeouts
         "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+        "timeout_s": 2000.0,
     }, seen
 
 
-def test_ascend_env_is_set_before_process_group_init(fake_npu_dir: str) -> None:
-    run_forked(_check_env_before_process_group, fake_npu_dir)
+@pytest.mark.parametrize("user_exec_timeout", [None, "999"])
+def test_ascend_env_is_set_before_process_group_init(
+    fake_npu_dir: str, user_exec_timeout: str | None
+) -> None:
+    run_forked(_check_env_before_process_group, fake_npu_dir, user_exec_timeout)
+
+
+def _check_compile_refused_when_auto_is_npu(fake_dir: str) -> None:
+    """job.device = auto that resolves to the (stand-in) NPU: compile is refused at start-up,
+    before any process group, naming the reason and the opt-in."""
+    sys.path.insert(0, fake_dir)
+    from engram.config import ConfigError, config_from_dict
+    from recipes.train import train
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the process group was created before compile was refused")
+
+    dist.init_process_group = init_process_group
+    cfg = config_from_dict({"compile": {"enable": True}})  # job.device = auto
+    try:
+        train(cfg)
+    except ConfigError as e:
+        assert "triton-lang/triton-ascend#424" in str(e) and "allow_on_npu" in str(e), e
+    else:
+        raise AssertionError("compile on npu was not refused")
+
+
+def test_compile_on_npu_refused_at_start_up(fake_npu_dir: str) -> None:
+    run_forked(_check_compile_refused_when_auto_is_npu, fake_npu_dir)
 
 
 def _check_npu_settings_only_on_npu(fake_dir: str) -> None:
     sys.path.insert(0, fake_dir)
     for var in ASCEND_VARS:
         os.environ.pop(var, None)
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        os.environ.pop(var, None)
     original = torch.random.fork_rng
+    assert device.apply_device_env("cpu", deterministic=True) == {}
+    # cuda: only the allocator default, and not over torch's device-neutral name
+    os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:False"
+    assert device.apply_device_env("cuda", deterministic=True) == {}
+    del os.environ["PYTORCH_ALLOC_CONF"]
+    cuda = device.apply_device_env("cuda", deterministic=True)
+    assert cuda == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, cuda
+    assert device.describe_env("cuda", {}) == (
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (yours)"
+    )
     for device_type in ("cpu", "cuda"):
-        assert device.apply_device_env(device_type, deterministic=True) == {}
         assert device.patch_fork_rng(device_type) is False
         assert device.warn_npu_gaps(device_type, tp=2) is None
     assert not any(var in os.environ for var in ASCEND_VARS)
@@ -320,6 +417,8 @@ def _check_npu_settings_only_on_npu(fake_dir: str) -> None:
     applied = device.apply_device_env("npu", deterministic=False)
     assert "HCCL_DETERMINISTIC" not in applied and "HCCL_DETERMINISTIC" not in os.environ
     assert applied["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
+    line = device.describe_env("npu", applied)
+    assert "HCCL_EXEC_TIMEOUT=3600 (default)" in line and "HCCL_DETERMINISTIC" not in line, line
     # fork_rng without a device type now forks the NPU generator (pipelining's call)...
     assert torch.random.fork_rng is not original
     torch.npu.calls.clear()

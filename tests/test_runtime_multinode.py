@@ -270,6 +270,43 @@ def test_run_train_rejects_missing_config(tmp_path: Path) -> None:
     assert "nope.toml' does not exist" in res.stderr and "CONFIG_FILE=" in res.stderr
 
 
+ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def _launcher_env(tmp_path: Path, **user: str) -> dict[str, str]:
+    """run_train.sh with TORCHRUN = a stand-in that prints the environment it was given."""
+    stand_in = tmp_path / "print_env"
+    stand_in.write_text("#!/bin/sh\nenv\n")
+    stand_in.chmod(0o755)
+    env = {k: v for k, v in _env(TORCHRUN=str(stand_in)).items() if k not in ALLOC_VARS}
+    res = subprocess.run(
+        [str(ROOT / "run_train.sh")], env={**env, **user}, cwd=ROOT, capture_output=True,
+        text=True, timeout=30,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    seen = dict(line.split("=", 1) for line in res.stdout.splitlines() if "=" in line)
+    return {var: seen.get(var) for var in ALLOC_VARS} | {"stdout": res.stdout}
+
+
+def test_run_train_sets_allocator_defaults_and_keeps_the_users(tmp_path: Path) -> None:
+    unset = _launcher_env(tmp_path)
+    assert unset["PYTORCH_CUDA_ALLOC_CONF"] == unset["PYTORCH_NPU_ALLOC_CONF"]
+    assert unset["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
+    assert (
+        "run_train.sh: PYTORCH_NPU_ALLOC_CONF=expandable_segments:True (default" in unset["stdout"]
+    )
+    mine = _launcher_env(
+        tmp_path, PYTORCH_NPU_ALLOC_CONF="", PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512"
+    )
+    assert mine["PYTORCH_NPU_ALLOC_CONF"] == ""  # set, even empty: the user's choice
+    assert mine["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    assert "(default" not in mine["stdout"]
+    # torch's device-neutral name is a choice for CUDA too.
+    neutral = _launcher_env(tmp_path, PYTORCH_ALLOC_CONF="expandable_segments:False")
+    assert neutral["PYTORCH_CUDA_ALLOC_CONF"] is None
+    assert neutral["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
+
+
 FAKE_SCONTROL = """#!/bin/bash
 echo localhost; echo node-b
 """

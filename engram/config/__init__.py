@@ -3,7 +3,7 @@
 - `model.py` (`[model]`, `[engram]`, `[lora]`), `training.py` (`[job]`, `[training]`, `[data]`,
   `[optimizer]`, `[lr_scheduler]`, `[checkpoint]`, `[metrics]`, `[profiling]`) and
   `parallelism.py` (`[parallelism]`, `[pipeline]`, `[activation_checkpoint]`, `[float8]`,
-  `[compile]`, `[deepspeed]`): one typed dataclass per TOML section, each field documented and
+  `[compile]`, `[deepspeed]`, `[comm]`): one typed dataclass per TOML section, each field documented and
   checked in `__post_init__`. A new setting goes in its section's class.
 - `schema.py`: `JobConfig`, the sections together and the checks that span sections.
 - `checks.py`: `ConfigError` and the check helpers.
@@ -23,6 +23,7 @@ from engram.config.parallelism import (
     FLOAT8_RECIPES,
     PIPELINE_SCHEDULES,
     ActivationCheckpoint,
+    Comm,
     Compile,
     DeepSpeed,
     Float8,
@@ -47,6 +48,7 @@ from engram.config.training import (
 __all__ = [
     "ActivationCheckpoint",
     "Checkpoint",
+    "Comm",
     "Compile",
     "ConfigError",
     "Data",

@@ -1,5 +1,5 @@
 """Config sections that say how the model is placed on ranks and run: `[parallelism]`,
-`[pipeline]`, `[activation_checkpoint]`, `[float8]`, `[compile]`, `[deepspeed]`."""
+`[pipeline]`, `[activation_checkpoint]`, `[float8]`, `[compile]`, `[deepspeed]`, `[comm]`."""
 
 from __future__ import annotations
 
@@ -136,9 +136,29 @@ class Compile:
     """torch.compile each decoder block (the Engram table lookup stays eager)."""
     backend: str = "inductor"
     """torch.compile backend: inductor | aot_eager | eager (the last two for debugging)."""
+    allow_on_npu: bool = False
+    """Opt in to compile on npu (refused by default: on Ascend 910B the backward graph fails
+    after ~30 min of compiling, triton-lang/triton-ascend#424; eager works). For testing a
+    newer triton-ascend / torch_npu; the run then warns once. docs/npu.md."""
 
     def __post_init__(self) -> None:
         check(bool(self.backend), "compile.backend must not be empty (e.g. inductor)")
+
+    def check_device(self, device_type: str) -> str | None:
+        """Refuse compile on npu unless allowed; return the warning to log when allowed there."""
+        if not (self.enable and device_type == "npu"):
+            return None
+        check(
+            self.allow_on_npu,
+            "compile.enable = true on npu: on Ascend 910B the backward graph fails after ~30 min "
+            "of compiling (triton-lang/triton-ascend#424, torch / torch_npu 2.10, CANN 8.5) while "
+            "eager works; set compile.enable = false, or compile.allow_on_npu = true to test a "
+            "newer triton-ascend (docs/npu.md)",
+        )
+        return (
+            "compile.enable = true on npu (compile.allow_on_npu): not shown to work on Ascend; "
+            "the backward graph failed to compile on 910B (triton-lang/triton-ascend#424)"
+        )
 
 
 @dataclass
@@ -173,3 +193,32 @@ class DeepSpeed:
             f"deepspeed.offload_param = {self.offload_param!r} needs deepspeed.zero_stage = 3 "
             f"(got {self.zero_stage}): only ZeRO-3 partitions parameters",
         )
+
+
+@dataclass
+class Comm:
+    """Process-group timeouts (torchtitan's `[comm]` init / train timeouts, in seconds).
+
+    Both must outlast the longest legitimate wait in a collective: every rank blocks there while
+    the slowest one reads or writes its checkpoint shard. A 32B full-state checkpoint (fp32
+    weights + two Adam moments: 12 B x 32.8B = 393 GB) read or written by 64 ranks at once at
+    200 MB/s aggregate (a slow shared file system) takes ~33 min, so 3600 s leaves margin; the
+    Ascend MindSpeed recipes also use 3600 (torchtitan's 300 / 100 assume a fast parallel file
+    system and time such a job out). On npu the larger of the two also becomes HCCL_EXEC_TIMEOUT
+    when that is unset (HCCL's own 1800 s default would abort first)."""
+
+    init_timeout_s: int = 3600
+    """Timeout of every process group from creation through the first training step: model
+    build, HF / checkpoint load, the first step (compile, first all-gathers)."""
+    train_timeout_s: int = 3600
+    """Timeout set on every process group after the first step (torch's `_set_pg_timeout`,
+    gloo and nccl). Lower it to find a hung rank sooner when saves are fast. hccl cannot change
+    it after creation: on npu the groups keep max(init_timeout_s, train_timeout_s)."""
+
+    def __post_init__(self) -> None:
+        for name in ("init_timeout_s", "train_timeout_s"):
+            check(
+                getattr(self, name) > 0,
+                f"comm.{name} must be > 0 seconds, got {getattr(self, name)} (a 32B checkpoint "
+                "load / save on 64 ranks needs ~3600)",
+            )

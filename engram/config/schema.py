@@ -13,6 +13,7 @@ from engram.config.checks import check
 from engram.config.model import Engram, Lora, Model
 from engram.config.parallelism import (
     ActivationCheckpoint,
+    Comm,
     Compile,
     DeepSpeed,
     Float8,
@@ -51,8 +52,12 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     deepspeed: DeepSpeed = field(default_factory=DeepSpeed)
     lora: Lora = field(default_factory=Lora)
+    comm: Comm = field(default_factory=Comm)
 
     def __post_init__(self) -> None:
+        # job.device = "auto" is checked once it resolves (engram/train/build.py init_process)
+        if self.job.device != "auto":
+            self.compile.check_device(self.job.device)
         check(
             not (
                 self.engram.enabled

@@ -26,11 +26,19 @@ class Job:
     """auto | cpu | cuda | npu. auto picks cuda, then npu, then cpu."""
     deterministic: bool = False
     """Ask torch for deterministic kernels (slower)."""
+    cpu_affinity: str = "numa"
+    """numa: pin each rank (and so its host-table worker thread and data-loader workers) to the
+    CPUs of its device's NUMA node where sysfs tells it (CUDA; NPUs and the CPU are "unknown",
+    not pinned) | none: leave placement to the OS. engram/runtime/affinity.py."""
 
     def __post_init__(self) -> None:
         check(
             self.device in ("auto", "cpu", "cuda", "npu"),
             f"job.device must be auto, cpu, cuda or npu, got {self.device!r}",
+        )
+        check(
+            self.cpu_affinity in ("numa", "none"),
+            f"job.cpu_affinity must be numa or none, got {self.cpu_affinity!r}",
         )
         check(bool(self.run_name), "job.run_name must not be empty")
         check(

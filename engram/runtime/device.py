@@ -224,48 +224,96 @@ def synchronize(device: torch.device | str) -> None:
         mod.synchronize(device)
 
 
-# --- Ascend settings (applied only when the device is npu) ---------------------------------------
+# --- launcher / runtime environment (each default only where the user has not set it) -----------
+
+# Fewer fragmentation OOMs on long runs: the documented default of the Ascend training stacks
+# (MindSpeed-LLM, SGLang-NPU scripts) and of torchtitan's CUDA launch script.
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+ALLOC_CONF_VAR = {"cuda": "PYTORCH_CUDA_ALLOC_CONF", "npu": "PYTORCH_NPU_ALLOC_CONF"}
+# torch >= 2.9 also reads this device-neutral name; a user who set it has chosen for cuda.
+_ALLOC_CONF_ALIASES = {"cuda": ("PYTORCH_ALLOC_CONF",), "npu": ()}
 
 # Defaults for a 64-rank (8 x 8) job, each overridable by exporting the variable before launch.
 # CANN's 120 s connect default is short for eight nodes that start a few minutes apart (image
-# pull, environment set-up): the late ones miss the link set-up window. Exec matches
-# init_distributed's 1800 s process-group timeout, so HCCL does not abort a collective before
-# torch's watchdog would report it. The Ascend launch scripts use 7200 for both.
+# pull, environment set-up): the late ones miss the link set-up window. HCCL_EXEC_TIMEOUT (HCCL's
+# own default 1800 s) follows the [comm] timeouts (collective_timeout_s below), so HCCL does not
+# abort a collective that waits on a checkpoint load / save before torch's timeout would; this
+# figure is used without a config (comm's default). The Ascend launch scripts use 7200 for both.
 NPU_ENV_DEFAULTS = {
     "HCCL_CONNECT_TIMEOUT": "1200",
-    "HCCL_EXEC_TIMEOUT": "1800",
-    # Documented default of the Ascend training stacks: fewer fragmentation OOMs.
-    "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+    "HCCL_EXEC_TIMEOUT": "3600",
+    "PYTORCH_NPU_ALLOC_CONF": EXPANDABLE_SEGMENTS,
 }
 # job.deterministic on Ascend: deterministic HCCL reductions, and no K-split accumulation-order
 # change in matmuls (both read once, when the communicator / kernels are created).
 NPU_DETERMINISTIC_ENV = {"HCCL_DETERMINISTIC": "true", "CLOSE_MATMUL_K_SHIFT": "1"}
 
 
-def apply_device_env(device_type: str, deterministic: bool = False) -> dict[str, str]:
-    """Set the Ascend environment for this process; no-op (returns {}) unless device_type is npu.
-
-    Must run before the process group is created: HCCL reads these variables when it builds its
-    communicators. Defaults never override a variable the user exported; job.deterministic forces
-    the determinism variables (a run asked to be deterministic must not silently be otherwise).
-    Returns the variables it set.
-    """
+def env_defaults(device_type: str, collective_timeout_s: float | None = None) -> dict[str, str]:
+    """The variables this layer sets on `device_type` when unset, with their defaults: the
+    allocator's expandable segments (cuda, npu) and HCCL's timeouts (npu; HCCL_EXEC_TIMEOUT =
+    `collective_timeout_s` when given)."""
     _check_type(device_type)
-    if device_type != "npu":
+    if device_type == "cpu":
         return {}
-    import torch.distributed as dist
+    if device_type == "cuda":
+        return {ALLOC_CONF_VAR["cuda"]: EXPANDABLE_SEGMENTS}
+    defaults = dict(NPU_ENV_DEFAULTS)
+    if collective_timeout_s is not None:
+        defaults["HCCL_EXEC_TIMEOUT"] = str(int(collective_timeout_s))
+    return defaults
 
-    if dist.is_available() and dist.is_initialized():
-        raise RuntimeError(
-            "apply_device_env('npu') must run before init_distributed: HCCL has already read its "
-            "environment (HCCL_DETERMINISTIC, timeouts)"
-        )
-    applied = {k: v for k, v in NPU_ENV_DEFAULTS.items() if k not in os.environ}
-    if deterministic:
+
+def _user_name(var: str, device_type: str) -> str | None:
+    """The name under which the user set `var` (itself or an alias), None if unset."""
+    aliases = _ALLOC_CONF_ALIASES[device_type] if var == ALLOC_CONF_VAR.get(device_type) else ()
+    return next((name for name in (var, *aliases) if name in os.environ), None)
+
+
+def apply_device_env(
+    device_type: str, deterministic: bool = False, collective_timeout_s: float | None = None
+) -> dict[str, str]:
+    """Set the runtime environment of this process for `device_type` (`env_defaults`, plus the
+    determinism variables on npu); no-op (returns {}) on cpu. Returns the variables it set.
+
+    Must run before the process group is created and before the first device allocation: HCCL
+    reads its variables when it builds its communicators, the allocators theirs on first use.
+    Defaults never override a variable the user exported (run_train.sh exports the allocator
+    settings itself when unset, so they reach every process); job.deterministic forces the
+    determinism variables (a run asked to be deterministic must not silently be otherwise).
+    """
+    defaults = env_defaults(device_type, collective_timeout_s)
+    if device_type == "npu":
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            raise RuntimeError(
+                "apply_device_env('npu') must run before init_distributed: HCCL has already read "
+                "its environment (HCCL_DETERMINISTIC, timeouts)"
+            )
+    applied = {k: v for k, v in defaults.items() if _user_name(k, device_type) is None}
+    if deterministic and device_type == "npu":
         applied.update(NPU_DETERMINISTIC_ENV)
     os.environ.update(applied)
-    patch_fork_rng("npu")
+    patch_fork_rng(device_type)
     return applied
+
+
+def describe_env(
+    device_type: str, applied: dict[str, str], collective_timeout_s: float | None = None
+) -> str:
+    """One log line: each variable `env_defaults` manages, its value, and who set it."""
+    parts = []
+    for var in env_defaults(device_type, collective_timeout_s):
+        if var in applied:
+            parts.append(f"{var}={applied[var]} (default)")
+        else:
+            name = _user_name(var, device_type) or var
+            parts.append(f"{name}={os.environ.get(name, '')} (yours)")
+    for var in NPU_DETERMINISTIC_ENV:
+        if var in applied:
+            parts.append(f"{var}={applied[var]} (job.deterministic)")
+    return ", ".join(parts)
 
 
 _ORIGINAL_FORK_RNG = torch.random.fork_rng

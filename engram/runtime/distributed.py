@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import warnings
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -47,6 +49,31 @@ def init_distributed(device_type: str, timeout_s: float = 1800) -> tuple[int, in
         local_device(device_type, local_rank)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     return rank, local_rank, world_size
+
+
+def set_pg_timeouts(timeout_s: float) -> int:
+    """Set `timeout_s` on every process group of this rank (the default group, the device
+    mesh's groups and any other); returns how many took it.
+
+    After the first training step, as torchtitan does: a barrier first, so no rank issues a
+    collective under the new timeout while another still finishes start-up under the old one.
+    torch's `_set_pg_timeout` reaches gloo and nccl only; other backends (hccl) keep the
+    timeout they were created with (init_process creates them with the longer of the two)."""
+    if not dist.is_initialized():
+        return 0
+    dist.barrier()
+    timeout, changed = timedelta(seconds=timeout_s), 0
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if dist.get_backend(group) not in ("gloo", "nccl"):
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "only supported for nccl or gloo": filtered above
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+        changed += 1
+    logging.getLogger("engram").info(
+        f"process-group timeout now {timeout_s:g} s on {changed} group(s) (comm.train_timeout_s)"
+    )
+    return changed
 
 
 def destroy_distributed() -> None:

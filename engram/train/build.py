@@ -24,6 +24,7 @@ from engram.data.tokenizer import Tokenizer, load_tokenizer
 from engram.hashing.ngram import NgramHasher
 from engram.models.builder import build_hasher, build_model_from_config
 from engram.runtime import device as dev
+from engram.runtime.affinity import pin_to_device_numa
 from engram.runtime.distributed import init_distributed
 from engram.train.metrics import init_logger, logger
 from engram.train.table_check import warn_if_tables_collide
@@ -41,14 +42,30 @@ class Process:
 
 
 def init_process(cfg: JobConfig) -> Process:
-    """Device backend, the default process group, the rank's logger, determinism and the seed."""
+    """Device backend, the runtime environment, the default process group, the rank's logger,
+    CPU affinity, determinism and the seed. Logs (rank 0) each runtime default it applied."""
     device_type = dev.resolve_device_type(cfg.job.device)
     dev.import_device_backend(device_type)
-    dev.apply_device_env(device_type, cfg.job.deterministic)  # npu only; before HCCL starts
-    rank, local_rank, world_size = init_distributed(device_type)
+    compile_warning = cfg.compile.check_device(device_type)  # job.device = auto that is npu
+    # hccl cannot change a group's timeout after creation (set_pg_timeouts): create it with the
+    # longer one there. HCCL_EXEC_TIMEOUT follows the same figure.
+    comm = cfg.comm
+    longest = max(comm.init_timeout_s, comm.train_timeout_s)
+    init_timeout = longest if device_type == "npu" else comm.init_timeout_s
+    env = dev.apply_device_env(device_type, cfg.job.deterministic, longest)  # before HCCL / alloc
+    rank, local_rank, world_size = init_distributed(device_type, timeout_s=init_timeout)
     device = dev.local_device(device_type, local_rank)
     init_logger(rank)
     log_device_memory(device)  # total / free beside the usable figure, before anything is placed
+    affinity = pin_to_device_numa(device, cfg.job.cpu_affinity)
+    logger.info(
+        f"runtime: process-group timeout {init_timeout} s until the first step, then "
+        f"{init_timeout if device_type == 'npu' else comm.train_timeout_s} s ([comm]); {affinity}"
+    )
+    if env_line := dev.describe_env(device_type, env, longest):
+        logger.info(f"runtime environment: {env_line}")
+    if compile_warning:
+        logger.warning(compile_warning)
     if cfg.job.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.job.seed)
