@@ -50,12 +50,7 @@ def apply_fsdp(
         return
     # cp ranks shard parameters like dp_shard ranks (torchtitan's dp_shard_cp): they hold other
     # tokens of the same samples, so their gradients are averaged like data-parallel ones.
-    if dims.dp_replicate > 1:
-        mesh = dims.mesh("world")[
-            "dp_replicate", "dp_shard_cp"
-        ]  # 2-D mesh: HSDP, or DDP if dp_shard x cp == 1
-    else:
-        mesh = dims.mesh("dp_shard_cp")
+    mesh = dims.mesh("fsdp")  # 2-D with dp_replicate > 1: HSDP, or DDP if dp_shard x cp == 1
     mp_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[cfg.mixed_precision_param],
         reduce_dtype=DTYPES[cfg.mixed_precision_reduce],

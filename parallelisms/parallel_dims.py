@@ -17,6 +17,7 @@ Flattened views:
                   (the cp ranks of a replica read the same sample and split it)
     dp_shard_cp   FSDP2's shard group (dp_shard x cp): cp ranks shard parameters like dp ranks
                   (torchtitan's dp_shard_cp)
+    fsdp          FSDP2's mesh: dp_shard_cp, or (dp_replicate, dp_shard_cp) for HSDP / DDP
     dp_cp         every rank that holds other tokens (dp x cp): the logged loss's mean
     cp_tp         the ranks that hold consecutive pieces of one sample's sequence: the Engram
                   ShortConv's halo exchange (parallelisms/halo.py)
@@ -273,11 +274,18 @@ class ParallelDims:
                 **{name: world[name] for name in MESH_DIMS},
                 **{name: world[dims]._flatten(name) for name, dims in FLATTENED.items()},
             }
+            # FSDP2's mesh: HSDP's 2-D (dp_replicate, dp_shard_cp), built from the kept views
+            # (slicing a flattened dim out of the root mesh is deprecated), else 1-D.
+            self._meshes["fsdp"] = (
+                DeviceMesh._concatenate([self._meshes["dp_replicate"], self._meshes["dp_shard_cp"]])
+                if self.dp_replicate > 1
+                else self._meshes["dp_shard_cp"]
+            )
         return self._meshes["world"]
 
     def mesh(self, name: str = "world") -> DeviceMesh:
         """world | pp | dp_replicate | dp_shard | cp | tp | dp | dp_shard_cp | dp_cp | cp_tp |
-        engram (after build_mesh)."""
+        engram | fsdp (after build_mesh)."""
         if not self._meshes:
             raise RuntimeError("ParallelDims.build_mesh(device_type) must be called first")
         return self._meshes[name]
