@@ -139,7 +139,6 @@ def check_context_parallel(cfg: JobConfig, dims: ParallelDims) -> None:
     if not dims.cp_enabled:
         return
     refused = {
-        "pipeline parallelism (parallelism.pp > 1)": dims.pp_enabled,
         "host-resident Engram tables (engram.table_location = host)": cfg.engram.enabled
         and cfg.engram.table_location == "host",
         "torch.compile (compile.enable)": cfg.compile.enable,
