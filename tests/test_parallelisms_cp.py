@@ -311,12 +311,51 @@ def test_what_does_not_compose_yet_is_refused_by_name():
     from parallelisms.context_parallel import check_context_parallel
 
     dims = ParallelDims(1, 1, 1, 1, 2, cp=2)
-    for section, key, value, name in (
-        ("compile", "enable", True, "torch.compile"),
-        ("engram", "table_location", "host", "host-resident Engram tables"),
-    ):
-        cfg = JobConfig()
-        setattr(getattr(cfg, section), key, value)
-        with pytest.raises(ConfigError, match=f"parallelism.cp=2.* does not support {name}"):
-            check_context_parallel(cfg, dims)
+    cfg = JobConfig()
+    cfg.engram.hc_mult = 2
+    with pytest.raises(ConfigError, match="parallelism.cp=2.* does not support Engram hc_mult > 1"):
+        check_context_parallel(cfg, dims)
     check_context_parallel(JobConfig(), dims)
+
+
+# label -> (config sections of both runs, sections of the cp run only)
+COMPOSED = {
+    # host-resident table shards with the row-sparse lazy Adam (the reference: device tables)
+    "host_tables_lazy_adam": (
+        {"optimizer": {"table_optimizer": "lazy_adam"}},
+        {"engram": {"table_location": "host"}},
+    ),
+    # every block compiled (aot_eager, as tests/test_parallelisms_compile.py), the reference eager
+    "compile": ({}, {"compile": {"enable": True, "backend": "aot_eager"}}),
+    "lora": ({"training": {"mode": "lora"}}, {}),
+}
+
+
+@pytest.mark.slow
+def test_cp_composes_with_host_tables_compile_and_lora(tmp_path):
+    """Ulysses cp 2, 3 steps, against one process (test_parallelisms_parity's criteria)."""
+    import numpy as np
+    from test_parallelisms_parity import (
+        LR,
+        _assert_losses_and_norms_match,
+        _assert_matches,
+        _initial_weights,
+        _train,
+        _with,
+    )
+
+    for label, (both, cp_only) in COMPOSED.items():
+        ref_raw = _with(_recipe_raw(str(tmp_path / f"ref-{label}"), 1, {}, ENGRAM_0_2, 3), both)
+        ref, init = run_distributed(_train, 1, ref_raw)[0], _initial_weights(ref_raw)
+        raw = _recipe_raw(str(tmp_path / label), 2, {"cp": 2}, ENGRAM_0_2, 3)
+        raw = _with(_with(raw, both), cp_only)
+        for rank, got in enumerate(run_distributed(_train, 2, raw)):
+            where = f"cp2 + {label} (rank {rank})"
+            if label != "lora":
+                _assert_matches(got, ref, init, where)
+                continue
+            # _initial_weights builds no adapters: compare the losses, norms and final weights
+            _assert_losses_and_norms_match(got, ref, where)
+            assert got["weights"].keys() == ref["weights"].keys(), where
+            for name, w in ref["weights"].items():
+                assert np.abs(got["weights"][name] - w).max() < 0.5 * LR, f"{where}: {name}"
