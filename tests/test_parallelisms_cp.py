@@ -361,3 +361,21 @@ def test_cp_composes_with_host_tables_compile_and_lora(tmp_path):
             assert got["weights"].keys() == ref["weights"].keys(), where
             for name, w in ref["weights"].items():
                 assert np.abs(got["weights"][name] - w).max() < 0.5 * LR, f"{where}: {name}"
+
+
+def test_chunks_and_halo_pieces_partition_the_sequence():
+    """Contiguous chunks, load-balanced chunks (rank i: chunks i and 2 cp - 1 - i), and the halo
+    pieces of cp x tp ranks in each rank's local order (TP splits a cp rank's local sequence)."""
+    from parallelisms.context_parallel import chunk_positions
+    from parallelisms.halo import sequence_pieces
+
+    assert chunk_positions(1, 4, 16, False).tolist() == [4, 5, 6, 7]
+    assert chunk_positions(1, 4, 16, True).tolist() == [2, 3, 12, 13]
+    for load_balanced in (False, True):
+        every = torch.cat([chunk_positions(r, 4, 64, load_balanced) for r in range(4)])
+        assert sorted(every.tolist()) == list(range(64))
+    assert sequence_pieces(1, 2, False) == [[0], [1]]  # TP alone: the previous TP rank's tail
+    assert sequence_pieces(2, 1, True) == [[0, 3], [1, 2]]
+    # cp 2 x tp 2, load-balanced: cp rank 0 holds chunks 0 and 3 (pieces 0, 1 and 6, 7)
+    assert sequence_pieces(2, 2, True) == [[0, 1], [6, 7], [2, 3], [4, 5]]
+    assert sequence_pieces(2, 2, False) == [[0], [1], [2], [3]]
