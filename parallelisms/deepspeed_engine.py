@@ -114,6 +114,8 @@ def check_layout(cfg: JobConfig) -> None:
          "pipeline parallelism; use recipes/train.py (FSDP2 x PP)"),
         (p.tp > 1, f"parallelism.tp = {p.tp}", "tensor parallelism is not wired into this "
          "variant; use recipes/train.py (FSDP2 x TP)"),
+        (p.cp > 1, f"parallelism.cp = {p.cp}", "context parallelism is not wired into this "
+         "variant; use recipes/train.py (FSDP2 x CP)"),
         (p.dp_replicate > 1, f"parallelism.dp_replicate = {p.dp_replicate}", "ZeRO shards over "
          "every rank (no HSDP replica groups here); set it to 1 or use recipes/train.py"),
         (p.cpu_offload, "parallelism.cpu_offload = true", "that is FSDP2's offload: use "

@@ -4,6 +4,8 @@
     dp_shard > 1, dp_replicate > 1   HSDP: replicate across the first mesh dim, shard within the second
     dp_shard = 1, dp_replicate > 1   DDP: full replicas, gradients all-reduced (HSDP with shard size 1)
 
+"dp_shard" here is the flattened dp_shard x cp mesh (context parallel ranks shard too).
+
 The Engram tables are passed as `ignored_params`: FSDP never all-gathers, shards or reduces them;
 they are row-sharded over the "engram" axis by parallelisms/engram_tables/ instead.
 """
@@ -44,14 +46,11 @@ def apply_fsdp(
     model: nn.Module, dims: ParallelDims, cfg: Parallelism, ignored_params: list[nn.Parameter]
 ) -> None:
     """Wrap `model.layers[*]` and the root with fully_shard (no-op when there is one dp rank)."""
-    if dims.dp_size == 1:
+    if dims.dp_replicate * dims.fsdp_size == 1:
         return
-    if dims.dp_replicate > 1:
-        mesh = dims.mesh("world")[
-            "dp_replicate", "dp_shard"
-        ]  # 2-D mesh: HSDP, or DDP if dp_shard == 1
-    else:
-        mesh = dims.mesh("dp_shard")
+    # cp ranks shard parameters like dp_shard ranks (torchtitan's dp_shard_cp): they hold other
+    # tokens of the same samples, so their gradients are averaged like data-parallel ones.
+    mesh = dims.mesh("fsdp")  # 2-D with dp_replicate > 1: HSDP, or DDP if dp_shard x cp == 1
     mp_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[cfg.mixed_precision_param],
         reduce_dtype=DTYPES[cfg.mixed_precision_reduce],

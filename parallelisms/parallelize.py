@@ -1,7 +1,7 @@
 """The documented order of application, in one place (the recipe and the memory estimator use it).
 
-build on meta -> converters (float8, then LoRA) -> tensor parallel -> Engram table row-sharding
--> activation checkpointing -> compile -> FSDP2 / HSDP / DDP -> training mode (then the caller
+build on meta -> converters (float8, then LoRA) -> tensor parallel -> context parallel -> Engram
+table row-sharding -> activation checkpointing -> compile -> FSDP2 / HSDP / DDP -> training mode (then the caller
 materialises and initialises: init does not depend on the layout). Under pipeline parallelism
 this runs once per stage.
 
@@ -11,7 +11,10 @@ float8 swaps `nn.Linear` for torchao's `Float8Linear`; LoRA then swaps the targe
 ones included) for LoRA subclasses of their own class, which tensor parallelism shards with
 their base layer's plan; in lora mode the frozen backbone is cast to the compute dtype there,
 before FSDP shards it. The training mode (`requires_grad`, engram.optim.builder.is_trainable) is set
-last, once every parallelism has created its parameters. Compile comes after activation
+last, once every parallelism has created its parameters. Context parallelism comes right after
+TP (as in torchtitan): it wraps attention around TP's local heads and re-targets the Engram
+ShortConv halo that apply_tp installs; it creates no parameters, so the table sharding and FSDP
+that follow see the same modules. Compile comes after activation
 checkpointing and before FSDP (torchtitan's order), so FSDP's hooks and collectives stay outside
 the compiled blocks.
 
@@ -33,6 +36,7 @@ from engram.config.table_optimizers import table_optimizer_spec
 from engram.optim.builder import apply_training_mode
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import apply_compile
+from parallelisms.context_parallel import apply_context_parallel, check_context_parallel
 from parallelisms.engram_tables import apply_engram_table_sharding
 from parallelisms.float8 import apply_float8
 from parallelisms.fsdp import DTYPES, apply_fsdp
@@ -52,7 +56,7 @@ def engram_halo(cfg: JobConfig) -> int:
 def frozen_dtype(cfg: JobConfig, dims: ParallelDims) -> torch.dtype:
     """dtype of the frozen backbone in lora mode: FSDP's compute dtype where FSDP applies (with
     lora.frozen_dtype = "compute"), else float32 (without FSDP nothing casts parameters)."""
-    if cfg.lora.frozen_dtype == "compute" and dims.dp_size > 1:
+    if cfg.lora.frozen_dtype == "compute" and dims.dp_size * dims.cp > 1:
         return DTYPES[cfg.parallelism.mixed_precision_param]
     return torch.float32
 
@@ -60,12 +64,15 @@ def frozen_dtype(cfg: JobConfig, dims: ParallelDims) -> torch.dtype:
 def shard_engram_tables(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> list[nn.Parameter]:
     """Row-shard the Engram tables as configured (also used by recipes/train_deepspeed.py).
 
-    Tables over every rank of the stage (dp x tp). Each TP rank looks up only its own tokens, so
-    the owners receive the sum over the dp replicas: 1 / dp gives the data-parallel mean."""
+    Tables over every rank of the stage (dp x cp x tp). Each TP rank looks up only its own
+    tokens of a loss replicated over TP, so the owners receive the sum over the dp replicas; each
+    cp rank differentiates its share of the sample's mean scaled by cp (engram/train/loss.py,
+    the mean over dp x cp is FSDP's), so the cp ranks' sum is cp times the sample's gradient:
+    1 / (dp x cp) gives the data-parallel mean."""
     return apply_engram_table_sharding(
         model,
         dims.mesh("engram"),
-        grad_scale=1.0 / dims.dp_size,
+        grad_scale=1.0 / (dims.dp_size * dims.cp),
         dedup=cfg.parallelism.engram_table_dedup,
         row_sparse=table_optimizer_spec(cfg.optimizer.table_optimizer).row_sparse,
         wire_dtype=DTYPES.get(cfg.parallelism.engram_a2a_dtype),
@@ -87,6 +94,7 @@ def convert_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> None:
 def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> list[nn.Parameter]:
     """Apply every parallelism in place; returns the row-sharded Engram table parameters."""
     dims.check_model(model.args, cfg.training.seq_len, engram_halo(cfg))
+    check_context_parallel(cfg, dims)
     convert_model(model, cfg, dims)
     if dims.tp_enabled:
         apply_tp(
@@ -97,6 +105,9 @@ def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> l
         )
         if cfg.parallelism.tp_sequence_parallel and model.tok_embeddings is None:
             model.set_input_seq_shards(dims.tp)  # a later pipeline stage gets T / tp positions
+    # After TP: attention's heads are TP's local ones, and the ShortConv halo that apply_tp set
+    # over tp is re-targeted to the cp x tp pieces.
+    apply_context_parallel(model, dims)
     table_params = shard_engram_tables(model, cfg, dims)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     apply_compile(model, cfg.compile)

@@ -11,7 +11,7 @@ the sequence ([B, T/tp, D] per rank) and the norms run on that shard.
 Engram blocks run sequence-sharded in both modes (see docs/architecture.md, "Engram under TP"):
 each TP rank looks up only its own tokens' hash ids (sliced from the loader's full-sequence ids),
 the causal ShortConv receives the `(kernel_size - 1) x dilation` positions before its chunk from
-the previous TP rank, and the dense Engram parameters stay plain replicated tensors whose
+the previous TP rank (parallelisms/halo.py, shared with context parallelism), and the dense Engram parameters stay plain replicated tensors whose
 gradients are summed over TP in the backward. Without sequence parallel the block's input is
 split and its output all-gathered around it.
 """
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -34,8 +32,9 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.utils.stateless import _reparametrize_module
 
-from engram.models.engram import EngramBlock, ShortConv
+from engram.models.engram import EngramBlock
 from engram.models.transformer import Transformer, unwrap_block
+from parallelisms.halo import sequence_pieces, split_short_conv, swap_class
 
 
 def apply_tp(
@@ -228,61 +227,13 @@ class SequenceShardedEngram(nn.Module):
         return out if self._tp_sequence_parallel else _gather_sequence(out, mesh)
 
 
-class HaloShortConv(nn.Module):
-    """Mixin put in front of a ShortConv's class: the causal conv over a sequence chunk gets the
-    `(kernel_size - 1) x dilation` normed positions before the chunk from the previous TP rank
-    (zeros on rank 0), so the result equals the unsharded conv exactly."""
-
-    _tp_mesh: DeviceMesh
-
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
-        assert isinstance(self, ShortConv) and cache is None  # no decode cache under TP
-        b, t, g, d = x.shape
-        reach = (self.kernel_size - 1) * self.dilation
-        normed = torch.cat([self.norms[i](x[:, :, i, :]) for i in range(g)], dim=-1)  # [B, t, C]
-        if reach:
-            if t < reach:
-                raise ValueError(
-                    f"sequence chunk of {t} tokens per TP rank is shorter than the ShortConv "
-                    f"reach {reach}: use a longer seq_len or a smaller tp"
-                )
-            mesh = self._tp_mesh
-            rank, tp = mesh.get_local_rank(), mesh.size()
-            # Every rank's tail; the backward reduce-scatters the gradients back to their owners.
-            tails = _all_gather_autograd(
-                normed[:, t - reach :].contiguous(), gather_dim=0, group=mesh
-            )
-            # Rank 0 multiplies by 0 instead of taking zeros so that every rank has the same
-            # autograd graph (the all-gather's backward is a collective all ranks must join).
-            prev = tails[((rank - 1) % tp) * b :][:b] * float(rank > 0)
-            normed = torch.cat([prev, normed], dim=1)
-        # Symmetric padding, then outputs [reach, reach + t) are the causal outputs of the chunk.
-        y = self.conv(normed.transpose(1, 2))[..., reach : reach + t]
-        return F.silu(y).transpose(1, 2).reshape(b, t, g, d)
-
-
-# torch >= 2.10 renamed it; the old name still works there with a deprecation warning.
-_all_gather_autograd = getattr(
-    funcol, "all_gather_single_autograd", funcol.all_gather_tensor_autograd
-)
-
-_TP_CLASSES: dict[tuple[type, type], type] = {}
-
-
-def _swap_class(module: nn.Module, mixin: type) -> None:
-    key = (mixin, type(module))
-    if key not in _TP_CLASSES:
-        _TP_CLASSES[key] = type(f"{mixin.__name__}{type(module).__name__}", key, {})
-    module.__class__ = _TP_CLASSES[key]
-
-
 def _shard_engram_sequence(block: EngramBlock, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     if isinstance(block, SequenceShardedEngram):
         raise ValueError("apply_tp was already applied to this Engram block")
     if block.hc_mult != 1:
         raise ValueError("Engram under TP supports hc_mult = 1 only")
-    _swap_class(block, SequenceShardedEngram)
+    swap_class(block, SequenceShardedEngram)
     block._tp_mesh = mesh
     block._tp_sequence_parallel = sequence_parallel
-    _swap_class(block.short_conv, HaloShortConv)
-    block.short_conv._tp_mesh = mesh
+    # Under context parallelism apply_context_parallel re-targets it to the cp x tp pieces.
+    split_short_conv(block.short_conv, mesh, sequence_pieces(1, mesh.size(), False))

@@ -11,12 +11,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallel_dims import FLATTENED, ParallelDims
 from planner.measure import is_in, table_layers
 from planner.results import AllRanks
-
-# Flattened mesh views of parallelisms/parallel_dims.py and the world dims they span.
-FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "engram": ("dp_replicate", "dp_shard", "tp")}
 
 
 def _local_shapes_by_rank(p: DTensor, world_mesh) -> dict[int, tuple[int, ...]]:

@@ -51,6 +51,7 @@ from engram.train.step import (
     step_optimizers,
 )
 from engram.train.throughput import Throughput
+from parallelisms.context_parallel import split_batch
 from parallelisms.engram_tables import prefetch_host_tables
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.model_parts import build_model_parts
@@ -64,8 +65,9 @@ def train(cfg: JobConfig) -> TrainResult:
     dims = parallel_dims_from_config(cfg, proc.world_size)
     dev.warn_npu_gaps(proc.device_type, dims.tp, dims.pp)
     dims.build_mesh(proc.device_type)
-    dp_mesh = dims.mesh("dp")
-    dp_rank, dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()
+    dp_mesh = dims.mesh("dp")  # the loader's rank space: the cp ranks of a replica share a sample
+    dp_rank = dp_mesh.get_local_rank()
+    dp_group = dims.mesh("dp_cp").get_group()  # every rank with other tokens: the logged loss
     logger.info(f"world {proc.world_size} on {proc.device_type}: {dims}")
 
     # --- tokenizer, Engram hashing, model on meta; then placed on this rank -----------------
@@ -122,6 +124,8 @@ def train(cfg: JobConfig) -> TrainResult:
             # the previous step's host update; see parallelisms/engram_tables/host.py)
             with progress.data_timer():
                 batches = next_batches(data_iter, accum, device)
+            # context parallel: this rank's chunks of each sample (the whole batch at cp = 1)
+            batches = [split_batch(batch, dims) for batch in batches]
             if prefetch:
                 for batch in batches:
                     prefetch_host_tables(model, batch["hash_ids"])
@@ -151,7 +155,7 @@ def train(cfg: JobConfig) -> TrainResult:
             if eval_due(cfg, step):
                 result.eval_losses[step] = evaluate(
                     model_parts, make_eval_loader(), cfg.data.eval_batches, device, dp_group,
-                    loss_fn, pp,
+                    loss_fn, pp, prepare=lambda b: split_batch(b, dims),
                 )  # fmt: skip
                 metrics.log(step, {"eval_loss": result.eval_losses[step]})
             # Never at a skipped step: a save there could prune the last good checkpoint.

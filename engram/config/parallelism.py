@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from engram.config.checks import check
 
+CP_METHODS = ("ulysses", "allgather_kv")
+
 
 @dataclass
 class Parallelism:
@@ -18,6 +20,13 @@ class Parallelism:
     """Tensor parallel degree (innermost mesh axis: keep it within a node)."""
     pp: int = 1
     """Pipeline parallel degree (stages over ranks; see the [pipeline] section)."""
+    cp: int = 1
+    """Context parallel degree: the ranks of one data-parallel replica that split each sample's
+    sequence (parallelisms/context_parallel.py; docs/parallelisms.md "Context parallelism")."""
+    cp_method: str = "ulysses"
+    """How attention sees the whole sequence under cp > 1: ulysses (all-to-all from sequence- to
+    head-sharded q / k / v and back; query and KV heads divisible by tp x cp) | allgather_kv
+    (each rank keeps its queries and all-gathers K and V; load-balanced chunks, any head count)."""
     fsdp_reshard_after_forward: str = "default"
     """always (ZeRO-3-like) | never (ZeRO-2-like) | default (always, except the root)."""
     engram_table_dedup: bool = True
@@ -48,6 +57,11 @@ class Parallelism:
                 getattr(self, name) in ("float32", "bfloat16"),
                 f"parallelism.{name} must be float32 or bfloat16",
             )
+        check(self.cp >= 1, f"parallelism.cp must be >= 1, got {self.cp}")
+        check(
+            self.cp_method in CP_METHODS,
+            f"parallelism.cp_method must be one of {', '.join(CP_METHODS)}, got {self.cp_method!r}",
+        )
         check(
             self.engram_a2a_dtype in ("", "float32", "bfloat16"),
             'parallelism.engram_a2a_dtype must be "" (the table dtype), float32 or bfloat16, '

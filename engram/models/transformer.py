@@ -101,20 +101,37 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, H, T, Dh]
-        past = 0
-        if cache is not None:
+        if cache is None:
+            out = self.attend(q, k, v)
+        else:
             past = 0 if cache.keys is None else cache.keys.shape[2]
             k, v = cache.append_kv(k, v)
+            # query i sees keys 0 .. past + i
+            keep = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(past)
+            out = self.kernel(q, k, v, attn_mask=None if past == 0 else keep)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of q [B, Hq, T, Dh] over k, v [B, Hkv, T, Dh] of the same positions.
+        Context parallelism (parallelisms/context_parallel.py) overrides it to exchange heads or
+        gather K / V around `kernel`."""
+        return self.kernel(q, k, v)
+
+    def kernel(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The attention kernel (SDPA): causal without a mask, else `attn_mask` (True: attend)."""
         if self.n_rep > 1:
             # repeat_kv instead of enable_gqa: every backend (incl. torch_npu) supports it.
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
-        if past == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # query i sees keys 0 .. past + i
-            keep = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(past)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        if attn_mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
 
 
 class FeedForward(nn.Module):
@@ -268,6 +285,7 @@ class Transformer(nn.Module):
         hash_ids: torch.Tensor | None = None,
         cache: DecodeCache | None = None,
         last_positions: int | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [B, T] (or hidden states [B, T, D] on a later pipeline stage);
         hash_ids (keyword-only: a pipeline schedule forwards keyword arguments to every stage)
@@ -275,7 +293,9 @@ class Transformer(nn.Module):
         states [B, T, D] when this stage has no output head, or `return_hidden` is set). With
         `cache` (an unsharded model only) the input continues the cached positions, and the
         cache is extended by it. `last_positions`: logits of only the last positions [B, n, V]
-        (generation samples from the last one; unsharded models only)."""
+        (generation samples from the last one; unsharded models only). `positions` [B, T]: the
+        global position of every input token (context parallelism hands each rank chunks of
+        the sequence; RoPE needs where they are); default 0 .. T - 1 (after the cache)."""
         b, t = input_ids.shape[0], input_ids.shape[1] * self.input_seq_shards
         start = 0 if cache is None else cache.pos
         if start + t > self.args.max_seq_len:
@@ -285,7 +305,10 @@ class Transformer(nn.Module):
             )
         self._check_hash_ids(hash_ids, b, t)
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
-        cos, sin = self.rope_cache[0, start : start + t], self.rope_cache[1, start : start + t]
+        if positions is None:
+            cos, sin = self.rope_cache[0, start : start + t], self.rope_cache[1, start : start + t]
+        else:  # every row of a batch holds the same positions
+            cos, sin = self.rope_cache[0, positions[0]], self.rope_cache[1, positions[0]]
         for layer in self.layers.values():
             layer_id = unwrap_block(layer).layer_id
             slot = self._engram_slot.get(layer_id)

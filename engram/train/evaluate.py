@@ -3,13 +3,21 @@ last step), through the same loss and, under PP, the same pipeline as the traini
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from engram.config import JobConfig
 from engram.train.loss import LanguageModelLoss, local_value
-from engram.train.step import PipelineRun, dp_mean, pipeline_forward_backward, to_device
+from engram.train.step import (
+    PipelineRun,
+    dp_mean,
+    model_inputs,
+    pipeline_forward_backward,
+    to_device,
+)
 
 
 def eval_due(cfg: JobConfig, step: int) -> bool:
@@ -28,19 +36,24 @@ def evaluate(
     dp_group: dist.ProcessGroup,
     loss_fn: LanguageModelLoss,
     pp: PipelineRun | None = None,
+    prepare: Callable[[dict], dict] | None = None,
 ) -> float:
-    """Held-out loss (`pp`: the PipelineRun under pipeline parallelism; its loss is loss_fn)."""
+    """Held-out loss (`pp`: the PipelineRun under pipeline parallelism; its loss is loss_fn;
+    `prepare`: what the training step does to a batch on the device, e.g. the context-parallel
+    split; `dp_group`: every rank holding other tokens, dp x cp)."""
     for part in model_parts:
         part.eval()
     total = torch.zeros((), device=device)
     it = iter(loader)
     for _ in range(num_batches):
         batch = to_device(next(it), device)
+        if prepare is not None:
+            batch = prepare(batch)
         if pp is not None:
             total += pipeline_forward_backward(pp, batch, 1.0, train=False)
             continue
         (model,) = model_parts
-        output = model(batch["input_ids"], hash_ids=batch.get("hash_ids"))
+        output = model(batch["input_ids"], **model_inputs(batch))
         total += local_value(loss_fn(output, batch["labels"]))
     for part in model_parts:
         part.train()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -72,12 +73,32 @@ class LanguageModelLoss:
     ranks without the last stage, or when `chunks` = 1). `sharded_logits`: TP keeps the logits
     sharded over the vocabulary, so the loss and its backward run under loss_parallel()."""
 
-    def __init__(self, chunks: int, head_owner: nn.Module | None, sharded_logits: bool) -> None:
+    def __init__(
+        self,
+        chunks: int,
+        head_owner: nn.Module | None,
+        sharded_logits: bool,
+        cp_group: dist.ProcessGroup | None = None,
+    ) -> None:
         if chunks < 1:
             raise ValueError(f"loss chunks must be >= 1, got {chunks}")
         self.chunks = chunks
         self.head_owner = head_owner if chunks > 1 else None
         self.sharded_logits = sharded_logits
+        self.cp_group = cp_group
+        """Under context parallelism (cp > 1) the ranks that hold the other pieces of the same
+        samples: each divides its token sum by the sample's valid tokens / cp, so that the
+        gradient mean over dp x cp (FSDP) is the token mean of the whole sequence."""
+
+    def valid_tokens(self, labels: torch.Tensor) -> torch.Tensor:
+        """The divisor of the token sum: this micro-batch's valid labels; under cp the whole
+        sequence's over cp (one scalar all-reduce)."""
+        n = (labels != IGNORE_INDEX).sum()
+        if self.cp_group is None:
+            return n
+        n = n.float()
+        dist.all_reduce(n, group=self.cp_group)
+        return n / dist.get_world_size(self.cp_group)
 
     def context(self) -> contextlib.AbstractContextManager:
         """loss_parallel() when TP keeps the logits vocabulary-sharded, else nothing. Enter it
@@ -86,7 +107,9 @@ class LanguageModelLoss:
 
     def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.head_owner is None:
-            return cross_entropy(output, labels)
+            if self.cp_group is None:
+                return cross_entropy(output, labels)
+            return summed_cross_entropy(output, labels) / self.valid_tokens(labels)
         owner = self.head_owner
         if isinstance(owner, FSDPModule):
             # Under reshard "always" the root resharded after its forward: gather it again (a
@@ -111,7 +134,7 @@ class LanguageModelLoss:
         h = hidden.detach()
         if isinstance(h, DTensor) and not all(p.is_replicate() for p in h.placements):
             h = h.redistribute(h.device_mesh, [Replicate()] * h.device_mesh.ndim)
-        n_valid = (labels != IGNORE_INDEX).sum()
+        n_valid = self.valid_tokens(labels)
         t = h.shape[1]
         size = -(-t // self.chunks)
         total = torch.zeros((), dtype=torch.float32, device=labels.device)
@@ -220,11 +243,15 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
 
 def build_loss(
-    chunks: int, model_parts: list[nn.Module], sharded_logits: bool
+    chunks: int,
+    model_parts: list[nn.Module],
+    sharded_logits: bool,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> LanguageModelLoss:
     """The loss for this rank's model parts. With chunks > 1 the part holding the output head
-    (the last pipeline stage) returns hidden states and the loss applies its head."""
+    (the last pipeline stage) returns hidden states and the loss applies its head. `cp_group`:
+    the context-parallel group when cp > 1 (LanguageModelLoss.cp_group)."""
     owner = next((p for p in model_parts if getattr(p, "output", None) is not None), None)
     if chunks > 1 and owner is not None:
         owner.set_hidden_output(True)
-    return LanguageModelLoss(chunks, owner, sharded_logits)
+    return LanguageModelLoss(chunks, owner, sharded_logits, cp_group)

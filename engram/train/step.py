@@ -32,6 +32,13 @@ def next_batches(
     return [to_device(next(data_iter), device) for _ in range(n)]
 
 
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's keyword inputs from a batch: hash ids, and the global positions of a context
+    parallel split (parallelisms/context_parallel.py split_batch). By keyword so a pipeline
+    schedule forwards them to every stage (split along dim 0 like the batch)."""
+    return {k: batch[k] for k in ("hash_ids", "positions") if k in batch}
+
+
 def forward_backward(
     model_parts: list[nn.Module],
     batch: dict[str, torch.Tensor],
@@ -39,9 +46,9 @@ def forward_backward(
     loss_scale: float,
 ) -> torch.Tensor:
     """One micro-batch: forward, loss, backward of `loss * loss_scale`; returns the detached
-    loss. Hash ids go by keyword so a pipeline schedule can forward them to every stage."""
+    loss. Hash ids and positions go by keyword (model_inputs)."""
     (model,) = model_parts  # pp = 1: one part
-    output = model(batch["input_ids"], hash_ids=batch.get("hash_ids"))
+    output = model(batch["input_ids"], **model_inputs(batch))
     loss = loss_fn(output, batch["labels"])
     (loss * loss_scale).backward()
     return local_value(loss)
@@ -86,7 +93,7 @@ def pipeline_forward_backward(
     schedule = pp.schedule if train else pp.eval_schedule
     pp.loss.scale = loss_scale / pp.microbatches
     args = (batch["input_ids"],) if pp.has_first_stage else ()
-    kwargs = {"hash_ids": batch["hash_ids"]} if "hash_ids" in batch else {}
+    kwargs = model_inputs(batch)
     losses: list[torch.Tensor] = []
     run = schedule.step if train else schedule.eval
     run(*args, target=batch["labels"], losses=losses, **kwargs)
