@@ -10,9 +10,8 @@ Only `apply_context_parallel` is applied (no FSDP, no table sharding), so the nu
 those of context parallelism itself:
 
 - activations: the bytes autograd keeps for backward on each rank at the end of the forward
-  (distinct storages seen by saved_tensors_hooks, parameters excluded; all-gather K/V's cached
-  masks included, the attention kernel saves them), against planner.activations
-  (activation_estimate + cp_mask_bytes);
+  (distinct storages seen by saved_tensors_hooks, parameters excluded; all-gather K/V's
+  additive masks included: SDPA saves them), against planner.activations.activation_estimate;
 - step: the median forward + backward wall time over `--steps` steps after one warm-up (with
   4 ranks on 2 cores the ranks share cores: read the times as an upper bound);
 - bytes: what each rank receives from the cp collectives in one step, counted at the dispatcher
@@ -45,7 +44,7 @@ from engram.models.args import ModelArgs  # noqa: E402
 from engram.models.transformer import Transformer  # noqa: E402
 from parallelisms.context_parallel import apply_context_parallel, split_batch  # noqa: E402
 from parallelisms.parallel_dims import ParallelDims  # noqa: E402
-from planner.activations import activation_estimate, cp_mask_bytes  # noqa: E402
+from planner.activations import activation_estimate  # noqa: E402
 from planner.comm import cp_layer_bytes  # noqa: E402
 
 ARGS = ModelArgs(
@@ -167,7 +166,7 @@ def main() -> None:
         saved = statistics.mean(r["saved"] for r in res)
         base = base or saved
         act = activation_estimate(cfg, args, "float32", cp=cp, cp_method=method)
-        predicted = act.saved_bytes + cp_mask_bytes(opts.seq, cp, method, ARGS.n_layers)
+        predicted = act.saved_bytes
         dims = ParallelDims(1, 1, 1, 1, cp, cp=cp, cp_method=method)
         attn, halo = cp_layer_bytes(args, cfg.engram, dims, 1, opts.seq, 4)
         got_attn = statistics.mean(r["bytes"]["attention"] for r in res) / ARGS.n_layers

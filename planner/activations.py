@@ -171,13 +171,20 @@ def activation_estimate(
     # Embedding ids; final norm (its output feeds the head).
     saved = (8 // cp if first else 0) + (_norm_bytes(a) * args.dim // stream_div if last else 0)
     recompute = 0
+    # All-gather K/V: SDPA turns the bool [T / cp, T] mask into an additive one in the compute
+    # dtype and saves it for backward, once per layer whatever the batch (measured on CPU).
+    seq = cfg.training.seq_len
+    mask = a * (seq // cp) * seq if cp > 1 and cp_method == "allgather_kv" else 0
+    saved_masks = recompute_mask = 0
     for k, i in enumerate(layer_ids):  # AC counts the layers of the model or stage (k)
         full = layer + (engram_saved if i in engram_layers else 0)
         if is_checkpointed(cfg.activation_checkpoint, k):
             saved += a * args.dim // stream_div  # the checkpoint keeps only the layer input
             recompute = max(recompute, full)
+            recompute_mask = mask
         else:
             saved += full
+            saved_masks += mask
     # Backward temporaries of one layer: gradients of the FFN hidden and of the stream, plus the
     # Engram lookup's all-to-all buffers, and what context parallelism adds to attention.
     backward = (
@@ -188,8 +195,8 @@ def activation_estimate(
     )
     return ActivationEstimate(
         tokens=tokens,
-        saved_bytes=saved * tokens,
-        recompute_bytes=(recompute + backward) * tokens,
+        saved_bytes=saved * tokens + saved_masks,
+        recompute_bytes=(recompute + backward) * tokens + recompute_mask,
         loss_bytes=loss_bytes(cfg, args, a, tp, tokens, cp) if last else 0,
         per_layer_full_bytes=layer * tokens,
         per_engram_layer_extra_bytes=engram_saved * tokens,
