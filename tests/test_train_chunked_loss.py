@@ -324,7 +324,16 @@ def test_planner_fits_32b_at_32k_on_64_npus_without_tp():
     assert cfg.training.seq_len == 32768 and cfg.parallelism.tp == 1 and cfg.parallelism.pp == 1
     est = run_isolated(estimate, cfg, 64, ranks=[0])
     assert est.fits and est.device_memory_bytes == 64 * 2**30
-    unchunked = load_config(["--job.config_file", NPU_32K, "--training.loss_chunks=1"])
+    # FSDP-64 without context parallelism (the config runs CP 2): one sequence's loss alone.
+    unchunked = load_config(
+        [
+            "--job.config_file",
+            NPU_32K,
+            "--training.loss_chunks=1",
+            "--parallelism.cp=1",
+            "--training.grad_accum_steps=1",
+        ]
+    )
     no_chunks = run_isolated(estimate, unchunked, 64, ranks=[0])
     assert not no_chunks.fits
     assert no_chunks.ranks[0].activations.loss_bytes > 55 * 2**30
