@@ -40,7 +40,8 @@ from engram.models.transformer import Attention, Transformer, unwrap_block
 from parallelisms.halo import all_gather_autograd, sequence_pieces, split_short_conv, swap_class
 from parallelisms.parallel_dims import ParallelDims
 
-SEQUENCE_KEYS = ("input_ids", "labels", "hash_ids")
+# Batch entries laid out along the sequence (dim 1); the others (the loader's position) pass.
+SEQUENCE_KEYS = ("input_ids", "labels", "hash_ids", "segment_ids")
 
 
 def chunk_positions(rank: int, cp: int, seq_len: int, load_balanced: bool) -> torch.Tensor:
@@ -56,8 +57,9 @@ def chunk_positions(rank: int, cp: int, seq_len: int, load_balanced: bool) -> to
 
 
 def split_batch(batch: dict[str, torch.Tensor], dims: ParallelDims) -> dict[str, torch.Tensor]:
-    """This cp rank's part of a batch: input_ids, labels, hash_ids cut along the sequence (dim 1),
-    plus `positions` [B, T / cp] (global, for RoPE). At cp = 1 the whole batch (same path)."""
+    """This cp rank's part of a batch: input_ids, labels, hash_ids (computed by the loader from the
+    whole sequence), segment_ids cut along the sequence (dim 1), plus `positions` [B, T / cp]
+    (global, for RoPE). At cp = 1 the whole batch (same path)."""
     mesh = dims.mesh("cp")
     b, t = batch["input_ids"].shape[:2]
     if t % (dims.cp * (2 if dims.cp_method == "allgather_kv" else 1)):
@@ -139,10 +141,7 @@ def check_context_parallel(cfg: JobConfig, dims: ParallelDims) -> None:
     if not dims.cp_enabled:
         return
     refused = {
-        "pipeline parallelism (parallelism.pp > 1)": dims.pp_enabled,
-        "host-resident Engram tables (engram.table_location = host)": cfg.engram.enabled
-        and cfg.engram.table_location == "host",
-        "torch.compile (compile.enable)": cfg.compile.enable,
+        # Untested under cp (TP refuses it too): the halo treats the hc_mult groups generically.
         "Engram hc_mult > 1": cfg.engram.enabled and cfg.engram.hc_mult != 1,
     }
     for what, on in refused.items():

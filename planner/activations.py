@@ -229,7 +229,9 @@ def rank_activations(
     tokens = cfg.training.local_batch_size // n_micro * cfg.training.seq_len
     last = plan.num_stages - 1
     per_stage = [
-        activation_estimate(cfg, args, compute_dtype, tp, sp, layers, s == 0, s == last, tokens)
+        activation_estimate(
+            cfg, args, compute_dtype, tp, sp, layers, s == 0, s == last, tokens, cp, cp_method
+        )
         for s, layers in enumerate(plan.layers)
     ]
     peak = in_flight(

@@ -148,15 +148,16 @@ def _measure_rank(
     mem.persistent_bytes += mem.cp_mask_bytes
     mem.comm = comm_per_step(cfg, dims, parts, table_params, mem, plan)
     if mem.host_table_bytes:
-        _host_table_traffic(mem, cfg, dims.tp, n_micro)
+        _host_table_traffic(mem, cfg, dims.divisors.engram_tokens, n_micro)
     return mem, acts
 
 
-def _host_table_traffic(mem: RankMemory, cfg: JobConfig, tp: int, n_micro: int) -> None:
+def _host_table_traffic(mem: RankMemory, cfg: JobConfig, split: int, n_micro: int) -> None:
     """Device bytes of one micro-batch's looked-up rows and host <-> device bytes per step of
-    host tables (parallelisms/engram_tables/host.py), at most one row per lookup id: each TP rank looks
-    up its own tokens' ids (hash heads per Engram layer on this rank)."""
-    ids = mem.activations.microbatch_tokens // tp * cfg.engram.num_heads * len(mem.table_rows)
+    host tables (parallelisms/engram_tables/host.py), at most one row per lookup id: each rank
+    looks up its own tokens' ids, 1 / `split` of the micro-batch (cp x tp, axis_divisors'
+    engram_tokens; hash heads per Engram layer on this rank)."""
+    ids = mem.activations.microbatch_tokens // split * cfg.engram.num_heads * len(mem.table_rows)
     row_bytes = cfg.engram.head_dim * mem.table_param_bytes // max(1, mem.table_params)
     mem.host_table_device_bytes = 2 * ids * row_bytes
     per_micro = ids * row_bytes + ids * (cfg.engram.head_dim * 4 + 8)  # rows in, grads + ids out

@@ -223,17 +223,26 @@ def test_compare_lists_cp_candidates():
 def test_cp_with_an_unmodelled_combination_is_refused_by_name():
     """What context parallelism does not compose with is refused before anything is built,
     by the same check the recipe runs (parallelisms.context_parallel.check_context_parallel)."""
-    cfg = _cfg(DEBUG, "--parallelism.cp=2", "--parallelism.pp=2", "--parallelism.dp_shard=1")
-    with pytest.raises(ConfigError, match=r"parallelism.cp=2.*pipeline parallelism"):
+    cfg = _cfg(DEBUG, "--parallelism.cp=2", "--engram.hc_mult=2")
+    with pytest.raises(ConfigError, match=r"parallelism.cp=2.*Engram hc_mult > 1"):
         run_isolated(estimate, cfg, 4)
-    cfg = _cfg(
-        DEBUG,
-        "--parallelism.cp=2",
-        "--engram.table_location=host",
-        "--optimizer.table_optimizer=lazy_adam",
+
+
+def test_cp_composes_with_pipeline_and_host_tables():
+    """CP 2 x PP 2: each stage's activations are those of its layers at cp 2 (about half of
+    cp 1's); host tables under CP look up each rank's T / cp tokens (half the rows on device)."""
+    common = ("--parallelism.pp=2", "--training.local_batch_size=4", "--pipeline.microbatches=2")
+    pp = run_isolated(estimate, _cfg(DEBUG, *common), 4, ranks=[0])
+    cp = run_isolated(estimate, _cfg(DEBUG, *common, "--parallelism.cp=2"), 4, ranks=[0])
+    for one, two in zip(pp.stage_activations, cp.stage_activations, strict=True):
+        assert 0.5 < two.saved_bytes / one.saved_bytes < 0.53
+    assert cp.ranks[0].comm.cp > 0 and cp.ranks[0].comm.pp_send_recv * 2 == (
+        pp.ranks[0].comm.pp_send_recv
     )
-    with pytest.raises(ConfigError, match=r"host-resident Engram tables"):
-        run_isolated(estimate, cfg, 4)
+    host = ("--engram.table_location=host", "--optimizer.table_optimizer=lazy_adam")
+    h1 = run_isolated(estimate, _cfg(DEBUG, *host), 4, ranks=[0])
+    h2 = run_isolated(estimate, _cfg(DEBUG, *host, "--parallelism.cp=2"), 4, ranks=[0])
+    assert h2.ranks[0].host_table_device_bytes * 2 == h1.ranks[0].host_table_device_bytes
 
 
 @pytest.mark.parametrize(
