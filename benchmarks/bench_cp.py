@@ -27,6 +27,7 @@ import dataclasses
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -106,7 +107,7 @@ def _worker(rank: int, world: int, method: str, cfg, seq: int, steps: int) -> di
             return t
 
         ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        with ctx if hooks else _null(), counter or _null():
+        with ctx if hooks else nullcontext(), counter or nullcontext():
             logits = model(
                 part["input_ids"], hash_ids=part["hash_ids"], positions=part["positions"]
             )
@@ -124,14 +125,6 @@ def _worker(rank: int, world: int, method: str, cfg, seq: int, steps: int) -> di
         step()
         times.append(time.perf_counter() - t0)
     return {"saved": saved, "bytes": counter.bytes, "step_s": statistics.median(times)}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main() -> None:
