@@ -22,9 +22,17 @@ def _norm_bytes(a: int) -> int:
     return 4 + 2 * a
 
 
-def _layer_bytes_per_token(args: ModelArgs, a: int, tp: int = 1, sp: bool = True) -> int:
-    """Activations one decoder layer saves for backward, bytes per token (compute dtype `a`) on
-    one of `tp` tensor-parallel ranks (`sp`: sequence parallel).
+def _layer_bytes_per_token(
+    args: ModelArgs,
+    a: int,
+    tp: int = 1,
+    sp: bool = True,
+    cp: int = 1,
+    cp_method: str = "ulysses",
+) -> int:
+    """Activations one decoder layer saves for backward, bytes per token of the whole sequence
+    (compute dtype `a`) on one of `tp` tensor-parallel ranks (`sp`: sequence parallel) and one of
+    `cp` context-parallel ranks.
 
     Two RMSNorms over D (and q/k norms for Qwen3). Attention with a fused (flash) SDPA: q, and
     k, v repeated to n_heads, the output (4 a Dq), plus the fp32 log-sum-exp per head; no T x T
@@ -35,16 +43,29 @@ def _layer_bytes_per_token(args: ModelArgs, a: int, tp: int = 1, sp: bool = True
     of it with sequence parallel; then the column-parallel linears save their all-gathered
     input (a D for the attention and for the FFN input), which is not divided. The divisors
     are parallelisms.parallel_dims.axis_divisors'.
+
+    Under CP a rank holds 1/cp of the tokens: every term is divided by cp, except the keys and
+    values the kernel saves (k, v repeated to n_heads: 2 a Dq), which are divided by
+    `axis_divisors(...).heads`: tp x cp under Ulysses (the kernel holds heads / cp of the whole
+    sequence), tp under all-gather K/V (every rank holds the gathered K and V of the whole
+    sequence, i.e. cp times its own share). The queries, output and log-sum-exp are 1/(tp x cp)
+    under both methods (Ulysses: heads / cp of T tokens; all-gather K/V: its T / cp queries);
+    Ulysses saves the output twice (head-sharded in the kernel, token-sharded for wo).
     """
-    d = axis_divisors(tp, sp)
+    d = axis_divisors(tp, sp, 1, cp, cp_method)
     assert args.head_dim is not None
     dq, dkv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     # q/k norms: their output goes to RoPE, which saves only cos/sin, so no output term.
     qk_norm = (4 + a) * (dq + dkv) if args.qk_norm else 0
-    attention = 4 * a * dq + 4 * args.n_heads + qk_norm
+    queries = 2 * a * dq + 4 * args.n_heads + qk_norm  # q, output, fp32 lse (+ q/k norms)
+    if cp > 1 and cp_method == "ulysses":
+        # The kernel's head-sharded output and the output projection's input (the output
+        # all-to-all'd back to tokens) are two tensors; otherwise the latter is a view.
+        queries += a * dq
+    keys_values = 2 * a * dq  # k, v repeated to n_heads, as the kernel saves them
     norms = 2 * _norm_bytes(a) * args.dim
-    gathered = 2 * a * args.dim if tp > 1 and sp else 0
-    split = attention // d.heads + 4 * a * args.ffn_dim // d.ffn_width
+    gathered = 2 * a * args.dim // cp if tp > 1 and sp else 0
+    split = (queries + 4 * a * args.ffn_dim) // (tp * cp) + keys_values // d.heads
     return norms // d.stream_tokens + gathered + split
 
 
@@ -61,28 +82,53 @@ def _engram_bytes_per_token(cfg: JobConfig, dim: int, a: int) -> tuple[int, int]
     return saved, 3 * 8 * e.num_heads + 3 * 4 * engram_dim
 
 
-def loss_bytes(cfg: JobConfig, args: ModelArgs, a: int, tp: int, tokens: int) -> int:
+def loss_bytes(cfg: JobConfig, args: ModelArgs, a: int, tp: int, tokens: int, cp: int = 1) -> int:
     """Peak bytes of the loss of one micro-batch of `tokens` (compute dtype `a`) on one of `tp`
-    ranks (the logits are vocabulary-parallel under TP).
+    ranks (the logits are vocabulary-parallel under TP) and one of `cp` context-parallel ranks
+    (each holds the logits of its tokens / cp).
 
     Cross-entropy in fp32: log-softmax output saved, its gradient, the gradient of the fp32
     logits (12 bytes/logit) dominate; the compute-dtype logits (a) and the fp32 upcast (4) exist
     together with the saved log-softmax in forward (a + 8). With training.loss_chunks = n > 1
-    (engram/train/loss.py) that holds for one chunk of ceil(seq_len / n) positions of every sequence,
-    plus, for the whole micro-batch, the hidden states gathered over the sequence and their
-    accumulated gradient (2 a D per token, not divided by TP), and the head's weight gradient sum
-    and one chunk's share in the compute dtype (2 a V D / tp; a plain linear head needs only the
-    sum: an upper bound)."""
+    (engram/train/loss.py) that holds for one chunk of ceil(local seq_len / n) positions of every
+    sequence (local: seq_len / cp), plus, for the whole micro-batch, the hidden states gathered
+    over the sequence and their accumulated gradient (2 a D per local token, not divided by TP),
+    and the head's weight gradient sum and one chunk's share in the compute dtype (2 a V D / tp;
+    a plain linear head needs only the sum: an upper bound)."""
     vocab = axis_divisors(tp, True).vocab  # the head is vocabulary-parallel in both TP modes
     per_logit = max(12, a + 8) * args.vocab_size // vocab
     chunks = cfg.training.loss_chunks
     if chunks == 1:
-        return per_logit * tokens
+        return per_logit * tokens // cp
     seq = cfg.training.seq_len
-    chunk_tokens = tokens // seq * -(-seq // chunks)
-    hidden = 2 * a * args.dim * tokens
+    chunk_tokens = tokens // seq * -(-(seq // cp) // chunks)
+    hidden = 2 * a * args.dim * tokens // cp
     head_grad = 2 * a * args.vocab_size * args.dim // vocab
     return per_logit * chunk_tokens + hidden + head_grad
+
+
+def cp_mask_bytes(seq_len: int, cp: int, cp_method: str, n_layers: int) -> int:
+    """All-gather K/V's cached attention masks: each attention module keeps a bool [T / cp, T]
+    mask per sequence length (parallelisms/context_parallel.py AllGatherKVAttention._mask), held
+    for the whole run: n_layers x T / cp x T bytes. Ulysses and cp = 1 need none."""
+    if cp == 1 or cp_method != "allgather_kv":
+        return 0
+    return n_layers * (seq_len // cp) * seq_len
+
+
+def _cp_backward_bytes(args: ModelArgs, a: int, tp: int, cp: int, cp_method: str) -> int:
+    """Per token of the sequence: the attention buffers context parallelism adds to one layer's
+    backward. All-gather K/V: the gradients of the gathered K and V repeated to n_heads
+    (2 a Dq / tp per token of the whole sequence) and summed back to the KV heads (2 a Dkv / tp)
+    before their reduce-scatter. Ulysses: one all-to-all's send and receive copies of the
+    q / k / v gradients (2 a (Dq + 2 Dkv) / (tp x cp))."""
+    if cp == 1:
+        return 0
+    assert args.head_dim is not None
+    dq, dkv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    if cp_method == "allgather_kv":
+        return 2 * a * (dq + dkv) // tp
+    return 2 * a * (dq + 2 * dkv) // (tp * cp)
 
 
 def activation_estimate(
@@ -95,9 +141,13 @@ def activation_estimate(
     first: bool = True,
     last: bool = True,
     tokens: int | None = None,
+    cp: int = 1,
+    cp_method: str = "ulysses",
 ) -> ActivationEstimate:
     """Activation bytes of one micro-batch on one rank, `tp` tensor-parallel ranks with (`sp`)
-    or without sequence parallel (what each divides: parallelisms.parallel_dims.axis_divisors).
+    or without sequence parallel and `cp` context-parallel ranks (`cp_method`; what each
+    divides: parallelisms.parallel_dims.axis_divisors; `tokens` counts whole sequences, a cp
+    rank holds 1 / cp of them: _layer_bytes_per_token, loss_bytes).
     Per token, a sequence-sharded tensor costs 1/tp of its bytes: the Engram block in both modes
     (it runs on and looks up only its rank's tokens), the residual stream (checkpoint inputs,
     norms) with sequence parallel; the head- and FFN-split parts always. The loss is
@@ -106,12 +156,12 @@ def activation_estimate(
     A pipeline stage passes its decoder `layers`, whether it is the `first` (embedding ids) and
     the `last` stage (final norm, loss) and its micro-batch `tokens` (default: the local batch)."""
     a = dtype_bytes(compute_dtype)
-    d = axis_divisors(tp, sp)
+    d = axis_divisors(tp, sp, 1, cp, cp_method)
     stream_div = d.stream_tokens
     if tokens is None:
         tokens = cfg.training.local_batch_size * cfg.training.seq_len
     layer_ids = range(args.n_layers) if layers is None else layers
-    layer = _layer_bytes_per_token(args, a, tp, sp)
+    layer = _layer_bytes_per_token(args, a, tp, sp, cp, cp_method)
     engram_layers = set(cfg.engram.layer_ids) if cfg.engram.enabled else set()
     engram_saved, engram_transient = (
         _engram_bytes_per_token(cfg, args.dim, a) if engram_layers & set(layer_ids) else (0, 0)
@@ -119,25 +169,35 @@ def activation_estimate(
     engram_saved //= d.engram_tokens
     engram_transient //= d.engram_tokens
     # Embedding ids; final norm (its output feeds the head).
-    saved = (8 if first else 0) + (_norm_bytes(a) * args.dim // stream_div if last else 0)
+    saved = (8 // cp if first else 0) + (_norm_bytes(a) * args.dim // stream_div if last else 0)
     recompute = 0
+    # All-gather K/V: SDPA turns the bool [T / cp, T] mask into an additive one in the compute
+    # dtype and saves it for backward, once per layer whatever the batch (measured on CPU).
+    seq = cfg.training.seq_len
+    mask = a * (seq // cp) * seq if cp > 1 and cp_method == "allgather_kv" else 0
+    saved_masks = recompute_mask = 0
     for k, i in enumerate(layer_ids):  # AC counts the layers of the model or stage (k)
         full = layer + (engram_saved if i in engram_layers else 0)
         if is_checkpointed(cfg.activation_checkpoint, k):
             saved += a * args.dim // stream_div  # the checkpoint keeps only the layer input
             recompute = max(recompute, full)
+            recompute_mask = mask
         else:
             saved += full
+            saved_masks += mask
     # Backward temporaries of one layer: gradients of the FFN hidden and of the stream, plus the
-    # Engram lookup's all-to-all buffers.
+    # Engram lookup's all-to-all buffers, and what context parallelism adds to attention.
     backward = (
-        2 * a * args.ffn_dim // d.ffn_width + 2 * a * args.dim // stream_div + engram_transient
+        2 * a * args.ffn_dim // (d.ffn_width * cp)
+        + 2 * a * args.dim // stream_div
+        + engram_transient
+        + _cp_backward_bytes(args, a, tp, cp, cp_method)
     )
     return ActivationEstimate(
         tokens=tokens,
-        saved_bytes=saved * tokens,
-        recompute_bytes=(recompute + backward) * tokens,
-        loss_bytes=loss_bytes(cfg, args, a, tp, tokens) if last else 0,
+        saved_bytes=saved * tokens + saved_masks,
+        recompute_bytes=(recompute + backward) * tokens + recompute_mask,
+        loss_bytes=loss_bytes(cfg, args, a, tp, tokens, cp) if last else 0,
         per_layer_full_bytes=layer * tokens,
         per_engram_layer_extra_bytes=engram_saved * tokens,
     )
@@ -153,12 +213,14 @@ def rank_activations(
     stage_ids: list[int],
     pp_rank: int,
     n_micro: int = 1,
+    cp: int = 1,
+    cp_method: str = "ulysses",
 ) -> tuple[RankActivations, list[ActivationEstimate]]:
     """This rank's activations at its peak and every stage's one-micro-batch estimate. Without
     PP one micro-batch (the local batch) is in flight; with PP the micro-batch is local batch /
     pipeline.microbatches and in_flight walks the schedule's own order."""
     if plan is None:
-        act = activation_estimate(cfg, args, compute_dtype, tp, sp)
+        act = activation_estimate(cfg, args, compute_dtype, tp, sp, cp=cp, cp_method=cp_method)
         ra = RankActivations(
             act.tokens, act.saved_bytes, {0: 1}, act.recompute_bytes, act.loss_bytes
         )
@@ -167,7 +229,9 @@ def rank_activations(
     tokens = cfg.training.local_batch_size // n_micro * cfg.training.seq_len
     last = plan.num_stages - 1
     per_stage = [
-        activation_estimate(cfg, args, compute_dtype, tp, sp, layers, s == 0, s == last, tokens)
+        activation_estimate(
+            cfg, args, compute_dtype, tp, sp, layers, s == 0, s == last, tokens, cp, cp_method
+        )
         for s, layers in enumerate(plan.layers)
     ]
     peak = in_flight(

@@ -78,6 +78,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--node_size", type=int, default=8, help="with --compare: devices per node (TP <= this)"
     )
     p.add_argument(
+        "--cp",
+        default="",
+        help="with --compare: context-parallel degrees whose layouts (CP<c>xFSDP<W/c>, "
+        "CP<c>xTP<t>xFSDP...) join the default candidates, e.g. 2,4,8",
+    )
+    p.add_argument(
+        "--cp_methods",
+        default="",
+        help="with --compare: parallelism.cp_method values to try for layouts with CP, e.g. "
+        "ulysses,allgather_kv (default: the config's)",
+    )
+    p.add_argument(
         "--local_batch_sizes",
         default="",
         help="with --compare: micro-batch sizes (sequences) to try for layouts without PP, e.g. "
@@ -141,6 +153,8 @@ def main(argv: list[str] | None = None) -> MemoryEstimate | list[Row]:
             [int(n) for n in opts.local_batch_sizes.split(",") if n] or None,
             [int(n) for n in opts.loss_chunks.split(",") if n] or None,
             table_locations=[loc for loc in opts.table_locations.split(",") if loc] or None,
+            cps=[int(c) for c in opts.cp.split(",") if c] or None,
+            cp_methods=[m for m in opts.cp_methods.split(",") if m] or None,
             device_memory_gib=opts.device_memory_gib,
             fragmentation=opts.fragmentation,
             reserve_gib=opts.reserve_gib,

@@ -3,12 +3,13 @@
 Each number is what a rank receives over the wire in one optimizer step (a ring collective
 sends as much as it receives), from this rank's exact local shapes and the layout:
 
-    FSDP all-gather      dense shard (compute dtype) x (dp_shard - 1), per gather of a unit.
+    FSDP all-gather      dense shard (compute dtype) x (S - 1), per gather of a unit, S =
+                         dp_shard x cp (FSDP's shard group).
                          Gathers per step: without PP, each micro-batch gathers in forward and,
                          if the layers reshard after forward, again in backward; under PP a
                          stage stays unsharded across its micro-batches: one gather per
                          schedule step.
-    FSDP reduce-scatter  trainable shard (reduce dtype) x (dp_shard - 1), per gradient sync:
+    FSDP reduce-scatter  trainable shard (reduce dtype) x (S - 1), per gradient sync:
                          every micro-batch without PP (FSDP), once per schedule step under PP,
                          once per step under DDP's no-sync accumulation.
     DP all-reduce        HSDP / DDP across dp_replicate: 2 (R - 1) / R x the trainable shard.
@@ -30,9 +31,22 @@ sends as much as it receives), from this rank's exact local shapes and the layou
                          Without dedup (an upper bound: repeated n-grams are sent once,
                          benchmarks/bench_table_a2a.py measures the saving).
 
-Not counted: Engram's ShortConv halo under TP (k-1 positions per layer), the all-gather of an
-Engram block's output without sequence parallel, the small all-reduces of the loss, grad norm
-and Engram block's dense grads over TP, barriers.
+    CP                   per decoder layer and micro-batch (cp > 1; L = B x T / cp local tokens,
+                         heads / tp on each TP rank), forward: Ulysses all-to-alls q, k, v and
+                         the output, L x (2 Dq + 2 Dkv) / tp x (cp - 1) / cp; all-gather K/V
+                         gathers K and V, L x 2 Dkv / tp x (cp - 1); backward moves the same
+                         again (the reverse all-to-alls; the reduce-scatter of the K / V
+                         gradients), a checkpointed layer's recompute a third time. Plus, per
+                         Engram layer, the ShortConv halo: every rank all-gathers every piece's
+                         tail over cp x tp, ((kernel_size - 1) x max_ngram positions x
+                         hc_mult x dim), forward, backward (reduce-scatter) and recompute.
+                         Compute dtype. cp_layer_bytes states it; benchmarks/bench_cp.py counts
+                         the real collectives' bytes against it.
+
+Not counted: Engram's ShortConv halo under TP without CP (k-1 positions per layer), the
+all-gather of an
+Engram block's output without sequence parallel, the small all-reduces of the loss, grad norm,
+the loss divisor over cp and Engram block's dense grads over TP, barriers.
 """
 
 from __future__ import annotations
@@ -49,6 +63,29 @@ from planner.results import CommPerStep
 
 def _local_numel(p: nn.Parameter) -> int:
     return (p.to_local() if isinstance(p, DTensor) else p).numel()
+
+
+def cp_layer_bytes(args, engram, dims: ParallelDims, batch: int, seq_len: int, a: int):
+    """(attention, halo): bytes one rank receives in ONE forward of one decoder layer under
+    context parallelism, for a micro-batch of `batch` sequences of `seq_len` tokens in the
+    compute dtype of `a` bytes (`args`: ModelArgs). `halo` is that of a layer with an Engram
+    block (`engram`: EngramConfig; None: 0). Backward receives as much again (module
+    docstring). (0, 0) at cp = 1."""
+    cp, tp = dims.cp, dims.tp
+    if cp == 1:
+        return 0, 0
+    dq, dkv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    local = batch * seq_len // cp
+    if dims.cp_method == "ulysses":
+        attention = local * (2 * dq + 2 * dkv) // tp * (cp - 1) // cp * a
+    else:
+        attention = local * 2 * dkv // tp * (cp - 1) * a
+    halo = 0
+    if engram is not None and engram.enabled:
+        pieces_per_rank = 2 if dims.cp_method == "allgather_kv" else 1  # load-balanced chunks
+        reach = (engram.kernel_size - 1) * engram.max_ngram
+        halo = pieces_per_rank * batch * reach * engram.hc_mult * args.dim * a * (cp * tp - 1)
+    return attention, halo
 
 
 def comm_per_step(
@@ -68,7 +105,7 @@ def comm_per_step(
     trainable = sum(_local_numel(q) for q in dense if q.requires_grad)
     out = CommPerStep()
 
-    s, rep = dims.dp_shard, dims.dp_replicate
+    s, rep = dims.fsdp_size, dims.dp_replicate  # FSDP shards over dp_shard x cp
     if s > 1:
         layer_reshard, _ = reshard_after_forward(dims, p)
         gathers = accum if dims.pp_enabled else accum * (2 if layer_reshard else 1)
@@ -90,7 +127,8 @@ def comm_per_step(
         if is_checkpointed(cfg.activation_checkpoint, k)
     }
     dim = parts[0].args.dim
-    stream = tokens * dim * a  # one [tokens, dim] tensor of the micro-batch, compute dtype
+    # One [tokens, dim] tensor of this rank's part of the micro-batch (1 / cp of its sequence).
+    stream = tokens // dims.cp * dim * a
     if dims.tp > 1:
         tp = dims.tp
         ops = sum(8 + (4 if i in recomputed else 0) for i in layers)
@@ -107,7 +145,7 @@ def comm_per_step(
                 sends += 1  # activation to the next stage
             if st > 0 and plan.ranks[st - 1] != plan.ranks[st]:
                 sends += 1  # input gradient to the previous stage
-        out.pp_send_recv = passes * sends * stream // d.stream_tokens
+        out.pp_send_recv = passes * sends * stream * dims.cp // d.stream_tokens
 
     e = cfg.engram
     engram_layers = [i for i in layers if e.enabled and i in e.layer_ids]
@@ -121,4 +159,12 @@ def comm_per_step(
             (ids + rows) * (2 if i in recomputed else 1) + rows for i in engram_layers
         ]  # forward (+ recompute), row gradients in backward
         out.table_all_to_all = passes * sum(per_layer) * (shards - 1) // shards
+    if dims.cp > 1:
+        args = parts[0].args
+        seqs = tokens // cfg.training.seq_len
+        attention, halo = cp_layer_bytes(args, e, dims, seqs, cfg.training.seq_len, a)
+        out.cp = passes * sum(
+            (attention + (halo if i in engram_layers else 0)) * (3 if i in recomputed else 2)
+            for i in layers
+        )
     return out

@@ -14,8 +14,10 @@ micro-batches of one sequence each (pipeline.microbatches = local_batch_size, mo
 when it sets pp > 1, else 1F1B. `--loss_chunks 1,8` adds a row per chunked-loss setting
 (training.loss_chunks: one chunk of fp32 logits instead of the whole sequence's).
 
-Layout names: FSDP<n>, HSDP<r>x<s>, DDP<n>, TP<t>x..., PP<p>x... (outermost first), e.g.
-PP2xTP4xFSDP8. TP needs parallelize_module / ColwiseParallel / RowwiseParallel, which torch_npu
+Layout names: FSDP<n>, HSDP<r>x<s>, DDP<n>, TP<t>x..., CP<c>x..., PP<p>x..., e.g.
+PP2xTP4xFSDP8 or CP8xFSDP8 (context parallel: FSDP shards over dp_shard x cp, the global batch
+is held over dp = dp_replicate x dp_shard; `--cp 2,4,8` adds CP candidates to the defaults,
+`--cp_methods ulysses,allgather_kv` a row per method). TP needs parallelize_module / ColwiseParallel / RowwiseParallel, which torch_npu
 does not yet list as supported on Atlas A2 / A3: on job.device = "npu" those layouts are marked.
 """
 
@@ -26,7 +28,13 @@ from dataclasses import dataclass
 
 from engram.config import ConfigError, JobConfig
 from planner.estimate import estimate
-from planner.layouts import default_layouts, inter_node_bytes, layout_config, parse_layout
+from planner.layouts import (
+    cp_layouts,
+    default_layouts,
+    inter_node_bytes,
+    layout_config,
+    parse_layout,
+)
 from planner.results import MemoryEstimate
 from planner.schedule import bubble_fraction
 from planner.step_model import MACHINES, Machine, step_seconds
@@ -62,23 +70,31 @@ def compare(
     local_batch_sizes: list[int] | None = None,
     loss_chunks: list[int] | None = None,
     table_locations: list[str] | None = None,
+    cps: list[int] | None = None,
+    cp_methods: list[str] | None = None,
     **estimate_kwargs,
 ) -> list[Row]:
     """One row per layout (and, without PP, per micro-batch size in `local_batch_sizes`) and
     per training.loss_chunks in `loss_chunks` (default: the config's) and per
-    engram.table_location in `table_locations` (default: the config's)."""
+    engram.table_location in `table_locations` (default: the config's). `cps`: context-parallel
+    degrees whose candidates (layouts.cp_layouts) join the default layouts; a layout with CP
+    gets a row per parallelism.cp_method in `cp_methods` (default: the config's)."""
     machine = machine or MACHINES.get(cfg.job.device, MACHINES["cuda"])
     rows = []
     runs = []
-    for name in layouts or default_layouts(world, node):
+    names = layouts or default_layouts(world, node) + cp_layouts(world, node, cps or [])
+    for name in names:
         pipelined = "PP" in name.upper()
-        for lbs in [0] if pipelined else local_batch_sizes or [0]:
-            for chunks in loss_chunks or [cfg.training.loss_chunks]:
-                for loc in table_locations or [cfg.engram.table_location]:
-                    runs.append((name, lbs, chunks, loc))
-    for name, lbs, chunks, loc in runs:
+        methods = cp_methods or [cfg.parallelism.cp_method]
+        for method in methods if "CP" in name.upper() else [""]:
+            for lbs in [0] if pipelined else local_batch_sizes or [0]:
+                for chunks in loss_chunks or [cfg.training.loss_chunks]:
+                    for loc in table_locations or [cfg.engram.table_location]:
+                        runs.append((name, method, lbs, chunks, loc))
+    for name, method, lbs, chunks, loc in runs:
         try:
             layout = parse_layout(name)
+            layout.cp_method = method
             lcfg = layout_config(with_table_location(cfg, loc), layout, world, lbs)
             lcfg = dataclasses.replace(
                 lcfg, training=dataclasses.replace(lcfg.training, loss_chunks=chunks)
@@ -104,6 +120,8 @@ def compare(
             )
             if len(table_locations or []) > 1:
                 micro += f", tables on {loc}"
+            if layout.cp > 1:
+                micro += f", {lcfg.parallelism.cp_method}"
             rows.append(
                 Row(
                     name,
@@ -117,7 +135,7 @@ def compare(
                 )
             )
         except ConfigError as e:
-            rows.append(Row(name, "", error=str(e)))
+            rows.append(Row(name, method, error=str(e)))
     return rows
 
 

@@ -16,10 +16,11 @@ from engram.config import ConfigError, JobConfig
 from engram.hashing.ngram import engram_table_rows
 from engram.models.builder import build_model
 from engram.runtime.device_specs import DEVICE_SPECS
+from parallelisms.context_parallel import check_context_parallel
 from parallelisms.float8 import check_float8_device
 from parallelisms.parallel_dims import ParallelDims, parallel_dims_from_config
 from parallelisms.pipeline import check_schedule
-from planner.activations import float8_cast_bytes, rank_activations
+from planner.activations import cp_mask_bytes, float8_cast_bytes, rank_activations
 from planner.comm import comm_per_step
 from planner.fsdp_buffers import fsdp_buffers
 from planner.measure import (
@@ -138,22 +139,29 @@ def _measure_rank(
         stage_ids,
         dims.mesh("pp").get_local_rank(),
         n_micro,
+        dims.cp,
+        dims.cp_method,
     )
-    if cfg.float8.enable:
+    if cfg.float8.enable:  # each cp rank's linears see its tokens / cp
+        local_tokens = mem.activations.microbatch_tokens // dims.cp
         mem.float8_cast_bytes, mem.float8_largest_linear = max(
-            float8_cast_bytes(part, mem.activations.microbatch_tokens, dims.tp) for part in parts
+            float8_cast_bytes(part, local_tokens, dims.tp) for part in parts
         )
+    n_layers = sum(len(layers) for layers in mem.stage_layers.values())
+    mem.cp_mask_bytes = cp_mask_bytes(cfg.training.seq_len, dims.cp, dims.cp_method, n_layers)
+    mem.persistent_bytes += mem.cp_mask_bytes
     mem.comm = comm_per_step(cfg, dims, parts, table_params, mem, plan)
     if mem.host_table_bytes:
-        _host_table_traffic(mem, cfg, dims.tp, n_micro)
+        _host_table_traffic(mem, cfg, dims.divisors.engram_tokens, n_micro)
     return mem, acts
 
 
-def _host_table_traffic(mem: RankMemory, cfg: JobConfig, tp: int, n_micro: int) -> None:
+def _host_table_traffic(mem: RankMemory, cfg: JobConfig, split: int, n_micro: int) -> None:
     """Device bytes of one micro-batch's looked-up rows and host <-> device bytes per step of
-    host tables (parallelisms/engram_tables/host.py), at most one row per lookup id: each TP rank looks
-    up its own tokens' ids (hash heads per Engram layer on this rank)."""
-    ids = mem.activations.microbatch_tokens // tp * cfg.engram.num_heads * len(mem.table_rows)
+    host tables (parallelisms/engram_tables/host.py), at most one row per lookup id: each rank
+    looks up its own tokens' ids, 1 / `split` of the micro-batch (cp x tp, axis_divisors'
+    engram_tokens; hash heads per Engram layer on this rank)."""
+    ids = mem.activations.microbatch_tokens // split * cfg.engram.num_heads * len(mem.table_rows)
     row_bytes = cfg.engram.head_dim * mem.table_param_bytes // max(1, mem.table_params)
     mem.host_table_device_bytes = 2 * ids * row_bytes
     per_micro = ids * row_bytes + ids * (cfg.engram.head_dim * 4 + 8)  # rows in, grads + ids out
@@ -200,6 +208,7 @@ def estimate(
         device_memory_gib = DEVICE_MEMORY_GIB.get(cfg.job.device, DEVICE_MEMORY_GIB["npu"])
     cfg = _planning_config(cfg)
     dims = parallel_dims_from_config(cfg, world_size)  # validates the degrees up front
+    check_context_parallel(cfg, dims)  # what cp > 1 does not compose with, refused by name
     # Unsharded gradients kept across micro-batches: the recipe's no-sync DDP accumulation, or
     # a pipeline stage (torch's stage turns gradient sync off for all but the last micro-batch).
     n_micro = (
@@ -289,4 +298,6 @@ def estimate(
             (cfg.engram.host_memory_gib if host_memory_gib is None else host_memory_gib) * GIB
         ),
         host_link_gbs=host_link_gbs,
+        cp=dims.cp,
+        cp_method=dims.cp_method,
     )

@@ -58,12 +58,12 @@ def fsdp_buffers(
 ) -> FsdpBuffers:
     """FSDP buffers of this rank's model parts (one part, or its pipeline stages: each stage is
     its own FSDP root)."""
-    fsdp_on = dims.dp_size > 1
+    fsdp_on = dims.dp_replicate * dims.fsdp_size > 1  # as apply_fsdp decides
     compute = cfg.parallelism.mixed_precision_param if fsdp_on else "float32"
     reduce = cfg.parallelism.mixed_precision_reduce if fsdp_on else "float32"
     a, r = dtype_bytes(compute), dtype_bytes(reduce)
     units = [u for part in parts for u in _fsdp_units(part, table_params)] if fsdp_on else []
-    s = dims.dp_shard
+    s = dims.fsdp_size  # the shard group: dp_shard x cp
 
     def unsharded(params: list, trainable_only: bool = False) -> int:
         return sum(_padded_numel(p, s) for p in params if p.requires_grad or not trainable_only)

@@ -1,5 +1,5 @@
-"""Candidate parallel layouts: names (FSDP64, HSDP8x8, PP2xTP4xFSDP8), the config of a layout
-at the same global batch, and which of its collectives span nodes."""
+"""Candidate parallel layouts: names (FSDP64, HSDP8x8, PP2xTP4xFSDP8, CP8xFSDP8), the config of
+a layout at the same global batch, and which of its collectives span nodes."""
 
 from __future__ import annotations
 
@@ -18,17 +18,21 @@ class Layout:
     tp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
+    cp_method: str = ""
+    """parallelism.cp_method for cp > 1; "" keeps the config's."""
 
     @property
     def world(self) -> int:
-        return self.pp * self.tp * self.dp_replicate * self.dp_shard
+        return self.pp * self.tp * self.dp_replicate * self.dp_shard * self.cp
 
 
-_PART = re.compile(r"(PP|TP|FSDP|DDP|HSDP)(\d+)(?:x(\d+))?$")
+_PART = re.compile(r"(PP|TP|CP|FSDP|DDP|HSDP)(\d+)(?:x(\d+))?$")
 
 
 def parse_layout(name: str) -> Layout:
-    """'PP2xTP4xFSDP8' -> Layout(pp=2, tp=4, dp_shard=8); HSDP<r>x<s> is one term."""
+    """'PP2xTP4xFSDP8' -> Layout(pp=2, tp=4, dp_shard=8); 'CP8xFSDP8' -> Layout(cp=8,
+    dp_shard=8) (FSDP then shards over dp_shard x cp = 64); HSDP<r>x<s> is one term."""
     out = Layout(name)
     tokens = name.upper().split("X")
     i = 0
@@ -42,7 +46,7 @@ def parse_layout(name: str) -> Layout:
         if not m:
             raise ConfigError(
                 f"layout {name!r}: cannot read {term!r}; use terms FSDP<n>, HSDP<r>x<s>, "
-                "DDP<n>, TP<t>, PP<p> joined by 'x', e.g. PP2xTP4xFSDP8"
+                "DDP<n>, TP<t>, CP<c>, PP<p> joined by 'x', e.g. PP2xTP4xFSDP8 or CP8xFSDP8"
             )
         kind, n, m2 = m.group(1), int(m.group(2)), m.group(3)
         if kind == "HSDP":
@@ -55,9 +59,24 @@ def parse_layout(name: str) -> Layout:
             out.dp_replicate = n
         elif kind == "TP":
             out.tp = n
+        elif kind == "CP":
+            out.cp = n
         else:
             out.pp = n
     return out
+
+
+def cp_layouts(world: int, node: int, cps: list[int]) -> list[str]:
+    """Context-parallel candidates for each degree in `cps`: CP<c> x FSDP (the cp group inside
+    a node when c <= node) and CP<c> x TP<t> x FSDP with c x t <= node."""
+    names = []
+    for c in cps:
+        if c > 1 and world % c == 0 and world > c:
+            names.append(f"CP{c}xFSDP{world // c}")
+        for tp in (2, 4):
+            if c > 1 and c * tp <= node and world % (c * tp) == 0 and world > c * tp:
+                names.append(f"CP{c}xTP{tp}xFSDP{world // (c * tp)}")
+    return names
 
 
 def default_layouts(world: int, node: int) -> list[str]:
@@ -85,7 +104,7 @@ def layout_config(
     if layout.world != world:
         raise ConfigError(f"{layout.name} has {layout.world} ranks, not --world_size {world}")
     t = cfg.training
-    old_dp = world // (cfg.parallelism.pp * cfg.parallelism.tp)
+    old_dp = world // (cfg.parallelism.pp * cfg.parallelism.tp * cfg.parallelism.cp)
     global_seqs = t.local_batch_size * t.grad_accum_steps * old_dp
     dp = layout.dp_replicate * layout.dp_shard
     if global_seqs % dp:
@@ -114,22 +133,25 @@ def layout_config(
         tp=layout.tp,
         dp_replicate=layout.dp_replicate,
         dp_shard=layout.dp_shard,
+        cp=layout.cp,
+        cp_method=layout.cp_method or cfg.parallelism.cp_method,
     )
     return dataclasses.replace(cfg, training=training, parallelism=parallelism, pipeline=pipeline)
 
 
 def spans_nodes(layout: Layout, node: int) -> dict[str, bool]:
     """Which collectives' process groups span nodes. Ranks are laid out pp, dp_replicate,
-    dp_shard, tp (tp innermost, consecutive ranks share a node): a group stays inside a node
+    dp_shard, cp, tp (tp innermost, consecutive ranks share a node): a group stays inside a node
     when its span (stride x size) is at most `node`."""
-    tp, s, r = layout.tp, layout.dp_shard, layout.dp_replicate
+    tp, cp, s, r = layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate
     return {
         "tp": tp > node,
-        "fsdp_all_gather": tp * s > node,
-        "fsdp_reduce_scatter": tp * s > node,
-        "dp_all_reduce": tp * s * r > node,
-        "table_all_to_all": tp * s * r > node,  # the tables span a stage's dp x tp ranks
-        "pp_send_recv": layout.pp > 1 and tp * s * r >= node,
+        "cp": cp * tp > node,  # the cp group; its halo spans cp x tp, the same ranks' span
+        "fsdp_all_gather": tp * cp * s > node,  # FSDP shards over dp_shard x cp
+        "fsdp_reduce_scatter": tp * cp * s > node,
+        "dp_all_reduce": tp * cp * s * r > node,
+        "table_all_to_all": tp * cp * s * r > node,  # the tables span a stage's dp x cp x tp
+        "pp_send_recv": layout.pp > 1 and tp * cp * s * r >= node,
     }
 
 

@@ -21,8 +21,7 @@ from engram.config import ConfigError, JobConfig
 STEPS = {  # parallelize_model step -> where its memory is modelled
     "apply_float8": "activations.float8_cast_bytes (weights stay high precision; transient casts)",
     "apply_tp": "measure (local DTensor shapes); activations and comm (axis_divisors)",
-    # Not modelled yet: a no-op at cp = 1, and cp > 1 is refused (MODELLED_VALUES below).
-    "apply_context_parallel": "no-op at parallelism.cp = 1 (the only cp the planner accepts)",
+    "apply_context_parallel": "activations (tokens / cp, K / V per method, cached masks), comm (cp)",
     "apply_engram_table_sharding": "measure (table rows), tables (optimizer state), comm",
     "apply_activation_checkpointing": "activations (is_checkpointed)",
     "apply_compile": "estimated as eager (inductor saves activation memory, never adds much)",
@@ -73,8 +72,10 @@ MODELLED = {  # setting -> where the planner models it
         ),
         "measure (the fake mesh), activations and comm (axis_divisors)",
     ),
-    "parallelism.cp": "only cp = 1 (MODELLED_VALUES): context parallelism is not modelled yet",
-    "parallelism.cp_method": "no effect at cp = 1 (cp > 1 is refused)",
+    "parallelism.cp": "measure (FSDP over dp_shard x cp, tables over dp x cp x tp), activations, "
+    "comm (axis_divisors), pipeline stages and host tables at cp; what cp > 1 does not "
+    "compose with is refused by parallelisms.context_parallel.check_context_parallel first",
+    "parallelism.cp_method": "activations (K / V held per method, all-gather K/V's masks), comm",
     "parallelism.fsdp_reshard_after_forward": "fsdp_buffers, comm",
     "parallelism.engram_table_dedup": "comm (counted without dedup: an upper bound)",
     "parallelism.engram_a2a_dtype": "comm",
@@ -112,9 +113,6 @@ MODELLED_VALUES = {  # setting -> the values the planner models (others are refu
     "training.mode": ("full", "engram_only", "lora"),
     # Without loss parallel the logits are all-gathered; the planner divides them by tp.
     "parallelism.tp_loss_parallel": (True,),
-    # Context parallelism (activations, attention / halo buffers and the cp collectives) is
-    # not modelled yet: cp > 1 is refused by name.
-    "parallelism.cp": (1,),
 }
 
 NO_MEMORY_EFFECT = frozenset(

@@ -37,6 +37,7 @@ COMM_ROWS = (
     ("TP collectives", "tp"),
     ("PP send / recv", "pp_send_recv"),
     ("Engram table all-to-all (no dedup)", "table_all_to_all"),
+    ("CP attention exchange + Engram halo", "cp"),
 )
 
 
@@ -65,6 +66,7 @@ def to_markdown(est: MemoryEstimate) -> str:
         f"{f0.reduce_dtype}; float8 {est.float8}"
         + (f"; tp {est.tp}, sequence parallel {est.sequence_parallel}" if est.tp > 1 else "")
         + (f"; pipeline {est.pipeline}" if est.pp > 1 else "")
+        + (f"; context parallel cp {est.cp} ({est.cp_method})" if est.cp > 1 else "")
         + ". GiB = 2^30 bytes.",
         "",
         f"| per rank | {cols} | kind |",
@@ -101,6 +103,12 @@ def to_markdown(est: MemoryEstimate) -> str:
     row("gradients (sharded, fp32), GiB", [_gib(m.grad_bytes) for m in rs], "exact")
     row("optimizer state (2 x fp32 moments), GiB", [_gib(m.optimizer_bytes) for m in rs], "exact")
     row("buffers (RoPE cache), GiB", [_gib(m.buffer_bytes) for m in rs], "exact")
+    if any(m.cp_mask_bytes for m in rs):
+        row(
+            "all-gather K/V attention masks (bool [T/cp, T] per layer, cached), GiB",
+            [_gib(m.cp_mask_bytes) for m in rs],
+            "formula",
+        )
     if any(m.host_bytes for m in rs):
         row("- of which on the host (cpu_offload), GiB", [_gib(m.host_bytes) for m in rs], "exact")
     if est.table_location == "host":
@@ -280,24 +288,25 @@ def compare_markdown(
         "",
         "Peak: the worst pipeline stage's estimated peak per rank (GiB). Communication: GiB one "
         "rank receives per optimizer step (FSDP all-gather + reduce-scatter, HSDP / DDP "
-        "all-reduce, TP, PP send / recv, Engram table all-to-all without dedup) on that rank; "
+        "all-reduce, TP, PP send / recv, Engram table all-to-all without dedup, CP attention "
+        "exchange + Engram halo) on that rank; "
         f"inter-node: the part whose groups span nodes of {node} devices. Bubble: idle "
         "fraction of the ideal schedule (scripts/pipeline_memory.py). Step: a rough model, "
-        "max(compute, FSDP / DP communication) + TP, PP and table communication (on the "
+        "max(compute, FSDP / DP communication) + TP, PP, table and CP communication (on the "
         f"critical path), with {machine.peak_tflops:g} TFLOPS x MFU "
         f"{machine.mfu:g} per device, {machine.inter_node_gbs:g} GB/s between nodes and "
         f"{machine.intra_node_gbs:g} GB/s inside a node per device (assumptions: "
         "--peak_tflops, --mfu, --inter_node_gbs, --intra_node_gbs).",
         "",
         "| layout | micro-batches per step | bubble | peak GiB | headroom GiB | fits | "
-        "FSDP AG + RS | DP AR | TP | PP | tables a2a | total comm | inter-node comm | "
+        "FSDP AG + RS | DP AR | TP | PP | tables a2a | CP | total comm | inter-node comm | "
         "compute s | overlapped comm s | exposed comm s | step s | note |",
         "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: | ---: | ---: | ---: | --- |",
+        "| ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         if r.estimate is None:
-            out.append(f"| {r.layout} | | | | | invalid | | | | | | | | | | | | {r.error} |")
+            out.append(f"| {r.layout} | | | | | invalid | | | | | | | | | | | | | {r.error} |")
             continue
         worst = max(r.estimate.ranks, key=lambda m: m.peak_bytes)
         c = worst.comm
@@ -315,7 +324,8 @@ def compare_markdown(
             f"| {r.layout} | {r.micro} | {r.bubble:.0%} | {_g(worst.peak_bytes)} | "
             f"{_g(worst.headroom_bytes)} | {'yes' if r.estimate.fits else 'NO'} | "
             f"{_g(c.fsdp_all_gather + c.fsdp_reduce_scatter)} | {_g(c.dp_all_reduce)} | "
-            f"{_g(c.tp)} | {_g(c.pp_send_recv)} | {_g(c.table_all_to_all)} | {_g(c.total)} | "
+            f"{_g(c.tp)} | {_g(c.pp_send_recv)} | {_g(c.table_all_to_all)} | {_g(c.cp)} | "
+            f"{_g(c.total)} | "
             f"{_g(r.inter_node)} | {r.compute_s:.1f} | {r.overlapped_s:.1f} | "
             f"{r.exposed_s:.1f} | {r.step_s:.1f} | "
             f"{'; '.join(note)} |"

@@ -30,6 +30,9 @@ class CommPerStep:
     tp: int = 0
     pp_send_recv: int = 0
     table_all_to_all: int = 0
+    cp: int = 0
+    """Context parallelism: attention's all-to-all (Ulysses) or K / V all-gather and gradient
+    reduce-scatter (all-gather K/V) over cp, plus the Engram ShortConv halo over cp x tp."""
 
     @property
     def total(self) -> int:
@@ -90,6 +93,9 @@ class RankMemory:
     float8_cast_bytes: int = 0
     float8_largest_linear: str = ""
     comm: CommPerStep | None = None
+    cp_mask_bytes: int = 0
+    """parallelism.cp_method = allgather_kv: the attention masks every attention module caches
+    (bool [T / cp, T] each, planner.activations.cp_mask_bytes); counted in persistent_bytes."""
 
 
 @dataclass
@@ -228,6 +234,8 @@ class MemoryEstimate:
     0: not stated, not checked)."""
     host_link_gbs: float = 0.0
     """Assumed host <-> device GB/s per device (--host_link_gbs)."""
+    cp: int = 1
+    cp_method: str = "ulysses"
 
     @property
     def host_table_bytes_per_node(self) -> int:

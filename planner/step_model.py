@@ -32,19 +32,23 @@ MACHINES = {
 def flops_per_token(est: MemoryEstimate, cfg: JobConfig) -> float:
     """Training FLOPs per token: 6 x dense matmul parameters (the input embedding is a lookup)
     + causal attention 6 x layers x dim x seq, x 4/3 when every layer recomputes its forward
-    (full activation checkpointing; selective: 1 + 1 / (3 x every))."""
+    (full activation checkpointing; selective: 1 + 1 / (3 x every)). All-gather K/V attends
+    with an explicit [T / cp, T] mask, so its kernel computes every score, masked or not:
+    twice the causal attention FLOPs."""
     dim = est.model_dim
     embedding = 0 if est.tied_embeddings else est.vocab_size * dim
     matmul = est.global_dense_params - embedding
     attention = 6 * est.n_layers * dim * cfg.training.seq_len
+    if est.cp > 1 and est.cp_method == "allgather_kv":
+        attention *= 2
     every = checkpoint_every(cfg.activation_checkpoint)
     recompute = 1 + 1 / (3 * every) if every else 1.0
     return (6 * matmul + attention) * recompute
 
 
 # Collectives FSDP issues ahead of use (prefetch) or after (reduce-scatter) overlap compute;
-# TP collectives, PP send / recv and the table all-to-all sit on the critical path (the next
-# matmul needs their result; async TP is not used).
+# TP collectives, PP send / recv, the table all-to-all and CP's attention exchange and halo sit
+# on the critical path (the next matmul or the kernel needs their result; async TP is not used).
 OVERLAPPED = ("fsdp_all_gather", "fsdp_reduce_scatter", "dp_all_reduce")
 
 
@@ -60,7 +64,7 @@ def step_seconds(
     """(compute, overlapped communication, exposed communication) seconds per optimizer step;
     the step takes about max(compute, overlapped) + exposed."""
     t = cfg.training
-    dp = est.world_size // (est.pp * est.tp)
+    dp = est.world_size // (est.pp * est.tp * est.cp)
     tokens = t.local_batch_size * t.grad_accum_steps * dp * t.seq_len
     compute = flops_per_token(est, cfg) * tokens / (est.world_size * m.peak_tflops * 1e12 * m.mfu)
     compute /= 1 - bubble

@@ -19,11 +19,14 @@ tensor parallelism (parameter bytes from the sharded DTensors; activations divid
 sequence parallel, see activation_estimate), pipeline parallelism (each rank builds its own
 stages with parallelisms.pipeline.split_stages, exactly as the recipe; FSDP keeps a stage's
 parameters and unsharded gradients across its micro-batches; saved activations are counted
-micro-batch by micro-batch along torch's own schedule order, planner/schedule.py).
-Compile is estimated as eager (inductor usually saves activation memory, never adds much).
+micro-batch by micro-batch along torch's own schedule order, planner/schedule.py), context
+parallelism (FSDP over dp_shard x cp and tables over dp x cp x tp from the built ranks;
+activations / cp with the keys and values each method holds, all-gather K/V's masks, the
+all-to-all / all-gather bytes per layer). Compile is estimated as eager (inductor usually saves activation memory, never adds much).
 
 `--compare` prints candidate layouts side by side instead (planner/compare.py): peak per rank,
-communication per step and a fit verdict.
+communication per step and a fit verdict (`--cp 2,4,8 --cp_methods ulysses,allgather_kv` adds
+context-parallel candidates).
 
 The planner itself is the `planner/` package (docs/memory_estimate.md); this file is its command
 line.

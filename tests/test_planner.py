@@ -333,9 +333,6 @@ def test_unmodelled_step_or_setting_is_refused_by_name(monkeypatch):
             estimate(_cfg(DEBUG, "--parallelism.cpu_offload=true"), 2)
     with pytest.raises(ConfigError, match="parallelism.tp_loss_parallel = False"):
         estimate(_cfg(DEBUG, "--parallelism.tp_loss_parallel=false"), 2)
-    # Context parallelism is not modelled yet (issue 28's planner part): refused by name.
-    with pytest.raises(ConfigError, match="does not model parallelism.cp = 2"):
-        estimate(_cfg(DEBUG, "--parallelism.cp=2", "--parallelism.dp_shard=1"), 2)
 
 
 # --------------------------------------------------------------------------- --compare
