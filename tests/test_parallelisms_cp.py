@@ -177,6 +177,8 @@ NO_ENGRAM = {"engram": {"enabled": False}}
 CP_LAYOUTS = {
     "cp2_ulysses": (2, {"cp": 2, "cp_method": "ulysses"}, ENGRAM_0_2, 5, {}),
     "fsdp2_x_cp2_ulysses": (4, {"cp": 2, "dp_shard": 2}, ENGRAM_0_2, 5, {}),
+    # HSDP: 2 replicas, each sharded over dp_shard x cp = 2 ranks of one sample's chunks
+    "hsdp2x1_x_cp2_ulysses": (4, {"cp": 2, "dp_replicate": 2}, ENGRAM_0_2, 5, {}),
     "cp2_ulysses_ac_chunked_loss": (
         2, {"cp": 2}, ENGRAM_0_2, 5,
         {"activation_checkpoint": {"mode": "full"}, "training": {"loss_chunks": 2}},
