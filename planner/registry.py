@@ -119,7 +119,11 @@ NO_MEMORY_EFFECT = frozenset(
     {
         *("job.config_file", "job.dump_folder", "job.run_name", "job.description", "job.seed"),
         "job.deterministic",
+        "job.cpu_affinity",  # which host CPUs the rank's threads run on
+        *("comm.init_timeout_s", "comm.train_timeout_s"),  # how long a collective may wait
+        "compile.allow_on_npu",  # an opt-in; compile itself is estimated as eager
         "lora.alpha",  # a scale factor
+        "lora.init_a",  # the adapters' initial values, not their size
         "model.hf_checkpoint",  # loaded into the same parameters
         *("engram.seed", "engram.pad_id", "engram.compress_tokenizer"),
         *("engram.respect_doc_boundaries", "engram.init", "engram.table_init_std"),
@@ -133,6 +137,7 @@ NO_MEMORY_EFFECT = frozenset(
         *("checkpoint.folder", "checkpoint.interval", "checkpoint.keep_latest_k"),
         *("checkpoint.load_step", "checkpoint.on_damaged"),
         *("metrics.log_freq", "metrics.enable_tensorboard", "metrics.tb_folder"),
+        "metrics.peak_tflops",  # the MFU denominator in the log
         # host memory only
         *("profiling.enable_profiling", "profiling.profile_freq", "profiling.traces_folder"),
         "profiling.memory_snapshot",
