@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from launcher import run_distributed, run_isolated
+from test_planner_estimate import _real_rank_counts
 
 from engram.config import ConfigError, load_config
 from engram.models.args import get_model_args
@@ -145,34 +146,13 @@ def test_cp_bytes_per_step_by_hand():
         assert est.cp == 2 and est.cp_method == method
 
 
-def _real_cp_rank_counts(rank: int, world: int, cfg) -> tuple[int, dict[int, int]]:
-    """Dense parameters and table rows a real rank holds after the recipe's parallelize_model."""
-    from engram.data.tokenizer import load_tokenizer
-    from engram.models.builder import build_from_config
-    from parallelisms.parallel_dims import parallel_dims_from_config
-    from parallelisms.parallelize import parallelize_model
-
-    dims = parallel_dims_from_config(cfg, world)
-    dims.build_mesh("cpu")
-    model, _ = build_from_config(cfg, load_tokenizer(cfg.model.tokenizer_path))
-    tables = parallelize_model(model, cfg, dims)
-    table_ids = {id(t) for t in tables}
-    dense = sum(
-        (p.to_local() if hasattr(p, "to_local") else p).numel()
-        for p in model.parameters()
-        if id(p) not in table_ids
-    )
-    rows = {i: b.table.weight.to_local().shape[0] for i, b in model.engram_blocks().items()}
-    return dense, rows
-
-
 def test_cp_fsdp_and_table_shards_match_real_ranks():
     """CP 2 x FSDP 2 at world 4: the fake process group builds the cp mesh and the planner's
     per-rank parameters (FSDP over dp_shard x cp = 4) and table rows (over dp x cp = 4) equal
     what 4 real gloo ranks hold; the FSDP buffers pad to the 4-rank shard group."""
     cfg = _cfg(DEBUG, "--parallelism.cp=2", "--parallelism.dp_shard=2")
     est = run_isolated(estimate, cfg, 4, ranks=[0, 1, 2, 3])
-    real = run_distributed(_real_cp_rank_counts, 4, cfg)
+    real = run_distributed(_real_rank_counts, 4, cfg)
     for mem, (dense, rows) in zip(est.ranks, real, strict=True):
         assert mem.dense_params == dense, mem.rank
         assert dict(mem.table_rows) == rows, mem.rank
