@@ -6,11 +6,22 @@
 
 "dp_shard" here is the flattened dp_shard x cp mesh (context parallel ranks shard too).
 
+FSDP2's MixedPrecisionPolicy is also the one mechanism that makes `mixed_precision_param` the
+compute dtype, at every layout: with one dp rank (1 device, TP only, PP only, TP x PP) and a
+compute dtype other than float32, `fully_shard` runs on the size-1 "fsdp" mesh, where its
+"all-gather" is a local cast copy of the fp32 master weights and its "reduce-scatter" a local
+cast of the gradient into `mixed_precision_reduce` and back to fp32. Under TP the parameters
+become 2-D (fsdp, tp) DTensors, as with FSDP x TP; under PP each stage is its own root. An
+all-fp32 run at one dp rank is left unwrapped: nothing to cast, so it runs as before.
+
 The Engram tables are passed as `ignored_params`: FSDP never all-gathers, shards or reduces them;
 they are row-sharded over the "engram" axis by parallelisms/engram_tables/ instead.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 from torch import nn
@@ -26,6 +37,35 @@ from parallelisms.parallel_dims import ParallelDims
 
 # parallelism.mixed_precision_* names -> dtypes (the memory estimator reads the byte sizes here).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+logger = logging.getLogger("engram.precision")  # shown with the recipe's log (engram.train.metrics)
+
+
+def fsdp_wraps(dims: ParallelDims, cfg: Parallelism) -> bool:
+    """Whether apply_fsdp wraps the model: with more than one dp rank, and at one dp rank when
+    there is something only FSDP2 does: a compute dtype other than float32 (its
+    MixedPrecisionPolicy) or cpu_offload (its CPUOffloadPolicy). The memory planner reads it."""
+    one_rank = dims.dp_replicate * dims.fsdp_size == 1
+    return not one_rank or cfg.mixed_precision_param != "float32" or cfg.cpu_offload
+
+
+def precision_summary(dims: ParallelDims, cfg: Parallelism) -> str:
+    """One line: the compute dtype in force and the mechanism that applies it."""
+    master = "master weights, gradients and optimizer state float32"
+    if not fsdp_wraps(dims, cfg):
+        return f"precision: compute float32 (one dp rank, nothing cast), {master}"
+    ranks = dims.dp_replicate * dims.fsdp_size
+    where = "a 1-rank mesh: local cast copies" if ranks == 1 else f"{ranks} dp ranks"
+    return (
+        f"precision: compute {cfg.mixed_precision_param}, gradients reduced in "
+        f"{cfg.mixed_precision_reduce} (FSDP2 MixedPrecisionPolicy on {where}), {master}"
+    )
+
+
+@functools.cache
+def _log_once(line: str) -> None:
+    # Once per process, not once per pipeline stage (apply_fsdp runs per stage).
+    logger.info(line)
 
 
 def reshard_after_forward(dims: ParallelDims, cfg: Parallelism) -> tuple[bool, bool]:
@@ -45,12 +85,15 @@ def reshard_after_forward(dims: ParallelDims, cfg: Parallelism) -> tuple[bool, b
 def apply_fsdp(
     model: nn.Module, dims: ParallelDims, cfg: Parallelism, ignored_params: list[nn.Parameter]
 ) -> None:
-    """Wrap `model.layers[*]` and the root with fully_shard (no-op when there is one dp rank)."""
-    if dims.dp_replicate * dims.fsdp_size == 1:
+    """Wrap `model.layers[*]` and the root with fully_shard (a no-op when `fsdp_wraps` says so:
+    one dp rank, all float32, no offload)."""
+    _log_once(precision_summary(dims, cfg))
+    if not fsdp_wraps(dims, cfg):
         return
     # cp ranks shard parameters like dp_shard ranks (torchtitan's dp_shard_cp): they hold other
     # tokens of the same samples, so their gradients are averaged like data-parallel ones.
-    mesh = dims.mesh("fsdp")  # 2-D with dp_replicate > 1: HSDP, or DDP if dp_shard x cp == 1
+    # 2-D with dp_replicate > 1: HSDP, or DDP if dp_shard x cp == 1; size 1 at one dp rank
+    mesh = dims.mesh("fsdp")
     mp_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[cfg.mixed_precision_param],
         reduce_dtype=DTYPES[cfg.mixed_precision_reduce],

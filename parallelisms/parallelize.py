@@ -10,9 +10,10 @@ they swap modules in place, so they must run before anything wraps or shards tho
 float8 swaps `nn.Linear` for torchao's `Float8Linear`; LoRA then swaps the target linears (float8
 ones included) for LoRA subclasses of their own class, which tensor parallelism shards with
 their base layer's plan; in lora mode the frozen backbone is cast to the compute dtype there,
-before FSDP shards it. The training mode (`requires_grad`, engram.optim.builder.is_trainable) is set
-last, once every parallelism has created its parameters. Context parallelism comes right after
-TP (as in torchtitan): it wraps attention around TP's local heads and re-targets the Engram
+before FSDP shards it (at every layout: FSDP2's policy casts at one dp rank too, fsdp.py). The
+training mode (`requires_grad`, engram.optim.builder.is_trainable) is set last, once every
+parallelism has created its parameters. Context parallelism comes right after TP (as in
+torchtitan): it wraps attention around TP's local heads and re-targets the Engram
 ShortConv halo that apply_tp installs; it creates no parameters, so the table sharding and FSDP
 that follow see the same modules. Compile comes after activation
 checkpointing and before FSDP (torchtitan's order), so FSDP's hooks and collectives stay outside
@@ -21,7 +22,8 @@ the compiled blocks.
 Every dtype cast of a parameter (today only lora mode's frozen backbone, `hold_frozen_in`) happens
 before FSDP wraps it, on the meta model: torch_npu's dtype cast has no DTensor sharding strategy,
 so a `.to(dtype)` on a sharded parameter fails on Ascend (ms-swift#7870) while it works on CPU.
-After `fully_shard` only FSDP's MixedPrecisionPolicy casts (its all-gather copies), and
+After `fully_shard` only FSDP's MixedPrecisionPolicy casts (its all-gather copies; at one dp
+rank, local cast copies: the compute dtype at every layout, fsdp.py), and
 materialisation / init / HF loading write into the local shards in place.
 tests/test_parallelisms_cast_order.py fails on any cast of a DTensor here.
 """
@@ -53,10 +55,10 @@ def engram_halo(cfg: JobConfig) -> int:
     return (e.kernel_size - 1) * e.max_ngram
 
 
-def frozen_dtype(cfg: JobConfig, dims: ParallelDims) -> torch.dtype:
-    """dtype of the frozen backbone in lora mode: FSDP's compute dtype where FSDP applies (with
-    lora.frozen_dtype = "compute"), else float32 (without FSDP nothing casts parameters)."""
-    if cfg.lora.frozen_dtype == "compute" and dims.dp_size * dims.cp > 1:
+def frozen_dtype(cfg: JobConfig) -> torch.dtype:
+    """dtype of the frozen backbone in lora mode: the compute dtype (with lora.frozen_dtype =
+    "compute"; at every layout, since FSDP2's policy casts at one dp rank too), else float32."""
+    if cfg.lora.frozen_dtype == "compute":
         return DTYPES[cfg.parallelism.mixed_precision_param]
     return torch.float32
 
@@ -88,7 +90,7 @@ def convert_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> None:
     apply_float8(model, cfg.float8, dims.mesh().device_type, compiled=cfg.compile.enable)
     if cfg.training.mode == "lora":
         apply_lora(model, cfg.lora)
-        hold_frozen_in(model, frozen_dtype(cfg, dims))
+        hold_frozen_in(model, frozen_dtype(cfg))
 
 
 def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> list[nn.Parameter]:

@@ -11,7 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from engram.config import JobConfig
-from parallelisms.fsdp import reshard_after_forward
+from parallelisms.fsdp import fsdp_wraps, reshard_after_forward
 from parallelisms.parallel_dims import ParallelDims
 from planner.measure import is_in
 from planner.results import FsdpBuffers, dtype_bytes
@@ -58,7 +58,8 @@ def fsdp_buffers(
 ) -> FsdpBuffers:
     """FSDP buffers of this rank's model parts (one part, or its pipeline stages: each stage is
     its own FSDP root)."""
-    fsdp_on = dims.dp_replicate * dims.fsdp_size > 1  # as apply_fsdp decides
+    # As apply_fsdp decides: at one dp rank too when it casts (its copies are then local casts).
+    fsdp_on = fsdp_wraps(dims, cfg.parallelism)
     compute = cfg.parallelism.mixed_precision_param if fsdp_on else "float32"
     reduce = cfg.parallelism.mixed_precision_reduce if fsdp_on else "float32"
     a, r = dtype_bytes(compute), dtype_bytes(reduce)

@@ -183,8 +183,8 @@ class Lora:
     """Projections that get adapters, by their Hugging Face names: q_proj k_proj v_proj o_proj
     (attention), gate_proj up_proj down_proj (MLP). Default: all of them."""
     frozen_dtype: str = "compute"
-    """dtype the frozen backbone is held in: compute (parallelism.mixed_precision_param where FSDP
-    applies, e.g. bfloat16 on accelerators: half the bytes, no fp32 master copy, no gradient, no
+    """dtype the frozen backbone is held in: compute (parallelism.mixed_precision_param, at every
+    layout, e.g. bfloat16 on accelerators: half the bytes, no fp32 master copy, no gradient, no
     optimizer state) | float32."""
     init_a: str = "normal"
     """Init of A: normal (N(0, 1 / in), this repo's default) | peft (U(-1/sqrt(in), 1/sqrt(in)),

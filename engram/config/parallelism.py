@@ -37,9 +37,11 @@ class Parallelism:
     cpu_offload: bool = False
     """FSDP2 CPU offload of parameters, gradients and optimizer state (ZeRO-Offload)."""
     mixed_precision_param: str = "float32"
-    """FSDP2 compute dtype of parameters: float32 | bfloat16."""
+    """Compute dtype of parameters at every layout (FSDP2's MixedPrecisionPolicy, on a 1-rank
+    mesh without data parallelism; master weights and optimizer state stay fp32): float32 |
+    bfloat16."""
     mixed_precision_reduce: str = "float32"
-    """FSDP2 gradient reduction dtype: float32 | bfloat16."""
+    """Gradient reduction dtype (FSDP2's MixedPrecisionPolicy): float32 | bfloat16."""
     # --- tensor parallelism; degrees are checked by parallelisms/parallel_dims.py
     tp_sequence_parallel: bool = True
     """Under TP, shard norms and the residual stream along the sequence (Engram blocks run
