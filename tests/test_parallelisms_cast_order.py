@@ -82,8 +82,9 @@ def _place(rank: int, world_size: int, tmp: str) -> dict:
     }
 
 
-def test_dtype_casts_happen_before_fully_shard(tmp_path) -> None:
-    for result in run_distributed(_place, 2, str(tmp_path)):
+@pytest.mark.parametrize("world", [1, 2])  # 1: FSDP2 on the size-1 mesh casts there too
+def test_dtype_casts_happen_before_fully_shard(tmp_path, world) -> None:
+    for result in run_distributed(_place, world, str(tmp_path)):
         assert result["casts"] == [], result["casts"]
         assert result["frozen"] > 0 and result["frozen_seen"] == result["frozen"], result
         assert result["frozen_at_wrap"] == ["torch.bfloat16"] == result["final"], result
