@@ -202,3 +202,54 @@ def test_precision_summary_names_dtype_and_mechanism():
     ddp = ParallelDims(dp_replicate=2, dp_shard=1, tp=1, pp=1, world_size=2)
     line = precision_summary(ddp, Parallelism(**BF16, mixed_precision_reduce="bfloat16"))
     assert "reduced in bfloat16" in line and "2 dp ranks" in line, line
+
+
+def test_planner_models_the_cast_at_one_rank():
+    """The planner builds the rank with parallelize_model, so at one rank it now sees what the
+    recipe runs: lora's frozen backbone held in bf16 (2 B, adapters and Engram 4 B), every
+    decoder layer's bf16 copy kept from forward to backward (nothing reshards at size 1) and
+    activations in bf16; with float32 compute, no copies (nothing is wrapped)."""
+    from launcher import run_isolated
+
+    from engram.data.tokenizer import load_tokenizer
+    from engram.hashing.ngram import engram_table_rows
+    from engram.models.builder import build_model
+    from engram.models.lora import is_lora_param
+    from parallelisms.lora import apply_lora
+    from planner.estimate import estimate
+
+    def cfg(dtype: str):
+        raw = {
+            "model": {"flavor": "debug"},
+            "engram": {"layer_ids": [1], "vocab_size_per_ngram": [1009, 997]},
+            "training": {"mode": "lora", "seq_len": 64, "local_batch_size": 1},
+            "lora": {"rank": 4, "target_modules": ["q_proj", "down_proj"]},
+            "parallelism": {"mixed_precision_param": dtype},
+        }
+        return config_from_dict(raw)
+
+    bf16, fp32 = (run_isolated(estimate, cfg(d), 1, ranks=[0]) for d in ("bfloat16", "float32"))
+    c = cfg("bfloat16")
+    model = build_model(
+        c.model, c.engram, load_tokenizer("").vocab_size, engram_table_rows(c.engram), "meta",
+        c.training.seq_len,
+    )  # fmt: skip
+    apply_lora(model, c.lora)
+    frozen = trainable = in_layers = 0
+    for name, p in model.named_parameters():
+        if name.endswith("engram.table.weight"):  # FSDP's ignored_params: never cast
+            continue
+        in_layers += p.numel() if name.startswith("layers.") else 0
+        if is_lora_param(name) or ".engram." in name:
+            trainable += p.numel()
+        else:
+            frozen += p.numel()
+    m16, m32 = bf16.ranks[0], fp32.ranks[0]
+    assert (m16.fsdp.compute_dtype, m32.fsdp.compute_dtype) == ("bfloat16", "float32")
+    assert m16.dense_param_bytes == 2 * frozen + 4 * trainable
+    assert m32.dense_param_bytes == 4 * (frozen + trainable)
+    assert not m16.fsdp.layers_reshard_after_forward
+    assert m16.fsdp.layer_gather_bytes == 2 * in_layers
+    assert m32.fsdp.layer_gather_bytes == 0
+    saved16, saved32 = (e.stage_activations[0].saved_bytes for e in (bf16, fp32))
+    assert saved16 < 0.6 * saved32, (saved16, saved32)
