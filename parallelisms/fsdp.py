@@ -69,17 +69,17 @@ def _log_once(line: str) -> None:
 
 
 def reshard_after_forward(dims: ParallelDims, cfg: Parallelism) -> tuple[bool, bool]:
-    """(decoder layers, root) reshard after forward? DDP keeps full parameters anyway; resharding
-    only matters when parameters are sharded. The root is needed again at the start of backward,
-    so only "always" reshards it."""
+    """(decoder layers, root) reshard after forward? The root is needed again at the start of
+    backward, so only "always" reshards it. With shard size 1 (DDP, one dp rank) the unsharded
+    parameters are local copies (casts to the compute dtype), so "default" keeps them from
+    forward to backward rather than copying twice; "always" frees them (memory for a second
+    copy in backward)."""
     # Under PP, "default" keeps parameters unsharded between forward and backward: a stage runs
     # many micro-batches, and resharding would all-gather them again for each one.
-    layer = dims.fsdp_enabled and (
-        cfg.fsdp_reshard_after_forward == "always"
-        or (cfg.fsdp_reshard_after_forward == "default" and not dims.pp_enabled)
-    )
-    root = dims.fsdp_enabled and cfg.fsdp_reshard_after_forward == "always"
-    return layer, root
+    always = cfg.fsdp_reshard_after_forward == "always"
+    default = cfg.fsdp_reshard_after_forward == "default"
+    layer = always or (default and dims.fsdp_enabled and not dims.pp_enabled)
+    return layer, always
 
 
 def apply_fsdp(

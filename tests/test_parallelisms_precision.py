@@ -38,6 +38,7 @@ LORA = {"training": {"mode": "lora"}}
 LAYOUTS = {
     "one_rank": (1, {**BF16}, {}),
     "lora_one_rank": (1, {**BF16}, LORA),
+    "one_rank_reshard": (1, {**BF16, "fsdp_reshard_after_forward": "always"}, {}),
     "fsdp2": (2, {"dp_shard": 2, **BF16}, {}),
     "tp2": (2, {"tp": 2, "dp_shard": 1, **BF16}, {}),
     "pp2": (2, {"pp": 2, "dp_shard": 1, **BF16}, {"pipeline": {"schedule": "1F1B"}}),
@@ -171,6 +172,14 @@ GATE_UPDATE_RTOL = 1.2e-1
 
 
 @pytest.mark.slow
+def test_resharding_the_cast_copies_changes_no_number(runs):
+    """fsdp_reshard_after_forward = "always" at one rank frees each layer's bf16 copy after its
+    forward and casts it again in backward: the same values, so the same run bit for bit."""
+    got, ref = runs["one_rank_reshard"][0], runs["one_rank"][0]
+    assert (got["losses"], got["grad_norms"]) == (ref["losses"], ref["grad_norms"])
+
+
+@pytest.mark.slow
 def test_one_rank_bf16_matches_fsdp2_bf16(runs, tmp_path):
     from test_parallelisms_parity import _initial_weights
 
@@ -218,13 +227,13 @@ def test_planner_models_the_cast_at_one_rank():
     from parallelisms.lora import apply_lora
     from planner.estimate import estimate
 
-    def cfg(dtype: str):
+    def cfg(dtype: str, reshard: str = "default"):
         raw = {
             "model": {"flavor": "debug"},
             "engram": {"layer_ids": [1], "vocab_size_per_ngram": [1009, 997]},
             "training": {"mode": "lora", "seq_len": 64, "local_batch_size": 1},
             "lora": {"rank": 4, "target_modules": ["q_proj", "down_proj"]},
-            "parallelism": {"mixed_precision_param": dtype},
+            "parallelism": {"mixed_precision_param": dtype, "fsdp_reshard_after_forward": reshard},
         }
         return config_from_dict(raw)
 
@@ -251,5 +260,10 @@ def test_planner_models_the_cast_at_one_rank():
     assert not m16.fsdp.layers_reshard_after_forward
     assert m16.fsdp.layer_gather_bytes == 2 * in_layers
     assert m32.fsdp.layer_gather_bytes == 0
+    # "always": only the largest layer's copy and the prefetched next one
+    always = run_isolated(estimate, cfg("bfloat16", "always"), 1, ranks=[0]).ranks[0].fsdp
+    assert always.layers_reshard_after_forward
+    assert always.layer_gather_bytes == 2 * 2 * always.layer_unsharded_params
+    assert always.layer_gather_bytes < m16.fsdp.layer_gather_bytes
     saved16, saved32 = (e.stage_activations[0].saved_bytes for e in (bf16, fp32))
     assert saved16 < 0.6 * saved32, (saved16, saved32)

@@ -28,7 +28,8 @@ class Parallelism:
     head-sharded q / k / v and back; query and KV heads divisible by tp x cp) | allgather_kv
     (each rank keeps its queries and all-gathers K and V; load-balanced chunks, any head count)."""
     fsdp_reshard_after_forward: str = "default"
-    """always (ZeRO-3-like) | never (ZeRO-2-like) | default (always, except the root)."""
+    """always (ZeRO-3-like) | never (ZeRO-2-like) | default (always, except the root; never at
+    shard size 1, DDP or one dp rank, where the unsharded copies are local casts)."""
     engram_table_dedup: bool = True
     """De-duplicate hash ids before the all-to-all of the sharded table lookup."""
     engram_a2a_dtype: str = ""
