@@ -12,7 +12,8 @@ compute dtype other than float32, `fully_shard` runs on the size-1 "fsdp" mesh, 
 "all-gather" is a local cast copy of the fp32 master weights and its "reduce-scatter" a local
 cast of the gradient into `mixed_precision_reduce` and back to fp32. Under TP the parameters
 become 2-D (fsdp, tp) DTensors, as with FSDP x TP; under PP each stage is its own root. An
-all-fp32 run at one dp rank is left unwrapped: nothing to cast, so it runs as before.
+all-fp32 run at one dp rank is left unwrapped (nothing to cast, so it runs as before) unless
+cpu_offload asks for FSDP2's CPUOffloadPolicy.
 
 The Engram tables are passed as `ignored_params`: FSDP never all-gathers, shards or reduces them;
 they are row-sharded over the "engram" axis by parallelisms/engram_tables/ instead.
@@ -51,11 +52,12 @@ def fsdp_wraps(dims: ParallelDims, cfg: Parallelism) -> bool:
 
 def precision_summary(dims: ParallelDims, cfg: Parallelism) -> str:
     """One line: the compute dtype in force and the mechanism that applies it."""
-    master = "master weights, gradients and optimizer state float32"
+    master = "trainable master weights, gradients and optimizer state float32"
     if not fsdp_wraps(dims, cfg):
         return f"precision: compute float32 (one dp rank, nothing cast), {master}"
     ranks = dims.dp_replicate * dims.fsdp_size
-    where = "a 1-rank mesh: local cast copies" if ranks == 1 else f"{ranks} dp ranks"
+    copies = "cast copies" if cfg.mixed_precision_param != "float32" else "copies, for cpu_offload"
+    where = f"a 1-rank mesh: local {copies}" if ranks == 1 else f"{ranks} dp ranks"
     return (
         f"precision: compute {cfg.mixed_precision_param}, gradients reduced in "
         f"{cfg.mixed_precision_reduce} (FSDP2 MixedPrecisionPolicy on {where}), {master}"

@@ -21,6 +21,7 @@ import torch
 from launcher import run_distributed
 from small_job import small_job
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -39,6 +40,9 @@ LAYOUTS = {
     "one_rank": (1, {**BF16}, {}),
     "lora_one_rank": (1, {**BF16}, LORA),
     "one_rank_reshard": (1, {**BF16, "fsdp_reshard_after_forward": "always"}, {}),
+    # float32 at one rank: nothing wrapped (as before); cpu_offload is FSDP2's, so it wraps
+    "one_rank_fp32": (1, {}, {}),
+    "one_rank_fp32_offload": (1, {"cpu_offload": True}, {}),
     "fsdp2": (2, {"dp_shard": 2, **BF16}, {}),
     "tp2": (2, {"tp": 2, "dp_shard": 1, **BF16}, {}),
     "pp2": (2, {"pp": 2, "dp_shard": 1, **BF16}, {"pipeline": {"schedule": "1F1B"}}),
@@ -114,6 +118,7 @@ def _train_hooked(rank: int, world: int, raws: dict[str, dict]) -> dict:
             "grad_norms": result.grad_norms,
             "weights": weights,
             "log": list(lines),
+            "wrapped": all(isinstance(part, FSDPModule) for part in result.model_parts),
         }
     return out
 
@@ -137,7 +142,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("label", list(LAYOUTS))
+@pytest.mark.parametrize("label", [k for k in LAYOUTS if not k.startswith("one_rank_fp32")])
 def test_decoder_linears_compute_in_bf16(runs, label):
     for rank, got in enumerate(runs[label]):
         where = f"{label} rank {rank}"
@@ -177,6 +182,20 @@ def test_resharding_the_cast_copies_changes_no_number(runs):
     forward and casts it again in backward: the same values, so the same run bit for bit."""
     got, ref = runs["one_rank_reshard"][0], runs["one_rank"][0]
     assert (got["losses"], got["grad_norms"]) == (ref["losses"], ref["grad_norms"])
+
+
+@pytest.mark.slow
+def test_float32_at_one_rank_is_not_wrapped_and_offload_is_honoured(runs):
+    """All-float32 at one rank runs unwrapped, as before (nothing to cast). cpu_offload there used
+    to be ignored; FSDP2's CPUOffloadPolicy now applies it on the size-1 mesh: losses bit for
+    bit, grad norms to the fp32 summation order of a DTensor norm (measured 3.3e-7)."""
+    plain, offload = runs["one_rank_fp32"][0], runs["one_rank_fp32_offload"][0]
+    assert not plain["wrapped"] and offload["wrapped"] and runs["one_rank"][0]["wrapped"]
+    assert plain["linears"]["layers.0.attention.wq"] == ("float32", "float32")
+    assert offload["losses"] == plain["losses"]
+    torch.testing.assert_close(
+        torch.tensor(offload["grad_norms"]), torch.tensor(plain["grad_norms"]), rtol=1e-6, atol=0
+    )
 
 
 @pytest.mark.slow
