@@ -17,7 +17,8 @@ Flattened views:
                   (the cp ranks of a replica read the same sample and split it)
     dp_shard_cp   FSDP2's shard group (dp_shard x cp): cp ranks shard parameters like dp ranks
                   (torchtitan's dp_shard_cp)
-    fsdp          FSDP2's mesh: dp_shard_cp, or (dp_replicate, dp_shard_cp) for HSDP / DDP
+    fsdp          FSDP2's mesh: dp_shard_cp, or (dp_replicate, dp_shard_cp) for HSDP / DDP; of
+                  size 1 without data parallelism, where FSDP2 still casts to the compute dtype
     dp_cp         every rank that holds other tokens (dp x cp): the logged loss's mean
     cp_tp         the ranks that hold consecutive pieces of one sample's sequence: the Engram
                   ShortConv's halo exchange (parallelisms/halo.py)
