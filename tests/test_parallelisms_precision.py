@@ -8,6 +8,9 @@ with no optimizer state). The 1-rank bf16 run must also reproduce the FSDP 2 bf1
 same global batch to bf16 tolerance (both compute in bf16 and reduce in fp32; what differs is
 the batch split over ranks, so the fp32 gradient sums and the bf16 matmul blockings differ).
 
+Also: float32 at one rank stays unwrapped (bit-identical to before), cpu_offload is honoured
+there, resharding the cast copies changes no number, and the memory planner models the cast.
+
 Layouts are grouped into one launch per world size: each forked rank runs several trainings.
 """
 
