@@ -82,11 +82,13 @@ def _lora_bytes_per_token(cfg: JobConfig, args: ModelArgs, a: int, tp: int = 1) 
     """How LoRA (training.mode = "lora", engram/models/lora.py) changes one decoder layer's saved
     activations from _layer_bytes_per_token's, bytes per token on one of `tp` ranks (may be
     negative). Per adapted linear, + h = A x (a x rank, saved by the B GEMM). The frozen norm
-    weights need no normalised x: - 2 a D (and - a (Dq + Dkv) for q / k norms). With lora.dropout > 0 each adapted linear also saves
-    its dropped input (a) and dropout's mask (1 B: bool on CUDA / NPU; on cpu the scaled noise, a)
-    per input element, while the frozen base linears save no input of their own: - the norm
-    outputs (2 a D), the attention output (a Dq) and the FFN product (a F). Under TP (inputs
-    gathered or split by the plan) those savings are not taken (an upper bound)."""
+    weights need no normalised x: - 2 a D (and - a (Dq + Dkv) for q / k norms). With
+    lora.dropout > 0 each adapted linear also saves its dropped input (a) and dropout's mask
+    (1 B: bool on CUDA / NPU; on cpu the scaled noise, a) per input element, while the frozen
+    base linears save no input of their own: - the norm outputs (2 a D), the attention output
+    (a Dq) and the FFN product (a F). Under TP (inputs gathered or split by the plan) the
+    savings are not taken (an upper bound). Checked against autograd's saved tensors in
+    tests/test_planner_calibration.py."""
     if cfg.training.mode != "lora":
         return 0
     lora = cfg.lora
@@ -94,9 +96,11 @@ def _lora_bytes_per_token(cfg: JobConfig, args: ModelArgs, a: int, tp: int = 1) 
     dq = args.n_heads * args.head_dim
     width = {"dim": args.dim, "dq": dq, "ffn": args.ffn_dim}
     mask = a if cfg.job.device == "cpu" else 1
-    total = -2 * a * args.dim // tp if tp == 1 else 0
-    if args.qk_norm and tp == 1:  # frozen q / k norm weights likewise
-        total -= a * (dq + args.n_kv_heads * args.head_dim)
+    total = 0
+    if tp == 1:
+        total -= 2 * a * args.dim
+        if args.qk_norm:  # frozen q / k norm weights likewise
+            total -= a * (dq + args.n_kv_heads * args.head_dim)
     for target in lora.target_modules:
         path = LORA_TARGETS[target]
         n_in = width[_LORA_INPUT[path]] // (tp if path in _ROW_PARALLEL else 1)
@@ -130,8 +134,7 @@ def loss_bytes(cfg: JobConfig, args: ModelArgs, a: int, tp: int, tokens: int, cp
     (engram/train/step.py forward_backward keeps `output`; a pipeline stage keeps its output):
     a + 12 bytes/logit. In forward the logits, the fp32 upcast and the saved log-softmax coexist
     (a + 8, less). In float32 the upcast is the logits themselves (16 = 4 + 12). With
-    training.loss_chunks = n > 1
-    (engram/train/loss.py) that holds for one chunk of ceil(local seq_len / n) positions of every
+    training.loss_chunks = n > 1 (engram/train/loss.py) that holds for one chunk of ceil(local seq_len / n) positions of every
     sequence (local: seq_len / cp), plus, for the whole micro-batch, the hidden states gathered
     over the sequence and their accumulated gradient (2 a D per local token, not divided by TP),
     and the head's weight gradient sum and one chunk's share in the compute dtype (2 a V D / tp;
