@@ -5,6 +5,7 @@ fallback with its warning, and the planner's --device."""
 from __future__ import annotations
 
 import argparse
+import inspect
 
 import pytest
 from launcher import run_isolated
@@ -14,12 +15,14 @@ from engram.runtime.device_specs import (
     DEVICE_MODELS,
     DEVICE_SPECS,
     PEAK_SPECS,
+    PLANNER_RESERVE_GIB,
     device_memory_gib,
     peak_spec_for,
     resolve_memory,
     usable_memory_gib,
 )
-from planner.cli import apply_device, main
+from planner.cli import apply_device, main, parse_args
+from planner.estimate import estimate
 from planner.results import GIB
 
 
@@ -60,6 +63,11 @@ def test_a_device_total_beats_the_table_and_says_what_matched():
     figure = resolve_memory("cuda", "NVIDIA H200", 139.81)
     assert figure is not None and figure.usable_gib == 139.81 and figure.source == "mem_get_info"
     assert "NVIDIA H200" in figure.describe() and "name matched" in figure.describe()
+    # ~139 GiB less the planner's reserve, which its default --reserve_gib is
+    assert figure.for_tensors_gib == pytest.approx(139.81 - PLANNER_RESERVE_GIB)
+    assert "136.81 GiB for tensors" in figure.describe()
+    default = inspect.signature(estimate).parameters["reserve_gib"].default
+    assert default == PLANNER_RESERVE_GIB == parse_args(["--world_size", "1"])[0].reserve_gib
 
 
 def test_unknown_name_falls_back_to_its_type_with_a_warning_naming_the_fix():

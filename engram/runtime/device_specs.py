@@ -193,6 +193,11 @@ def device_memory_gib(device: str) -> float:
     )
 
 
+# What the memory planner keeps free of every device's usable memory for the runtime context and
+# the communicators' buffers (its --reserve_gib default; planner/estimate.py adds it to each peak).
+PLANNER_RESERVE_GIB = 3.0
+
+
 @dataclass(frozen=True)
 class MemoryFigure:
     """The usable memory a run plans and warns with, and where it came from."""
@@ -202,8 +207,17 @@ class MemoryFigure:
     detail: str
     warning: str | None = None
 
+    @property
+    def for_tensors_gib(self) -> float:
+        """What is left for tensors once the planner's reserve is taken off."""
+        return self.usable_gib - PLANNER_RESERVE_GIB
+
     def describe(self) -> str:
-        return f"{self.usable_gib:.2f} GiB usable ({self.source}: {self.detail})"
+        return (
+            f"{self.usable_gib:.2f} GiB usable ({self.source}: {self.detail}); less the "
+            f"planner's {PLANNER_RESERVE_GIB:g} GiB reserve (--reserve_gib: runtime context, "
+            f"communicators) {self.for_tensors_gib:.2f} GiB for tensors"
+        )
 
 
 def resolve_memory(
