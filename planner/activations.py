@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from engram.config import JobConfig
+from engram.config import LORA_TARGETS, JobConfig
 from engram.models.args import ModelArgs
 from engram.models.transformer import clean_fqn
 from parallelisms.activation_checkpoint import is_checkpointed
@@ -69,6 +69,47 @@ def _layer_bytes_per_token(
     return norms // d.stream_tokens + gathered + split
 
 
+# Input width of each LoRA target (engram.config.LORA_TARGETS paths): "dim", "dq" (attention
+# heads x head_dim) or "ffn"; the row-parallel ones (wo, w2) see 1 / tp of theirs under TP.
+_LORA_INPUT = {
+    "attention.wq": "dim", "attention.wk": "dim", "attention.wv": "dim", "attention.wo": "dq",
+    "feed_forward.w1": "dim", "feed_forward.w3": "dim", "feed_forward.w2": "ffn",
+}  # fmt: skip
+_ROW_PARALLEL = {"attention.wo", "feed_forward.w2"}
+
+
+def _lora_bytes_per_token(cfg: JobConfig, args: ModelArgs, a: int, tp: int = 1) -> int:
+    """How LoRA (training.mode = "lora", engram/models/lora.py) changes one decoder layer's saved
+    activations from _layer_bytes_per_token's, bytes per token on one of `tp` ranks (may be
+    negative). Per adapted linear, + h = A x (a x rank, saved by the B GEMM). The frozen norm
+    weights need no normalised x: - 2 a D (and - a (Dq + Dkv) for q / k norms). With
+    lora.dropout > 0 each adapted linear also saves its dropped input (a) and dropout's mask
+    (1 B: bool on CUDA / NPU; on cpu the scaled noise, a) per input element, while the frozen
+    base linears save no input of their own: - the norm outputs (2 a D), the attention output
+    (a Dq) and the FFN product (a F). Under TP (inputs gathered or split by the plan) the
+    savings are not taken (an upper bound). Checked against autograd's saved tensors in
+    tests/test_planner_calibration.py."""
+    if cfg.training.mode != "lora":
+        return 0
+    lora = cfg.lora
+    assert args.head_dim is not None
+    dq = args.n_heads * args.head_dim
+    width = {"dim": args.dim, "dq": dq, "ffn": args.ffn_dim}
+    mask = a if cfg.job.device == "cpu" else 1
+    total = 0
+    if tp == 1:
+        total -= 2 * a * args.dim
+        if args.qk_norm:  # frozen q / k norm weights likewise
+            total -= a * (dq + args.n_kv_heads * args.head_dim)
+    for target in lora.target_modules:
+        path = LORA_TARGETS[target]
+        n_in = width[_LORA_INPUT[path]] // (tp if path in _ROW_PARALLEL else 1)
+        total += a * lora.rank + ((a + mask) * n_in if lora.dropout > 0 else 0)
+    if lora.dropout > 0 and tp == 1:
+        total -= a * (2 * args.dim + dq + args.ffn_dim)
+    return total
+
+
 def _engram_bytes_per_token(cfg: JobConfig, dim: int, a: int) -> tuple[int, int]:
     """(saved, transient) bytes per token of an Engram block.
 
@@ -87,16 +128,19 @@ def loss_bytes(cfg: JobConfig, args: ModelArgs, a: int, tp: int, tokens: int, cp
     ranks (the logits are vocabulary-parallel under TP) and one of `cp` context-parallel ranks
     (each holds the logits of its tokens / cp).
 
-    Cross-entropy in fp32: log-softmax output saved, its gradient, the gradient of the fp32
-    logits (12 bytes/logit) dominate; the compute-dtype logits (a) and the fp32 upcast (4) exist
-    together with the saved log-softmax in forward (a + 8). With training.loss_chunks = n > 1
-    (engram/train/loss.py) that holds for one chunk of ceil(local seq_len / n) positions of every
+    Cross-entropy in fp32. The peak is the log-softmax backward: the saved log-softmax output,
+    its incoming gradient and the gradient of the fp32 logits (12 bytes/logit) while the model's
+    compute-dtype logits (a) are still alive, held by the caller until backward ends
+    (engram/train/step.py forward_backward keeps `output`; a pipeline stage keeps its output):
+    a + 12 bytes/logit. In forward the logits, the fp32 upcast and the saved log-softmax coexist
+    (a + 8, less). In float32 the upcast is the logits themselves (16 = 4 + 12). With
+    training.loss_chunks = n > 1 (engram/train/loss.py) that holds for one chunk of ceil(local seq_len / n) positions of every
     sequence (local: seq_len / cp), plus, for the whole micro-batch, the hidden states gathered
     over the sequence and their accumulated gradient (2 a D per local token, not divided by TP),
     and the head's weight gradient sum and one chunk's share in the compute dtype (2 a V D / tp;
     a plain linear head needs only the sum: an upper bound)."""
     vocab = axis_divisors(tp, True).vocab  # the head is vocabulary-parallel in both TP modes
-    per_logit = max(12, a + 8) * args.vocab_size // vocab
+    per_logit = (a + 12) * args.vocab_size // vocab
     chunks = cfg.training.loss_chunks
     if chunks == 1:
         return per_logit * tokens // cp
@@ -162,6 +206,7 @@ def activation_estimate(
         tokens = cfg.training.local_batch_size * cfg.training.seq_len
     layer_ids = range(args.n_layers) if layers is None else layers
     layer = _layer_bytes_per_token(args, a, tp, sp, cp, cp_method)
+    layer += _lora_bytes_per_token(cfg, args, a, tp) // cp
     engram_layers = set(cfg.engram.layer_ids) if cfg.engram.enabled else set()
     engram_saved, engram_transient = (
         _engram_bytes_per_token(cfg, args.dim, a) if engram_layers & set(layer_ids) else (0, 0)
@@ -170,6 +215,8 @@ def activation_estimate(
     engram_transient //= d.engram_tokens
     # Embedding ids; final norm (its output feeds the head).
     saved = (8 // cp if first else 0) + (_norm_bytes(a) * args.dim // stream_div if last else 0)
+    if cfg.training.mode == "lora":  # frozen embedding, final norm and head save less
+        saved = 4 * args.dim // stream_div if last else 0  # the final norm's fp32 input only
     recompute = 0
     # All-gather K/V: SDPA turns the bool [T / cp, T] mask into an additive one in the compute
     # dtype and saves it for backward, once per layer whatever the batch (measured on CPU).
@@ -193,7 +240,10 @@ def activation_estimate(
         + engram_transient
         + _cp_backward_bytes(args, a, tp, cp, cp_method)
     )
+    vocab = axis_divisors(tp, True).vocab
+    width = args.vocab_size // vocab if cfg.training.loss_chunks == 1 else args.dim // stream_div
     return ActivationEstimate(
+        held_output_bytes=a * width * tokens // cp if last else 0,
         tokens=tokens,
         saved_bytes=saved * tokens + saved_masks,
         recompute_bytes=(recompute + backward) * tokens + recompute_mask,
@@ -222,7 +272,12 @@ def rank_activations(
     if plan is None:
         act = activation_estimate(cfg, args, compute_dtype, tp, sp, cp=cp, cp_method=cp_method)
         ra = RankActivations(
-            act.tokens, act.saved_bytes, {0: 1}, act.recompute_bytes, act.loss_bytes
+            act.tokens,
+            act.saved_bytes,
+            {0: 1},
+            act.recompute_bytes,
+            act.loss_bytes,
+            act.held_output_bytes,
         )
         return ra, [act]
     p, pp = cfg.pipeline, max(plan.ranks) + 1
@@ -248,6 +303,7 @@ def rank_activations(
         in_flight=peak.micro_batches,
         recompute_bytes=max(per_stage[s].recompute_bytes for s in stage_ids),
         loss_bytes=sum(per_stage[s].loss_bytes for s in stage_ids),
+        held_output_bytes=sum(per_stage[s].held_output_bytes for s in stage_ids),
     )
     return ra, per_stage
 

@@ -9,6 +9,7 @@ import json
 import sys
 
 from engram.config import ConfigError, load_config
+from engram.runtime.device_specs import DEVICE_MODELS, device_memory_gib
 from planner.compare import Row, compare
 from planner.estimate import estimate
 from planner.report import compare_markdown, to_markdown
@@ -29,9 +30,17 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--device_memory_gib",
         type=float,
         default=None,
-        help="device memory budget, GiB; default: the usable memory of job.device (npu 61, cuda "
-        "79.6: what the device reports to PyTorch, not the nameplate; "
+        help="device memory budget, GiB; default: the usable memory of --device, else of "
+        "job.device (npu 61, cuda 79.6: what the device reports to PyTorch, not the nameplate; "
         "engram/runtime/device_specs.py), else the npu figure",
+    )
+    p.add_argument(
+        "--device",
+        default="",
+        help="plan for this device: a type (cuda, npu) or a model (h200, b200, h100, a100-40gb, "
+        "910b2, 910c, ...: engram/runtime/device_specs.py PEAK_SPECS): its usable memory is the "
+        "budget (unless --device_memory_gib) and, with --compare, its dense bf16 peak the step "
+        "model's (unless --peak_tflops)",
     )
     p.add_argument("--fragmentation", type=float, default=0.10, help="allocator overhead fraction")
     p.add_argument(
@@ -131,8 +140,25 @@ def _parse_ranks(text: str, world_size: int) -> list[int] | None:
         ) from None
 
 
+def apply_device(opts: argparse.Namespace) -> None:
+    """--device: fill in the budget and the step model's peak it implies (what the user gave
+    explicitly wins); an unknown name is an error naming the valid ones."""
+    if not opts.device:
+        return
+    try:
+        budget = device_memory_gib(opts.device)
+    except ValueError as e:
+        raise ConfigError(f"--device: {e}") from None
+    if opts.device_memory_gib is None:
+        opts.device_memory_gib = budget
+    model = DEVICE_MODELS.get(opts.device.lower())
+    if model is not None and opts.peak_tflops is None:
+        opts.peak_tflops = model.bf16_tflops
+
+
 def main(argv: list[str] | None = None) -> MemoryEstimate | list[Row]:
     opts, rest = parse_args(list(sys.argv[1:] if argv is None else argv))
+    apply_device(opts)
     cfg = load_config(rest)
     if opts.compare:
         machine = MACHINES.get(cfg.job.device, MACHINES["cuda"])

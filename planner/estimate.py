@@ -47,31 +47,55 @@ from planner.tables import replicated_tables
 DEVICE_MEMORY_GIB = {name: spec.usable_memory_gib for name, spec in DEVICE_SPECS.items()}
 
 
+# Device memory the allocator counts as active besides the model's tensors: the BLAS / operator
+# workspaces of the compute stream (cuBLAS and cuBLASLt take theirs from PyTorch's caching
+# allocator, CANN operators likewise) and the step's small tensors (batch, ids, scalars). The
+# H200 rows of docs/memory_estimate.md ran 0.066-0.070 GiB above the modelled tensors; this
+# allowance covers that with margin. cpu has none.
+RUNTIME_WORKSPACE_GIB = 0.25
+
+
 def default_ranks(world_size: int) -> list[int]:
     return sorted({0, min(1, world_size - 1), world_size // 2, world_size - 1})
 
 
 def _phases(
-    f: FsdpBuffers, act: RankActivations, opt_temp: int, float8_bytes: int = 0
+    f: FsdpBuffers,
+    act: RankActivations,
+    opt_temp: int,
+    float8_bytes: int = 0,
+    grads_not_yet: int = 0,
+    workspace: int = 0,
 ) -> dict[str, int]:
-    """Transient bytes at the moments that can set the peak (each a sum of coexisting items)."""
-    acc = f.no_sync_accum_bytes
+    """Transient bytes at the moments that can set the peak (each a sum of coexisting items).
+    `grads_not_yet`: persistent gradient bytes that do not exist yet at the loss (RankMemory
+    .grads_freed_at_loss), taken off that phase; `workspace` (RUNTIME_WORKSPACE_GIB) is in all.
+    The model's output, held until backward ends, is in the loss's bytes and in both backward
+    phases."""
+    acc = f.no_sync_accum_bytes + workspace
     return {
-        "forward end (loss)": f.root_gather_bytes + act.saved_bytes + act.loss_bytes + acc,
+        "forward end (loss)": (
+            f.root_gather_bytes + act.saved_bytes + act.loss_bytes + acc - grads_not_yet
+        ),
         "decoder-layer backward": (
             f.root_gather_bytes
             + f.root_grad_bytes
             + f.layer_gather_bytes
             + act.saved_bytes
             + act.recompute_bytes
+            + act.held_output_bytes
             + f.layer_reduce_bytes
             + float8_bytes
             + acc
         ),  # fmt: skip
         "backward end (root reduce)": (
-            f.root_gather_bytes + f.root_grad_bytes + f.root_reduce_bytes + acc
+            f.root_gather_bytes
+            + f.root_grad_bytes
+            + f.root_reduce_bytes
+            + act.held_output_bytes
+            + acc
         ),
-        "optimizer step": opt_temp,
+        "optimizer step": opt_temp + workspace,
     }
 
 
@@ -129,6 +153,8 @@ def _measure_rank(
         {s: plan.layers[s] for s in stage_ids} if plan else {0: list(range(whole.args.n_layers))}
     )
     mem.fsdp = fsdp_buffers(cfg, dims, parts, table_params, no_sync)
+    mem.grads_freed_at_loss = n_micro == 1 and cfg.training.grad_accum_steps == 1
+    mem.workspace_bytes = 0 if cfg.job.device == "cpu" else int(RUNTIME_WORKSPACE_GIB * GIB)
     mem.activations, acts = rank_activations(
         cfg,
         whole.args,
@@ -172,7 +198,12 @@ def _host_table_traffic(mem: RankMemory, cfg: JobConfig, split: int, n_micro: in
 def _settle_peak(mem: RankMemory, fragmentation: float, reserve: int, device_bytes: int) -> None:
     """The rank's peak: persistent + the largest phase, plus fragmentation and the reserve."""
     mem.phases = _phases(
-        mem.fsdp, mem.activations, mem.optimizer_step_temp_bytes, mem.float8_cast_bytes
+        mem.fsdp,
+        mem.activations,
+        mem.optimizer_step_temp_bytes,
+        mem.float8_cast_bytes,
+        mem.grad_bytes if mem.grads_freed_at_loss else 0,
+        mem.workspace_bytes,
     )
     mem.peak_phase = max(mem.phases, key=mem.phases.__getitem__)
     mem.transient_bytes = mem.phases[mem.peak_phase]

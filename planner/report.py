@@ -174,6 +174,17 @@ def to_markdown(est: MemoryEstimate) -> str:
         each(lambda m: _gib(m.activations.loss_bytes)),
         "estimate",
     )
+    row(
+        "model output held through backward (both backward phases), GiB",
+        each(lambda m: _gib(m.activations.held_output_bytes)),
+        "estimate",
+    )
+    row(
+        "gradients not there yet at the loss (one micro-batch per step), GiB",
+        each(lambda m: _gib(-m.grad_bytes if m.grads_freed_at_loss else 0)),
+        "exact",
+    )
+    row("BLAS / operator workspaces, GiB", each(lambda m: _gib(m.workspace_bytes)), "allowance")
     if est.float8 != "off":
         row(
             "float8 casts of one linear, GiB",

@@ -96,6 +96,14 @@ class RankMemory:
     cp_mask_bytes: int = 0
     """parallelism.cp_method = allgather_kv: the attention masks every attention module caches
     (bool [T / cp, T] each, planner.activations.cp_mask_bytes); counted in persistent_bytes."""
+    grads_freed_at_loss: bool = False
+    """The gradients (grad_bytes) do not exist yet when the loss's backward runs: the previous
+    step cleared them (zero_grad(set_to_none=True), engram/train/step.py step_optimizers) and
+    this step's first backward has not reached a parameter. True with one micro-batch per
+    optimizer step (no accumulation, no pipeline micro-batches); the loss phase leaves them out."""
+    workspace_bytes: int = 0
+    """Allowance for the device runtime's workspaces and the step's small tensors, in every phase
+    (planner.estimate.RUNTIME_WORKSPACE_GIB; 0 on cpu)."""
 
 
 @dataclass
@@ -113,6 +121,9 @@ class ActivationEstimate:
     """Logits and the fp32 cross-entropy (log-softmax saved + its gradient)."""
     per_layer_full_bytes: int
     per_engram_layer_extra_bytes: int
+    held_output_bytes: int = 0
+    """The model's output (logits, or the hidden states with training.loss_chunks > 1), which the
+    step holds until backward ends (engram/train/step.py forward_backward keeps `output`)."""
 
 
 @dataclass
@@ -129,6 +140,8 @@ class RankActivations:
     """Largest recompute + backward temporaries of one layer of this rank's stages."""
     loss_bytes: int
     """Logits and fp32 cross-entropy of one micro-batch (0 off the last stage)."""
+    held_output_bytes: int = 0
+    """The last stage's output held through backward (ActivationEstimate.held_output_bytes)."""
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Per-rank device memory of a real config at its real world size, without the hardware.
 
     python scripts/estimate_memory.py --job.config_file train_configs/32b_npu.toml --world_size 64 \
-        [--ranks 0,1,32,63 | --ranks all] [--device_memory_gib 64] [--json] [--section.key=value ...]
+        [--ranks 0,1,32,63 | --ranks all] [--device h200 | --device_memory_gib 64] [--json] \
+        [--section.key=value ...]
 
 One process plays each requested rank in turn: torch's fake process group (collectives are no-ops)
 at the real world size, the model built on the meta device (nothing is allocated) and wrapped by
@@ -22,7 +23,9 @@ parameters and unsharded gradients across its micro-batches; saved activations a
 micro-batch by micro-batch along torch's own schedule order, planner/schedule.py), context
 parallelism (FSDP over dp_shard x cp and tables over dp x cp x tp from the built ranks;
 activations / cp with the keys and values each method holds, all-gather K/V's masks, the
-all-to-all / all-gather bytes per layer). Compile is estimated as eager (inductor usually saves activation memory, never adds much).
+all-to-all / all-gather bytes per layer). Compile is estimated as eager (inductor usually saves
+activation memory, never adds much). Calibrated against peaks measured on an H200
+(docs/memory_estimate.md, "Calibration on an H200"; tests/test_planner_calibration.py).
 
 `--compare` prints candidate layouts side by side instead (planner/compare.py): peak per rank,
 communication per step and a fit verdict (`--cp 2,4,8 --cp_methods ulysses,allgather_kv` adds

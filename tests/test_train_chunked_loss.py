@@ -304,11 +304,13 @@ def test_planner_counts_one_chunk_of_logits():
     args = flavor_args(cfg.model)
     tokens, a, v, d = 32768, 2, args.vocab_size, args.dim
     unchunked = load_config(["--job.config_file", NPU_32K, "--training.loss_chunks=1"])
-    assert loss_bytes(unchunked, args, a, 1, tokens) == 12 * v * tokens
+    # The fp32 log-softmax, its gradient and the logits' gradient, while the caller holds the
+    # compute-dtype logits: a + 12 bytes per logit.
+    assert loss_bytes(unchunked, args, a, 1, tokens) == (a + 12) * v * tokens
     # 8 chunks: one chunk's logits, the gathered hidden states and their gradient, the head's
     # gradient sum and one chunk's gradient.
     assert cfg.training.loss_chunks == 8
-    expected = 12 * v * 4096 + 2 * a * d * tokens + 2 * a * v * d
+    expected = (a + 12) * v * 4096 + 2 * a * d * tokens + 2 * a * v * d
     assert loss_bytes(cfg, args, a, 1, tokens) == expected
     assert loss_bytes(cfg, args, a, 2, tokens) < expected  # vocabulary-parallel under TP
 

@@ -3,9 +3,10 @@
 - `device.py`: cpu / cuda / npu selection, lazy `torch_npu`, per-device settings and the
   device module's calls (synchronize, memory stats).
 - `distributed.py`: process-group init / teardown for the chosen device's backend.
-- `device_specs.py`: usable memory per device type and dense bf16 peak per device name, with
-  sources (the planner's default budget; the recipe logs the measured total beside it; MFU's
-  denominator, or a GEMM measured on cpu).
+- `device_specs.py`: usable memory and dense bf16 / fp8 peaks per device model (matched by the
+  name the device reports, or the planner's --device) with the device type's figure as the
+  fallback, with sources (the planner's default budget; the recipe logs the measured total and
+  the match beside it; MFU's denominator, or a GEMM measured on cpu).
 - `host_worker.py`: the host thread that runs host-resident table work, and the marker
   that says a tensor lives in host memory (`is_host_resident`).
 

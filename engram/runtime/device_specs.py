@@ -1,9 +1,15 @@
 """What a device offers, stated once with its sources: the memory PyTorch can use and the dense
-bf16 peak that MFU divides by.
+bf16 / fp8 peaks (MFU divides by the bf16 one), per device model (PEAK_SPECS, matched by the name
+the device reports or by its key, the planner's --device) and per device type (DEVICE_SPECS, the
+fallback for models the table does not know).
 
-Usable memory is what the device reports as its total to PyTorch, not the nameplate: a "64 GB"
-Ascend Atlas A2 / A3 reports about 61 GiB. The memory planner budgets against it by default
-(`--device_memory_gib` overrides), and a measured `mem_get_info` total beats this table.
+Usable memory is what the device reports as its total to PyTorch, not the nameplate: the
+nameplate less the share the driver / firmware keep (a "64 GB" Ascend Atlas A2 reports about
+61 GiB, a "141 GB" H200 139.8 GiB). The memory planner budgets against it by default
+(`--device` / `--device_memory_gib` override) and adds its own reserve for the runtime context
+and collective buffers (`--reserve_gib`, 3 GiB) to every peak; at run time the device's
+`mem_get_info` total beats this table (engram/train/throughput.py log_device_memory logs which
+figure it used and where it came from).
 """
 
 from __future__ import annotations
@@ -43,65 +49,206 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
 }
 
 
-def usable_memory_gib(device_type: str) -> float | None:
-    """The table's usable memory of a device type, None where the table has no entry (cpu)."""
-    spec = DEVICE_SPECS.get(device_type)
-    return spec.usable_memory_gib if spec else None
+def usable_memory_gib(device: str) -> float | None:
+    """The table's usable memory of a device type (cuda, npu) or model key (h200; DEVICE_MODELS),
+    None where the table has no figure (cpu)."""
+    try:
+        return device_memory_gib(device)
+    except ValueError:
+        return None
 
 
-# --- dense bf16 peak: the MFU denominator ----------------------------------------------------
+# --- per device model: memory and dense bf16 / fp8 peaks ---------------------------------------
 
 
 @dataclass(frozen=True)
 class PeakSpec:
-    """One device's dense (no sparsity) bf16 matrix peak, matched by a substring of the name the
-    device module reports (torch.cuda / torch.npu .get_device_name())."""
+    """One device model, matched by a substring of the name the device module reports
+    (torch.cuda / torch.npu .get_device_name()) or by its `key` (the planner's --device):
+    dense (no sparsity) matrix peaks and, where stated, the memory it reports to PyTorch."""
 
     marker: str
     name: str
     bf16_tflops: float
     source: str
+    """Where the peaks come from."""
+    key: str = ""
+    """The planner CLI's name for it (--device h200); "" for devices only MFU looks up."""
+    device_type: str = "cuda"
+    fp8_tflops: float | None = None
+    """Dense fp8 peak; None where the device has no fp8 matmul (A100, 910B / 910C)."""
+    nameplate: str = ""
+    """The memory the vendor sells ("141 GB HBM3e")."""
+    usable_memory_gib: float | None = None
+    """What the device reports to PyTorch as its total, GiB: the nameplate less the share the
+    driver / firmware keep (ECC, the runtime's reservation); None where no figure is stated."""
+    memory_source: str = ""
 
 
-# First match wins: the more specific markers come first. Figures are the vendors' dense bf16
-# (tensor / cube unit) peaks as torchtitan's `get_peak_flops` (torchtitan/tools/utils.py) and
-# verl's `_DEVICE_FLOPS` (verl/utils/flops_counter.py) state them. Ascend names as torch_npu
-# reports them: "Ascend910B1".."Ascend910B4" (Atlas A2), "Ascend910_93xx" (Atlas A3; one torch
-# device per die), the markers torchtitan-npu's tools/device.py maps to A2 / A3.
+_NV_DATASHEET = "NVIDIA datasheet, dense (half the sparsity figure)"
+_A2_64 = (
+    "64 GB HBM2e",
+    61.0,
+    "PyTorch reports 60.97 GiB total on a 64 GB Atlas A2 (vllm-project/vllm-ascend#19); rounded",
+)
+_A2_PEAK = (
+    "verl _DEVICE_FLOPS ('910B': 354e12), one figure for the 910B bins; no fp8 matmul on 910B "
+    "(Ascend operator docs: FP8 only on 950): set metrics.peak_tflops if your bin's sheet differs"
+)
+
+# First match wins: the more specific markers come first. Peaks as torchtitan's `get_peak_flops`
+# (torchtitan/tools/utils.py), verl's `_DEVICE_FLOPS` and torchao's roofline_utils state them
+# (vendors' dense figures). Ascend names as torch_npu reports them: "Ascend910B1".."Ascend910B4"
+# (Atlas A2), "Ascend910_93xx" (Atlas A3, 910C: one torch device per die).
 PEAK_SPECS: tuple[PeakSpec, ...] = (
-    PeakSpec("H100 NVL", "NVIDIA H100 NVL", 835.0, "torchtitan get_peak_flops (nvidia.com/h100)"),
-    PeakSpec("H100 PCIe", "NVIDIA H100 PCIe", 756.0, "torchtitan get_peak_flops (nvidia.com/h100)"),
-    PeakSpec("H100", "NVIDIA H100 SXM", 989.0, "torchtitan get_peak_flops (nvidia.com/h100)"),
-    PeakSpec("H200", "NVIDIA H200", 989.0, "torchtitan get_peak_flops (nvidia.com/h200)"),
-    PeakSpec("H800", "NVIDIA H800", 989.0, "verl _DEVICE_FLOPS"),
-    PeakSpec("H20", "NVIDIA H20", 148.0, "verl _DEVICE_FLOPS"),
-    PeakSpec("B200", "NVIDIA B200", 2250.0, "torchtitan get_peak_flops (Blackwell datasheet)"),
-    PeakSpec("A100", "NVIDIA A100", 312.0, "torchtitan get_peak_flops (nvidia.com/a100)"),
-    PeakSpec("A800", "NVIDIA A800", 312.0, "verl _DEVICE_FLOPS"),
+    PeakSpec(
+        "H100 NVL", "NVIDIA H100 NVL", 835.0, _NV_DATASHEET, "h100-nvl", "cuda", 1671.0,
+        "94 GB HBM3", 93.6, "nvidia-smi 95,830 MiB (H100 NVL); lower by the 80 GB parts' share",
+    ),
+    PeakSpec(
+        "H100 PCIe", "NVIDIA H100 PCIe", 756.0, _NV_DATASHEET, "h100-pcie", "cuda", 1513.0,
+        "80 GB HBM2e", 79.6, "nvidia-smi 81,559 MiB total on an H100 80GB "
+        "(modal-labs/modal-client#2797)",
+    ),
+    PeakSpec(
+        "H100", "NVIDIA H100 SXM", 989.0, _NV_DATASHEET, "h100", "cuda", 1979.0,
+        "80 GB HBM3", 79.6, "nvidia-smi 81,559 MiB total on an H100 80GB "
+        "(modal-labs/modal-client#2797)",
+    ),
+    PeakSpec(
+        "H200", "NVIDIA H200", 989.0, _NV_DATASHEET + " (H200 = H100 SXM compute)", "h200",
+        "cuda", 1979.0, "141 GB HBM3e", 139.8,
+        "mem_get_info total 139.8 GiB on an H200 (this project's first accelerator run, "
+        "2026-12-03, driver 580.159.04)",
+    ),
+    PeakSpec("H800", "NVIDIA H800", 989.0, "verl _DEVICE_FLOPS", "", "cuda", 1979.0),
+    PeakSpec("H20", "NVIDIA H20", 148.0, "verl _DEVICE_FLOPS", "", "cuda", 296.0),
+    PeakSpec(
+        "B200", "NVIDIA B200", 2250.0, "torchao roofline_utils (bf16 2.25e15, fp8 4.5e15 dense; "
+        "HGX B200 datasheet)", "b200", "cuda", 4500.0, "180 GB HBM3e", 178.3,
+        "totalGlobalMem 178.35 GiB on a B200 (pytorch/ao#4002)",
+    ),
+    PeakSpec(
+        "A100-SXM4-40GB", "NVIDIA A100 40GB", 312.0, "torchtitan get_peak_flops "
+        "(nvidia.com/a100); no fp8", "a100-40gb", "cuda", None, "40 GB HBM2", 39.6,
+        "nvidia-smi 40,960 MiB; less the 0.4 GiB the 80 GB class reports below its nameplate",
+    ),
+    PeakSpec(
+        "A100-PCIE-40GB", "NVIDIA A100 40GB PCIe", 312.0, "torchtitan get_peak_flops "
+        "(nvidia.com/a100); no fp8", "", "cuda", None, "40 GB HBM2", 39.6,
+        "as the A100 SXM4 40GB",
+    ),
+    PeakSpec(
+        "A100", "NVIDIA A100 80GB", 312.0, "torchtitan get_peak_flops (nvidia.com/a100); no fp8",
+        "a100-80gb", "cuda", None, "80 GB HBM2e", 79.6,
+        "nvidia-smi 81,920 MiB on an A100 80GB (modal-labs/modal-client#2797); the H100's lower "
+        "81,559 MiB kept for the class",
+    ),
+    PeakSpec("A800", "NVIDIA A800", 312.0, "verl _DEVICE_FLOPS", "", "cuda"),
     PeakSpec("L40S", "NVIDIA L40S", 362.0, "torchtitan get_peak_flops (L40S datasheet)"),
     PeakSpec("MI300X", "AMD MI300X", 1300.0, "torchtitan get_peak_flops (amd.com mi300x)"),
     PeakSpec("MI325X", "AMD MI325X", 1300.0, "torchtitan get_peak_flops (amd.com mi325x)"),
     PeakSpec(
-        "Ascend910_93",
-        "Ascend Atlas A3 (910C, per die)",
-        354.0,
-        "no public per-die bf16 figure found; the 910B figure below (a 910C is two 910B-class "
-        "dies, each one torch device): set metrics.peak_tflops if your vendor sheet says otherwise",
+        "Ascend910_93", "Ascend 910C (Atlas A3, per die)", 354.0,
+        "no public per-die bf16 figure found; the 910B figure (a 910C is two 910B-class dies, "
+        "each one torch device); no fp8: set metrics.peak_tflops if your sheet differs",
+        "910c", "npu", None, "64 GB per die (128 GB per package)", 61.0,
+        "PyTorch reports 61.27 GiB per die on A3 (sgl-project/sglang#29838, "
+        "modelscope/ms-swift#7871); rounded down to the A2 figure",
+    ),
+    PeakSpec("Ascend910B1", "Ascend 910B1 (Atlas A2)", 354.0, _A2_PEAK, "910b1", "npu", None, *_A2_64),
+    PeakSpec("Ascend910B2", "Ascend 910B2 (Atlas A2)", 354.0, _A2_PEAK, "910b2", "npu", None, *_A2_64),
+    PeakSpec("Ascend910B3", "Ascend 910B3 (Atlas A2)", 354.0, _A2_PEAK, "910b3", "npu", None, *_A2_64),
+    PeakSpec(
+        "Ascend910B4", "Ascend 910B4 (Atlas A2)", 354.0, _A2_PEAK, "910b4", "npu", None,
+        "32 GB HBM2e", 29.0, "not measured: the 32 GB part less the ~3 GiB the 64 GB A2 keeps "
+        "(an assumption: pass --device_memory_gib with your mem_get_info total)",
     ),
     PeakSpec(
-        "Ascend910B",
-        "Ascend Atlas A2 (910B1-B4)",
-        354.0,
-        "verl _DEVICE_FLOPS ('910B': 354e12); one figure for every 910B variant (the B3 / B4 "
-        "bins are lower): set metrics.peak_tflops for yours",
+        "Ascend910B", "Ascend 910B (Atlas A2)", 354.0, _A2_PEAK, "910b", "npu", None, *_A2_64
     ),
-)
+)  # fmt: skip
+DEVICE_MODELS = {s.key: s for s in PEAK_SPECS if s.key}
+"""The device models the planner's --device names (lower case)."""
 
 
 def peak_spec_for(device_name: str) -> PeakSpec | None:
     """The table entry whose marker occurs in `device_name` (case-insensitive), None if none."""
     low = device_name.lower()
     return next((s for s in PEAK_SPECS if s.marker.lower() in low), None)
+
+
+def device_memory_gib(device: str) -> float:
+    """The planner's budget for `device`: a model key (h200, 910b2; DEVICE_MODELS) or a device
+    type (cuda, npu; DEVICE_SPECS). Raises ValueError naming the valid names otherwise."""
+    low = device.lower()
+    model = DEVICE_MODELS.get(low)
+    if model is not None and model.usable_memory_gib is not None:
+        return model.usable_memory_gib
+    if low in DEVICE_SPECS:
+        return DEVICE_SPECS[low].usable_memory_gib
+    raise ValueError(
+        f"unknown device {device!r}: use a device type ({', '.join(DEVICE_SPECS)}) or a model "
+        f"({', '.join(DEVICE_MODELS)}), or give the budget with --device_memory_gib"
+    )
+
+
+# What the memory planner keeps free of every device's usable memory for the runtime context and
+# the communicators' buffers (its --reserve_gib default; planner/estimate.py adds it to each peak).
+PLANNER_RESERVE_GIB = 3.0
+
+
+@dataclass(frozen=True)
+class MemoryFigure:
+    """The usable memory a run plans and warns with, and where it came from."""
+
+    usable_gib: float
+    source: str  # "mem_get_info" | "table (name matched)" | "table (type fallback)"
+    detail: str
+    warning: str | None = None
+
+    @property
+    def for_tensors_gib(self) -> float:
+        """What is left for tensors once the planner's reserve is taken off."""
+        return self.usable_gib - PLANNER_RESERVE_GIB
+
+    def describe(self) -> str:
+        return (
+            f"{self.usable_gib:.2f} GiB usable ({self.source}: {self.detail}); less the "
+            f"planner's {PLANNER_RESERVE_GIB:g} GiB reserve (--reserve_gib: runtime context, "
+            f"communicators) {self.for_tensors_gib:.2f} GiB for tensors"
+        )
+
+
+def resolve_memory(
+    device_type: str, device_name: str, reported_total_gib: float | None = None
+) -> MemoryFigure | None:
+    """Usable memory of the device at hand: the total it reports (mem_get_info) where there is
+    one, else the table's figure for its name, else its type's (with a warning that names the
+    fix). None on cpu (no table entry, no device total)."""
+    spec = peak_spec_for(device_name) if device_type != "cpu" else None
+    fallback = DEVICE_SPECS.get(device_type)
+    warning = None
+    if spec is not None and spec.usable_memory_gib is not None:
+        table_gib, source = spec.usable_memory_gib, "table (name matched)"
+        table = f"{spec.name} {table_gib:.1f} GiB, name matched {spec.marker!r}"
+    elif fallback is not None:
+        table_gib, source = fallback.usable_memory_gib, "table (type fallback)"
+        table = f"{device_type} type figure {table_gib:.1f} GiB ({fallback.name})"
+        warning = (
+            f"device_specs has no memory figure for {device_name!r}: add it to PEAK_SPECS in "
+            "engram/runtime/device_specs.py; meanwhile plan with --device_memory_gib and set "
+            "metrics.peak_tflops for MFU"
+        )
+    else:
+        return None if reported_total_gib is None else MemoryFigure(
+            reported_total_gib, "mem_get_info", "the device's total; no table entry"
+        )  # fmt: skip
+    if reported_total_gib is not None:
+        return MemoryFigure(
+            reported_total_gib, "mem_get_info", f"the device's total; table: {table}", warning
+        )
+    return MemoryFigure(table_gib, source, table, warning)
 
 
 def measure_gemm_tflops(

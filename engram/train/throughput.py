@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import torch
 
 from engram.runtime import device as dev
-from engram.runtime.device_specs import DEVICE_SPECS, resolve_peak, usable_memory_gib
+from engram.runtime.device_specs import resolve_memory, resolve_peak
 from engram.train.flops import FlopCount
 from engram.train.metrics import logger
 
@@ -35,29 +35,31 @@ FREE_MEMORY_SLACK_GIB = 1.0
 
 
 def log_device_memory(device: torch.device) -> str | None:
-    """Log the device's total and free memory (mem_get_info) beside device_specs' usable figure;
-    warn, naming the device, when free memory is below it (by more than the runtime's own
-    context). Returns the warning (None when there is none). Call before the model is placed."""
+    """Log the device's total and free memory (mem_get_info) and the usable figure the run goes
+    by, with where it came from (device_specs.resolve_memory: the device's own total; the
+    table's entry for its name, or its type's figure with a warning naming the fix). Warn,
+    naming the device, when free memory is below it (by more than the runtime's own context).
+    Returns the warning (None when there is none). Call before the model is placed."""
     info = dev.mem_get_info(device)
-    usable = usable_memory_gib(device.type)
     if info is None:
         host = dev.host_memory_bytes() / GIB
         logger.info(f"device memory: {device} reports no mem_get_info; host memory {host:.1f} GiB")
         return None
     free, total = (x / GIB for x in info)
-    table = f"{usable:.2f} GiB usable per device_specs" if usable else "no device_specs entry"
-    logger.info(
-        f"device memory {device} ({dev.device_name(device)}): total {total:.2f} GiB, "
-        f"free {free:.2f} GiB; {table}"
-    )
-    if usable is None or free >= usable - FREE_MEMORY_SLACK_GIB:
+    name = dev.device_name(device)
+    figure = resolve_memory(device.type, name, total)
+    assert figure is not None  # a device total is there
+    logger.info(f"device memory {device} ({name}): free {free:.2f} GiB; {figure.describe()}")
+    if figure.warning:
+        logger.warning(figure.warning)
+    usable = figure.usable_gib
+    if free >= usable - FREE_MEMORY_SLACK_GIB:
         return None
     msg = (
-        f"{device} ({dev.device_name(device)}): free memory {free:.2f} GiB is below the "
-        f"{usable:.2f} GiB that device_specs.DEVICE_SPECS[{device.type!r}] "
-        f"({DEVICE_SPECS[device.type].name}) and the memory planner budget with: another "
-        f"process holds {total - free:.2f} GiB of this device (check npu-smi info / nvidia-smi), "
-        f"or the device is smaller; plan with --device_memory_gib {free:.0f}"
+        f"{device} ({name}): free memory {free:.2f} GiB is below its {usable:.2f} GiB total "
+        f"(mem_get_info; device_specs.DEVICE_SPECS / PEAK_SPECS give the planner's budget): "
+        f"another process holds {total - free:.2f} GiB of this device (check npu-smi info / "
+        f"nvidia-smi), or the device is smaller; plan with --device_memory_gib {free:.0f}"
     )
     logger.warning(msg)
     return msg
