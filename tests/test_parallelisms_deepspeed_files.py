@@ -221,3 +221,28 @@ def test_crafted_deepspeed_files_are_refused_and_run_no_code(tmp_path):
     assert gen["source"].startswith("checkpoint") and gen["source"].endswith("step-2"), gen
     assert gen["names_equal"] and gen["differ"] == [], gen["differ"]
     assert isinstance(gen["completion"], str), gen
+
+
+class _Odd:
+    """A class torch's weights-only unpickler does not allow (no code runs for it)."""
+
+
+@pytest.mark.parametrize(
+    "obj, reason",
+    [
+        (_Payload(Path("/nonexistent/marker")), "GLOBAL exec was not an allowed global"),
+        (_Odd(), "GLOBAL test_parallelisms_deepspeed_files._Odd was not an allowed global"),
+    ],
+    ids=["code", "class"],
+)
+def test_refusal_quotes_torchs_reason_not_its_advice(tmp_path, obj, reason):
+    """The refusal shows why torch refused the file, not torch's header ("Please file an
+    issue ... WeightsUnpickler error:") nor its advice to turn weights_only off."""
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": obj}, path)
+    with pytest.raises(CheckpointError) as refused, weights_only_loads(tmp_path):
+        torch.load(path)
+    msg = str(refused.value)
+    assert reason in msg, msg
+    for advice in ("Please file an issue", "WeightsUnpickler", "weights_only` set to `False"):
+        assert advice not in msg, msg
