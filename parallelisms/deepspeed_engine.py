@@ -146,8 +146,8 @@ def _owned_settings(cfg: JobConfig, world_size: int) -> list[tuple[str, Any, str
          f"training.grad_accum_steps = {t.grad_accum_steps}"),
         ("train_batch_size", t.local_batch_size * t.grad_accum_steps * world_size,
          f"training.local_batch_size x training.grad_accum_steps x {world_size} ranks"),
-        ("gradient_clipping", 0.0, "training.max_norm (the recipe clips the engine and the "
-         "Engram tables together; DeepSpeed's clipping must stay 0)"),
+        ("gradient_clipping", 0.0, f"training.max_norm = {t.max_norm} is applied by the recipe "
+         "to the engine and the Engram tables together, so DeepSpeed's own clipping stays 0"),
         ("zero_optimization.stage", d.zero_stage, f"deepspeed.zero_stage = {d.zero_stage}"),
         ("zero_optimization.offload_optimizer.device", d.offload_optimizer,
          f"deepspeed.offload_optimizer = {d.offload_optimizer!r}"),
@@ -220,8 +220,8 @@ def build_ds_config(cfg: JobConfig, world_size: int) -> dict[str, Any]:
         theirs = _get(user, path)
         if theirs is not None and theirs != "auto" and theirs != value:
             raise ConfigError(
-                f"{src} sets {path} = {json.dumps(theirs)} but the TOML gives {json.dumps(value)} "
-                f"({setting}): make them agree (or drop the key from the JSON)"
+                f"{src} sets {path} = {json.dumps(theirs)} but the recipe sets "
+                f"{json.dumps(value)} ({setting}): make them agree (or drop the key from the JSON)"
             )
         _set(merged, path, value)
     merged.setdefault("zero_allow_untested_optimizer", True)  # a torch optimizer, see above

@@ -587,7 +587,10 @@ def test_ds_config_json_merges_and_auto_takes_the_toml(tmp_path):
             {"zero_optimization": {"stage": 3}},
             r"zero_optimization.stage = 3 .*deepspeed.zero_stage = 2",
         ),
-        ({"gradient_clipping": 1.0}, r"gradient_clipping = 1.0 .*training.max_norm"),
+        (  # the TOML's true max_norm, not the 0.0 the recipe hands DeepSpeed
+            {"gradient_clipping": 1.0},
+            r"gradient_clipping = 1.0 but the recipe sets 0.0 \(training.max_norm = 1.0 is",
+        ),
         ({"train_batch_size": 16}, r"train_batch_size = 16 .*training.local_batch_size"),
         ({"fp16": {"enabled": True}}, r"fp16: refused.*loss scaler.*Engram table"),
         ({"optimizer": {"type": "Adam"}}, r"'optimizer' section.*\[optimizer\]"),
