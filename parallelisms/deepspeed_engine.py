@@ -4,7 +4,8 @@ Used by recipes/train_deepspeed.py (docs/deepspeed.md). What lives here, so the 
 only its loop:
 
 - `import_deepspeed`: the optional dependency, with the install command when it is missing;
-- `check_layout` / `build_ds_config`: the [deepspeed] section and the TOML turned into a
+- `check_layout` (parallelisms/deepspeed_settings.py: every setting classified, the refused ones
+  refused by name) / `build_ds_config`: the [deepspeed] section and the TOML turned into a
   ds_config dict, merged with the user's `deepspeed.config_json`; a setting both give must agree;
 - `place_for_engine`: the model for the engine (LoRA, table sharding, activation checkpointing,
   training mode, materialisation), the counterpart of parallelize_model;
@@ -60,6 +61,7 @@ from parallelisms.deepspeed_files import (
     register_at,
     weights_only_loads,
 )
+from parallelisms.deepspeed_settings import check_settings as check_layout
 from parallelisms.engram_tables import ShardedEngramTable
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import convert_model, engram_halo, shard_engram_tables
@@ -104,35 +106,6 @@ def import_deepspeed(device_type: str) -> Any:
         "ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`"
     )
     return deepspeed
-
-
-def check_layout(cfg: JobConfig) -> None:
-    """Refuse the [parallelism] / feature settings this variant does not compose with."""
-    p = cfg.parallelism
-    refusals = [
-        (p.pp > 1, f"parallelism.pp = {p.pp}", "DeepSpeed ZeRO-2/3 does not compose with "
-         "pipeline parallelism; use recipes/train.py (FSDP2 x PP)"),
-        (p.tp > 1, f"parallelism.tp = {p.tp}", "tensor parallelism is not wired into this "
-         "variant; use recipes/train.py (FSDP2 x TP)"),
-        (p.cp > 1, f"parallelism.cp = {p.cp}", "context parallelism is not wired into this "
-         "variant; use recipes/train.py (FSDP2 x CP)"),
-        (p.dp_replicate > 1, f"parallelism.dp_replicate = {p.dp_replicate}", "ZeRO shards over "
-         "every rank (no HSDP replica groups here); set it to 1 or use recipes/train.py"),
-        (p.cpu_offload, "parallelism.cpu_offload = true", "that is FSDP2's offload: use "
-         "deepspeed.offload_optimizer / deepspeed.offload_param"),
-        (cfg.float8.enable, "float8.enable = true", "float8 is not wired into this variant"),
-        (cfg.compile.enable, "compile.enable = true", "torch.compile is not wired into this "
-         "variant (DeepSpeed's ZeRO-3 hooks are untested under it here)"),
-        (cfg.engram.enabled and cfg.engram.table_location == "host",
-         'engram.table_location = "host"', "host tables' prefetch and host-update waits are "
-         "wired into recipes/train.py only; use it, or table_location = \"device\""),
-        (cfg.training.loss_chunks > 1, f"training.loss_chunks = {cfg.training.loss_chunks}",
-         "the chunked loss applies the output head outside the model's forward, where ZeRO-3 "
-         "has not gathered it; set it to 1 or use recipes/train.py"),
-    ]  # fmt: skip
-    for bad, setting, why in refusals:
-        if bad:
-            raise ConfigError(f"{setting} is not supported by recipes/train_deepspeed.py: {why}")
 
 
 def _owned_settings(cfg: JobConfig, world_size: int) -> list[tuple[str, Any, str]]:
