@@ -40,6 +40,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from engram.checkpoint import CheckpointError, add_to_manifest, read_manifest, verify_checkpoint
-from engram.config import ConfigError, JobConfig
+from engram.config import Comm, ConfigError, JobConfig
 from engram.hf.load import HFLoadPlan, load_hf_backbone, plan_hf_load
 from engram.models.table_grad import row_grad, scale_row_grads_
 from engram.models.transformer import clean_fqn
@@ -61,6 +62,7 @@ from parallelisms.deepspeed_files import (
     register_at,
     weights_only_loads,
 )
+from parallelisms.deepspeed_save import save_bounded
 from parallelisms.deepspeed_settings import check_settings as check_layout
 from parallelisms.engram_tables import ShardedEngramTable
 from parallelisms.parallel_dims import ParallelDims
@@ -467,17 +469,19 @@ def _repair_zero3_universal_load(optimizer: Any, folder: Path) -> None:
 class EngineCheckpoint:
     """A DeepSpeed engine's checkpoint (module weights, ZeRO-partitioned optimizer state) as a
     folder state of engram.checkpoint.CheckpointManager: written into `<step folder>/engine/`
-    (DeepSpeed's layout: `model/` plus `latest` and `zero_to_fp32.py`), listed in the step's
+    (DeepSpeed's layout: `model/` plus `latest`; its zero_to_fp32.py removed, see
+    parallelisms/deepspeed_save.py), listed in the step's
     manifest, loaded after the manifest is verified and before the DCP states. At the saving
     world size it loads `model/`; at another one (or with `checkpoint.load_universal` in the
     ds_config JSON) the universal checkpoint `model_universal/` that convert_to_universal
     added, and refuses with the conversion command when there is none."""
 
-    def __init__(self, engine: Any):
-        self.engine = engine
+    def __init__(self, engine: Any, save_timeout_s: float = Comm().train_timeout_s):
+        self.engine, self.save_timeout_s = engine, save_timeout_s
 
     def save(self, folder: Path) -> None:
-        self.engine.save_checkpoint(str(folder), tag=ENGINE_TAG, save_latest=True)
+        save = partial(self.engine.save_checkpoint, str(folder), tag=ENGINE_TAG, save_latest=True)
+        save_bounded(save, folder, self.save_timeout_s)
 
     def load(self, folder: Path) -> None:
         # The engine's load_universal_checkpoint flag is read by load_checkpoint only (0.19).

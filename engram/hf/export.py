@@ -132,8 +132,6 @@ def engram_hf_config(model: nn.Module, hasher: Any) -> dict[str, Any]:
     rows = {i: int(b.table.weight.shape[0]) for i, b in blocks.items()}
     if rows != {int(i): int(r) for i, r in hasher.table_rows.items()}:
         raise EngramExportError(f"table rows {rows} differ from the hasher's {hasher.table_rows}")
-    if cfg.hc_mult != 1:
-        raise EngramExportError(f"engram.hc_mult = {cfg.hc_mult}: the export computes hc_mult 1")
     layers = hasher.layer_ids
     engram = {
         "layer_ids": layers,
