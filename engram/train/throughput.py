@@ -11,7 +11,8 @@ The per-log-step keys (docs/architecture.md, "Throughput metrics"):
     mfu_indicative    instead of mfu when the peak is a GEMM measured on this machine (cpu, a
                       device the table lacks): it moves with the machine's load, so it is a
                       hint, not a utilisation. A window that runs above the peak re-measures it
-                      then, in the step's own conditions, and keeps the higher figure
+                      then (up to MAX_REMEASURES times), in the step's own conditions, and keeps
+                      the higher figure
     max_active_gib    peak of live tensors since the loop started (accelerators), the
                       process's peak resident set on cpu
     max_reserved_gib  peak of the allocator's reserved segments (cpu: the resident set again)
@@ -38,6 +39,9 @@ GIB = float(1 << 30)
 # The runtime's own context (CANN / CUDA) takes a few hundred MiB of every device before the
 # first tensor: free memory below the usable figure by less than this is normal.
 FREE_MEMORY_SLACK_GIB = 1.0
+# A measured peak is timed again at most this often (~0.25 s each): a step whose GEMMs beat the
+# small timing GEMM would otherwise re-time it every window.
+MAX_REMEASURES = 3
 
 
 def log_device_memory(device: torch.device) -> str | None:
@@ -82,6 +86,7 @@ class Throughput:
         # A GEMM timed once at start reads low when other jobs share the cores, and every
         # later MFU then reads high (over 100%): such a figure is logged as indicative only.
         self.mfu_key = "mfu_indicative" if self._measured else "mfu"
+        self.remeasures_left = MAX_REMEASURES
         logger.info(self.flops.describe())
         note = " (mfu_indicative: a measured peak moves with the load)" if self._measured else ""
         logger.info(f"MFU against {self.peak.describe()}{note}")
@@ -115,7 +120,8 @@ class Throughput:
         """The window's keys: `tokens_per_s` global, `step_time_s` its mean, over `steps` steps.
         Starts the next window's data time."""
         tflops = self.flops.per_token * tokens_per_s / self.world_size / 1e12
-        if self._measured and tflops > self.peak.tflops:
+        if self._measured and tflops > self.peak.tflops and self.remeasures_left > 0:
+            self.remeasures_left -= 1
             self._remeasure_peak(tflops)
         active, reserved, usable = dev.peak_memory_bytes(self.device)
         data_time = self.data_s / max(steps, 1)
