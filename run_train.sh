@@ -52,11 +52,12 @@ if [[ ! -f "$TRAIN_SCRIPT" ]]; then
 fi
 
 # Before torchrun, so every process has them before its first device allocation. A user's
-# PYTORCH_ALLOC_CONF (torch's device-neutral name) counts as set for CUDA.
+# PYTORCH_ALLOC_CONF (torch's device-neutral name) counts as set for CUDA. Informational lines
+# say "run_train.sh info:"; "run_train.sh:" starts an error only.
 set_default() {
     if [[ -z "${!1+x}" ]]; then
         export "$1=$2"
-        echo "run_train.sh: $1=$2 (default; export $1 to choose)"
+        echo "run_train.sh info: $1=$2 (default; export $1 to choose)"
     fi
 }
 if [[ -z "${PYTORCH_ALLOC_CONF+x}" ]]; then

@@ -35,7 +35,6 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from engram.config import ConfigError, JobConfig
 from engram.models.transformer import Attention, Transformer, unwrap_block
 from parallelisms.halo import all_gather_autograd, sequence_pieces, split_short_conv, swap_class
 from parallelisms.parallel_dims import ParallelDims
@@ -134,22 +133,6 @@ class AllGatherKVAttention(nn.Module):
 
 
 # ----------------------------------------------------------------------------- the step
-
-
-def check_context_parallel(cfg: JobConfig, dims: ParallelDims) -> None:
-    """Refuse, by name, what does not compose with cp > 1 yet (never run it wrong)."""
-    if not dims.cp_enabled:
-        return
-    refused = {
-        # Untested under cp (TP refuses it too): the halo treats the hc_mult groups generically.
-        "Engram hc_mult > 1": cfg.engram.enabled and cfg.engram.hc_mult != 1,
-    }
-    for what, on in refused.items():
-        if on:
-            raise ConfigError(
-                f"context parallelism (parallelism.cp={dims.cp}) does not support {what} yet: "
-                "set parallelism.cp=1 or turn it off"
-            )
 
 
 def apply_context_parallel(model: Transformer, dims: ParallelDims) -> None:

@@ -4,7 +4,8 @@ Used by recipes/train_deepspeed.py (docs/deepspeed.md). What lives here, so the 
 only its loop:
 
 - `import_deepspeed`: the optional dependency, with the install command when it is missing;
-- `check_layout` / `build_ds_config`: the [deepspeed] section and the TOML turned into a
+- `check_layout` (parallelisms/deepspeed_settings.py: every setting classified, the refused ones
+  refused by name) / `build_ds_config`: the [deepspeed] section and the TOML turned into a
   ds_config dict, merged with the user's `deepspeed.config_json`; a setting both give must agree;
 - `place_for_engine`: the model for the engine (LoRA, table sharding, activation checkpointing,
   training mode, materialisation), the counterpart of parallelize_model;
@@ -39,6 +40,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +50,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from engram.checkpoint import CheckpointError, add_to_manifest, read_manifest, verify_checkpoint
-from engram.config import ConfigError, JobConfig
+from engram.config import Comm, ConfigError, JobConfig
 from engram.hf.load import HFLoadPlan, load_hf_backbone, plan_hf_load
 from engram.models.table_grad import row_grad, scale_row_grads_
 from engram.models.transformer import clean_fqn
@@ -60,6 +62,8 @@ from parallelisms.deepspeed_files import (
     register_at,
     weights_only_loads,
 )
+from parallelisms.deepspeed_save import save_bounded
+from parallelisms.deepspeed_settings import check_settings as check_layout
 from parallelisms.engram_tables import ShardedEngramTable
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import convert_model, engram_halo, shard_engram_tables
@@ -106,35 +110,6 @@ def import_deepspeed(device_type: str) -> Any:
     return deepspeed
 
 
-def check_layout(cfg: JobConfig) -> None:
-    """Refuse the [parallelism] / feature settings this variant does not compose with."""
-    p = cfg.parallelism
-    refusals = [
-        (p.pp > 1, f"parallelism.pp = {p.pp}", "DeepSpeed ZeRO-2/3 does not compose with "
-         "pipeline parallelism; use recipes/train.py (FSDP2 x PP)"),
-        (p.tp > 1, f"parallelism.tp = {p.tp}", "tensor parallelism is not wired into this "
-         "variant; use recipes/train.py (FSDP2 x TP)"),
-        (p.cp > 1, f"parallelism.cp = {p.cp}", "context parallelism is not wired into this "
-         "variant; use recipes/train.py (FSDP2 x CP)"),
-        (p.dp_replicate > 1, f"parallelism.dp_replicate = {p.dp_replicate}", "ZeRO shards over "
-         "every rank (no HSDP replica groups here); set it to 1 or use recipes/train.py"),
-        (p.cpu_offload, "parallelism.cpu_offload = true", "that is FSDP2's offload: use "
-         "deepspeed.offload_optimizer / deepspeed.offload_param"),
-        (cfg.float8.enable, "float8.enable = true", "float8 is not wired into this variant"),
-        (cfg.compile.enable, "compile.enable = true", "torch.compile is not wired into this "
-         "variant (DeepSpeed's ZeRO-3 hooks are untested under it here)"),
-        (cfg.engram.enabled and cfg.engram.table_location == "host",
-         'engram.table_location = "host"', "host tables' prefetch and host-update waits are "
-         "wired into recipes/train.py only; use it, or table_location = \"device\""),
-        (cfg.training.loss_chunks > 1, f"training.loss_chunks = {cfg.training.loss_chunks}",
-         "the chunked loss applies the output head outside the model's forward, where ZeRO-3 "
-         "has not gathered it; set it to 1 or use recipes/train.py"),
-    ]  # fmt: skip
-    for bad, setting, why in refusals:
-        if bad:
-            raise ConfigError(f"{setting} is not supported by recipes/train_deepspeed.py: {why}")
-
-
 def _owned_settings(cfg: JobConfig, world_size: int) -> list[tuple[str, Any, str]]:
     """(ds_config key path, value, the TOML setting it comes from) for every key we set."""
     t, d, p = cfg.training, cfg.deepspeed, cfg.parallelism
@@ -146,8 +121,8 @@ def _owned_settings(cfg: JobConfig, world_size: int) -> list[tuple[str, Any, str
          f"training.grad_accum_steps = {t.grad_accum_steps}"),
         ("train_batch_size", t.local_batch_size * t.grad_accum_steps * world_size,
          f"training.local_batch_size x training.grad_accum_steps x {world_size} ranks"),
-        ("gradient_clipping", 0.0, "training.max_norm (the recipe clips the engine and the "
-         "Engram tables together; DeepSpeed's clipping must stay 0)"),
+        ("gradient_clipping", 0.0, f"training.max_norm = {t.max_norm} is applied by the recipe "
+         "to the engine and the Engram tables together, so DeepSpeed's own clipping stays 0"),
         ("zero_optimization.stage", d.zero_stage, f"deepspeed.zero_stage = {d.zero_stage}"),
         ("zero_optimization.offload_optimizer.device", d.offload_optimizer,
          f"deepspeed.offload_optimizer = {d.offload_optimizer!r}"),
@@ -220,8 +195,8 @@ def build_ds_config(cfg: JobConfig, world_size: int) -> dict[str, Any]:
         theirs = _get(user, path)
         if theirs is not None and theirs != "auto" and theirs != value:
             raise ConfigError(
-                f"{src} sets {path} = {json.dumps(theirs)} but the TOML gives {json.dumps(value)} "
-                f"({setting}): make them agree (or drop the key from the JSON)"
+                f"{src} sets {path} = {json.dumps(theirs)} but the recipe sets "
+                f"{json.dumps(value)} ({setting}): make them agree (or drop the key from the JSON)"
             )
         _set(merged, path, value)
     merged.setdefault("zero_allow_untested_optimizer", True)  # a torch optimizer, see above
@@ -494,17 +469,19 @@ def _repair_zero3_universal_load(optimizer: Any, folder: Path) -> None:
 class EngineCheckpoint:
     """A DeepSpeed engine's checkpoint (module weights, ZeRO-partitioned optimizer state) as a
     folder state of engram.checkpoint.CheckpointManager: written into `<step folder>/engine/`
-    (DeepSpeed's layout: `model/` plus `latest` and `zero_to_fp32.py`), listed in the step's
+    (DeepSpeed's layout: `model/` plus `latest`; its zero_to_fp32.py removed, see
+    parallelisms/deepspeed_save.py), listed in the step's
     manifest, loaded after the manifest is verified and before the DCP states. At the saving
     world size it loads `model/`; at another one (or with `checkpoint.load_universal` in the
     ds_config JSON) the universal checkpoint `model_universal/` that convert_to_universal
     added, and refuses with the conversion command when there is none."""
 
-    def __init__(self, engine: Any):
-        self.engine = engine
+    def __init__(self, engine: Any, save_timeout_s: float = Comm().train_timeout_s):
+        self.engine, self.save_timeout_s = engine, save_timeout_s
 
     def save(self, folder: Path) -> None:
-        self.engine.save_checkpoint(str(folder), tag=ENGINE_TAG, save_latest=True)
+        save = partial(self.engine.save_checkpoint, str(folder), tag=ENGINE_TAG, save_latest=True)
+        save_bounded(save, folder, self.save_timeout_s)
 
     def load(self, folder: Path) -> None:
         # The engine's load_universal_checkpoint flag is read by load_checkpoint only (0.19).

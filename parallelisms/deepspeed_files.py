@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from engram.checkpoint import CheckpointError, ModelState, check_fingerprint, dcp_load
+from engram.checkpoint.dcp_io import unpickler_reason
 from engram.models.engram import EngramTable
 from engram.models.transformer import clean_fqn
 
@@ -68,13 +69,11 @@ def weights_only_loads(what: Path) -> Iterator[None]:
         with torch.serialization.safe_globals(_classes()):
             yield
     except pickle.UnpicklingError as e:
-        # torch's message suggests turning weights_only off; quote only its reason
-        reason = next((ln for ln in str(e).splitlines() if "WeightsUnpickler" in ln), str(e))
         raise CheckpointError(
             f"the DeepSpeed checkpoint {what} holds a pickled object that is not plain data: "
             f"refusing to load it (files are read weights-only, with DeepSpeed's classes "
             f"{', '.join(c.rpartition('.')[2] for c in DEEPSPEED_CLASSES)} allowed; "
-            f"{reason.strip()[:300]}). Resume from another checkpoint (checkpoint.load_step) or "
+            f"torch: {unpickler_reason(e)}). Resume from another checkpoint (checkpoint.load_step) or "
             "one written by a run you trust"
         ) from None
     finally:

@@ -38,7 +38,7 @@ from engram.config.table_optimizers import table_optimizer_spec
 from engram.optim.builder import apply_training_mode
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import apply_compile
-from parallelisms.context_parallel import apply_context_parallel, check_context_parallel
+from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.engram_tables import apply_engram_table_sharding
 from parallelisms.float8 import apply_float8
 from parallelisms.fsdp import DTYPES, apply_fsdp
@@ -96,7 +96,6 @@ def convert_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> None:
 def parallelize_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> list[nn.Parameter]:
     """Apply every parallelism in place; returns the row-sharded Engram table parameters."""
     dims.check_model(model.args, cfg.training.seq_len, engram_halo(cfg))
-    check_context_parallel(cfg, dims)
     convert_model(model, cfg, dims)
     if dims.tp_enabled:
         apply_tp(

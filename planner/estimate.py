@@ -16,7 +16,6 @@ from engram.config import ConfigError, JobConfig
 from engram.hashing.ngram import engram_table_rows
 from engram.models.builder import build_model
 from engram.runtime.device_specs import DEVICE_SPECS
-from parallelisms.context_parallel import check_context_parallel
 from parallelisms.float8 import check_float8_device
 from parallelisms.parallel_dims import ParallelDims, parallel_dims_from_config
 from parallelisms.pipeline import check_schedule
@@ -239,7 +238,6 @@ def estimate(
         device_memory_gib = DEVICE_MEMORY_GIB.get(cfg.job.device, DEVICE_MEMORY_GIB["npu"])
     cfg = _planning_config(cfg)
     dims = parallel_dims_from_config(cfg, world_size)  # validates the degrees up front
-    check_context_parallel(cfg, dims)  # what cp > 1 does not compose with, refused by name
     # Unsharded gradients kept across micro-batches: the recipe's no-sync DDP accumulation, or
     # a pipeline stage (torch's stage turns gradient sync off for all but the last micro-batch).
     n_micro = (

@@ -73,8 +73,7 @@ MODELLED = {  # setting -> where the planner models it
         "measure (the fake mesh), activations and comm (axis_divisors)",
     ),
     "parallelism.cp": "measure (FSDP over dp_shard x cp, tables over dp x cp x tp), activations, "
-    "comm (axis_divisors), pipeline stages and host tables at cp; what cp > 1 does not "
-    "compose with is refused by parallelisms.context_parallel.check_context_parallel first",
+    "comm (axis_divisors), pipeline stages and host tables at cp",
     "parallelism.cp_method": "activations (K / V held per method, all-gather K/V's masks), comm",
     "parallelism.fsdp_reshard_after_forward": "fsdp_buffers, comm",
     "parallelism.engram_table_dedup": "comm (counted without dedup: an upper bound)",

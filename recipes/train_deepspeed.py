@@ -103,7 +103,7 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
         states["table_optimizer"] = OptimizerState(tables, table_optimizers)
     checkpointer = build_checkpointer(
         cfg, tokenizer, hasher, dims.dp_size, states, engine=f"deepspeed-zero{stage}",
-        folder_states={"engine": EngineCheckpoint(engine)},
+        folder_states={"engine": EngineCheckpoint(engine, cfg.comm.train_timeout_s)},
     )  # fmt: skip
     start_step = checkpointer.load()
     metrics = MetricsLogger(cfg.run_folder, cfg.metrics, proc.rank, config_dict=cfg.to_dict())

@@ -5,7 +5,8 @@
 
 (a) default: a self-contained Hugging Face folder (engram/hf/export.py): transformers loads it as
     the full Engram model with AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
-    (modeling_engram.py beside config.json) and AutoTokenizer.from_pretrained(out); this repo
+    (modeling_engram.py beside config.json; without the flag transformers refuses it) and
+    AutoTokenizer.from_pretrained(out, trust_remote_code=True); this repo
     loads it into any layout with model.hf_checkpoint = <folder>. config.json states the repo
     version, the checkpoint fingerprint and the training config it came from.
 (b) --engram-only: engram.safetensors alone (engram.hf.export.load_engram_safetensors reads it).

@@ -344,3 +344,35 @@ def test_unwritable_folder_is_a_clear_error(tmp_path):
         subprocess.run(["umount", str(mnt)], check=True)
     for msg in msgs:
         assert str(mnt / "ckpt" / "step-1.tmp") in msg and "Read-only file system" in msg, msg
+
+
+class _UnwritableState:
+    """A per-rank JSON state whose write fails (a forced failure of the JSON-state save)."""
+
+    def state_dict(self) -> dict:
+        return {"bad": object()}  # not JSON-serialisable
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def test_failed_json_state_save_leaves_no_tmp_folder(tmp_path):
+    """A save that fails writing a JSON state (after DCP wrote its shards) raises naming the
+    state and removes its step-<N>.tmp/ at once, not at the next start."""
+    import warnings
+
+    from torch import nn
+
+    from engram.checkpoint import CheckpointManager, ModelState
+
+    cfg = Checkpoint(enable=True, interval=1, keep_latest_k=0)
+    states = {"model": ModelState(nn.Linear(4, 4, bias=False)), "dataloader": _UnwritableState()}
+    manager = CheckpointManager(cfg, tmp_path, states, {"fp": 1}, save_rng=False)
+    with (
+        warnings.catch_warnings(),
+        pytest.raises(CheckpointError, match="'dataloader' is not JSON"),
+    ):
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        manager.save(1)
+    assert not (tmp_path / "checkpoint" / "step-1.tmp").exists()
+    assert not (tmp_path / "checkpoint" / "step-1").exists()

@@ -7,8 +7,10 @@
   remote modeling file's torch-free transcription, equal for many seeds / layers / sizes); a
   config whose stored values disagree is refused naming the key, in our re-import and in
   transformers;
-- transformers reads the tokenizer without a prompt or warning (stdin closed, logs captured) and
-  the model (trust_remote_code) without a type warning;
+- transformers reads the tokenizer (AutoTokenizer with trust_remote_code, or
+  PreTrainedTokenizerFast without) and the model (trust_remote_code) without a prompt or a type
+  warning (stdin closed, logs captured); without the flag it refuses the model, naming the flag,
+  instead of building the plain backbone (config.json's model_type is engram_qwen3);
 - `tokenizer(prompt)` starts a prompt as training did, so transformers' greedy `generate` with
   its defaults gives recipes/generate.py's default output, token for token;
 - the export refuses a run's folder (or one inside it, or one holding the checkpoint).
@@ -138,6 +140,24 @@ def test_checksums_cover_every_file_and_changed_files_are_refused(exported, tmp_
         load_engram_safetensors(model, only / "engram.safetensors")
 
 
+def test_model_type_is_engram_and_older_exports_still_import(exported, tmp_path):
+    """An Engram folder names its own model_type (transformers then asks for trust_remote_code
+    rather than building the plain backbone); our readers import it and an older export that
+    kept the backbone's model_type."""
+    config = json.loads((exported / "hf" / "config.json").read_text())
+    assert config["model_type"] == "engram_qwen3"
+    assert config["auto_map"] == {
+        "AutoConfig": "modeling_engram.EngramQwen3Config",
+        "AutoModelForCausalLM": "modeling_engram.EngramQwen3ForCausalLM",
+    }
+    _import(exported / "hf")
+    old = _copy(exported / "hf", tmp_path / "old")
+    del config["auto_map"]["AutoConfig"]
+    (old / "config.json").write_text(json.dumps({**config, "model_type": "qwen3"}, indent=2))
+    write_checksums(old, [p for p in old.iterdir()])
+    _import(old)
+
+
 # ----------------------------------------------------------------------------- 5: hashing values
 
 
@@ -232,14 +252,15 @@ def test_edited_hashing_values_are_refused(exported, tmp_path):
 
 
 def _transformers_defaults(folder: str) -> dict:
-    """Tokenizer without trust_remote_code (stdin closed: a prompt would read EOF), the model
-    with it, every message captured; then tokenizer(prompt) + greedy generate, all defaults."""
+    """The model without trust_remote_code (stdin closed: a prompt reads EOF, a refusal), then
+    the tokenizer and the model with it, every message captured; then tokenizer(prompt) +
+    greedy generate, all defaults."""
     import contextlib
     import io
     import sys
     import warnings
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
     def quiet(load):
@@ -261,7 +282,12 @@ def _transformers_defaults(folder: str) -> dict:
         noise = logs.getvalue() + out.getvalue() + "".join(str(w.message) for w in caught)
         return obj, noise
 
-    tok, tok_noise = quiet(lambda: AutoTokenizer.from_pretrained(folder))
+    try:
+        plain = type(quiet(lambda: AutoModelForCausalLM.from_pretrained(folder))[0]).__name__
+    except ValueError as e:
+        plain = f"refused: {e}"
+    tok, tok_noise = quiet(lambda: AutoTokenizer.from_pretrained(folder, trust_remote_code=True))
+    fast, fast_noise = quiet(lambda: PreTrainedTokenizerFast.from_pretrained(folder))
     model, model_noise = quiet(
         lambda: AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
     )
@@ -269,9 +295,11 @@ def _transformers_defaults(folder: str) -> dict:
     with torch.no_grad():
         ids = model.generate(**enc, max_new_tokens=NEW, do_sample=False)
     return {
-        "tokenizer_noise": tok_noise,
+        "tokenizer_noise": tok_noise + fast_noise,
+        "fast_same": fast(PROMPT)["input_ids"] == tok(PROMPT)["input_ids"],
         "model_noise": model_noise,
         "class": type(model).__name__,
+        "without_flag": plain,
         "prompt_ids": enc["input_ids"][0].tolist(),
         "new_ids": ids[0, enc["input_ids"].shape[1] :].tolist(),
         "plain": tok(PROMPT, add_special_tokens=False)["input_ids"],
@@ -284,8 +312,12 @@ def test_transformers_defaults_equal_generate_defaults(exported, tmp_path, capsy
 
     theirs = run_isolated(_transformers_defaults, str(exported / "hf"), timeout=600)
     assert theirs["tokenizer_noise"] == ""  # no [y/N] prompt, no "model of type" warning
+    assert theirs["fast_same"]  # PreTrainedTokenizerFast: the same tokenizer, no remote code
     assert "model of type" not in theirs["model_noise"] and "[y/N]" not in theirs["model_noise"]
     assert theirs["class"] == "EngramQwen3ForCausalLM"
+    # Never the plain Qwen3ForCausalLM with the Engram weights dropped; the refusal says how.
+    assert theirs["without_flag"].startswith("refused: "), theirs["without_flag"]
+    assert "trust_remote_code=True" in theirs["without_flag"]
 
     cfg = _cfg()
     model, tok, hasher = build_for_generation(cfg, 64)

@@ -316,16 +316,22 @@ def test_debug_cp_config_fits_the_model():
             dims.check_model(model.args, cfg.training.seq_len, engram_halo(cfg))
 
 
-def test_what_does_not_compose_yet_is_refused_by_name():
+def test_hc_mult_has_one_refusal_at_every_cp():
+    """engram.hc_mult > 1 is refused for every dense model by the model builder (one residual
+    stream), at cp 1 and 2 alike: no CP-specific refusal describes a case that cannot occur."""
     from engram.config import JobConfig
-    from parallelisms.context_parallel import check_context_parallel
+    from engram.hashing.ngram import engram_table_rows
+    from engram.models.builder import build_model
 
-    dims = ParallelDims(1, 1, 1, 1, 2, cp=2)
     cfg = JobConfig()
     cfg.engram.hc_mult = 2
-    with pytest.raises(ConfigError, match="parallelism.cp=2.* does not support Engram hc_mult > 1"):
-        check_context_parallel(cfg, dims)
-    check_context_parallel(JobConfig(), dims)
+    with pytest.raises(
+        ValueError, match=r"engram.hc_mult = 2, but these dense models have a single"
+    ):
+        build_model(cfg.model, cfg.engram, 2048, engram_table_rows(cfg.engram), "meta")
+    import parallelisms.context_parallel as cp_module
+
+    assert not hasattr(cp_module, "check_context_parallel")
 
 
 # label -> (config sections of both runs, sections of the cp run only)

@@ -587,7 +587,10 @@ def test_ds_config_json_merges_and_auto_takes_the_toml(tmp_path):
             {"zero_optimization": {"stage": 3}},
             r"zero_optimization.stage = 3 .*deepspeed.zero_stage = 2",
         ),
-        ({"gradient_clipping": 1.0}, r"gradient_clipping = 1.0 .*training.max_norm"),
+        (  # the TOML's true max_norm, not the 0.0 the recipe hands DeepSpeed
+            {"gradient_clipping": 1.0},
+            r"gradient_clipping = 1.0 but the recipe sets 0.0 \(training.max_norm = 1.0 is",
+        ),
         ({"train_batch_size": 16}, r"train_batch_size = 16 .*training.local_batch_size"),
         ({"fp16": {"enabled": True}}, r"fp16: refused.*loss scaler.*Engram table"),
         ({"optimizer": {"type": "Adam"}}, r"'optimizer' section.*\[optimizer\]"),
@@ -631,6 +634,16 @@ def test_deepspeed_section_checks(tmp_path, section, match):
         ({"parallelism": {"tp": 2}}, r"parallelism.tp = 2 .*tensor parallel"),
         ({"parallelism": {"dp_replicate": 2}}, r"parallelism.dp_replicate = 2"),
         ({"training": {"loss_chunks": 4}}, r"training.loss_chunks = 4 .*ZeRO-3"),
+        ({"parallelism": {"cp": 2}}, r"parallelism.cp = 2 .*context parallel"),
+        ({"parallelism": {"cpu_offload": True}}, r"cpu_offload = true .*offload_optimizer"),
+        (  # was ignored silently: the engine's checkpoint holds every weight
+            {"checkpoint": {"trainable_only": True}, "training": {"mode": "engram_only"}},
+            r"checkpoint.trainable_only = true is not supported .*every weight",
+        ),
+        (
+            {"parallelism": {"fsdp_reshard_after_forward": "never"}},
+            r"fsdp_reshard_after_forward = \"never\" .*stage3_",
+        ),
     ],
 )
 def test_layouts_this_variant_refuses(tmp_path, sections, match):
@@ -638,6 +651,21 @@ def test_layouts_this_variant_refuses(tmp_path, sections, match):
 
     with pytest.raises(ConfigError, match=match):
         check_layout(config_from_dict(_config(str(tmp_path), 2, "adam", **sections)))
+
+
+def test_every_setting_is_classified_for_deepspeed():
+    """A new config setting must be classified in parallelisms/deepspeed_settings.py (honoured,
+    refused with a reason, or irrelevant here), as planner/registry.py does for the planner:
+    recipes/train_deepspeed.py never ignores one by default."""
+    from engram.config import JobConfig
+    from parallelisms import deepspeed_settings as ds
+
+    names = set(ds.settings(JobConfig()))
+    classes = [set(ds.HONOURED), set(ds.REFUSED), set(ds.IRRELEVANT)]
+    unclassified = names - set().union(*classes)
+    assert not unclassified, f"classify in parallelisms/deepspeed_settings.py: {unclassified}"
+    assert set().union(*classes) <= names, f"stale: {set().union(*classes) - names}"
+    assert sum(len(c) for c in classes) == len(names), "a setting in two classes"
 
 
 def test_missing_deepspeed_names_the_install_command(monkeypatch):

@@ -152,6 +152,9 @@ def _stage(root: str, stage: int) -> dict:
         _restore(step1, rel, original)
     if stage == 3:
         out["generate"] = _generate_reads_deepspeed(raw, full, root)
+    run = Path(f"{root}/zero{stage}/run/checkpoint")
+    out["engines"] = sorted(str(p.relative_to(run)) for p in run.glob("step-*/engine/model"))
+    out["scripts"] = sorted(str(p.relative_to(run)) for p in run.rglob("zero_to_*.py"))
     shutil.rmtree(f"{root}/zero{stage}")
     return out
 
@@ -199,6 +202,9 @@ def test_crafted_deepspeed_files_are_refused_and_run_no_code(tmp_path):
     got = run_distributed(_both_stages, 1, str(tmp_path), timeout=900)[0]
     for stage, out in got.items():
         where = f"ZeRO-{stage}"
+        # DeepSpeed's recovery scripts (they unpickle with weights_only off) are never committed.
+        assert out["engines"] == ["step-1/engine/model", "step-2/engine/model"], out["engines"]
+        assert out["scripts"] == [], f"{where}: {out['scripts']}"
         assert out["native"] == out["full"][1:], f"{where}: native resume not exact"
         torch.testing.assert_close(
             torch.tensor(out["universal"]), torch.tensor(out["full"][1:]), rtol=1e-5, atol=0
@@ -221,3 +227,28 @@ def test_crafted_deepspeed_files_are_refused_and_run_no_code(tmp_path):
     assert gen["source"].startswith("checkpoint") and gen["source"].endswith("step-2"), gen
     assert gen["names_equal"] and gen["differ"] == [], gen["differ"]
     assert isinstance(gen["completion"], str), gen
+
+
+class _Odd:
+    """A class torch's weights-only unpickler does not allow (no code runs for it)."""
+
+
+@pytest.mark.parametrize(
+    "obj, reason",
+    [
+        (_Payload(Path("/nonexistent/marker")), "GLOBAL exec was not an allowed global"),
+        (_Odd(), "GLOBAL test_parallelisms_deepspeed_files._Odd was not an allowed global"),
+    ],
+    ids=["code", "class"],
+)
+def test_refusal_quotes_torchs_reason_not_its_advice(tmp_path, obj, reason):
+    """The refusal shows why torch refused the file, not torch's header ("Please file an
+    issue ... WeightsUnpickler error:") nor its advice to turn weights_only off."""
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": obj}, path)
+    with pytest.raises(CheckpointError) as refused, weights_only_loads(tmp_path):
+        torch.load(path)
+    msg = str(refused.value)
+    assert reason in msg, msg
+    for advice in ("Please file an issue", "WeightsUnpickler", "weights_only` set to `False"):
+        assert advice not in msg, msg

@@ -11,7 +11,7 @@ import torch
 from launcher import run_distributed, run_isolated
 from test_planner_estimate import _real_rank_counts
 
-from engram.config import ConfigError, load_config
+from engram.config import load_config
 from engram.models.args import get_model_args
 from engram.runtime.device_specs import usable_memory_gib
 from planner.activations import activation_estimate
@@ -200,11 +200,11 @@ def test_compare_lists_cp_candidates():
     assert bad[0].estimate is None and "allgather_kv" in bad[0].error
 
 
-def test_cp_with_an_unmodelled_combination_is_refused_by_name():
-    """What context parallelism does not compose with is refused before anything is built,
-    by the same check the recipe runs (parallelisms.context_parallel.check_context_parallel)."""
+def test_hc_mult_is_refused_for_what_it_is_at_cp():
+    """engram.hc_mult > 1 at cp 2 is refused by the recipe's own reason (a dense model has one
+    residual stream, engram/models/builder.py), not by a CP-specific one."""
     cfg = _cfg(DEBUG, "--parallelism.cp=2", "--engram.hc_mult=2")
-    with pytest.raises(ConfigError, match=r"parallelism.cp=2.*Engram hc_mult > 1"):
+    with pytest.raises(ValueError, match=r"engram.hc_mult = 2, but these dense models have a"):
         run_isolated(estimate, cfg, 4)
 
 

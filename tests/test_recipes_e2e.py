@@ -37,9 +37,10 @@ def test_run_train_debug_model_learns(tmp_path):
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
     assert any("eval_loss" in r for r in records)
     assert {"lr", "grad_norm", "tokens_per_s"} <= records[0].keys()
-    # Throughput accounting (engram/train/throughput.py), the peak measured on this CPU.
+    # Throughput accounting (engram/train/throughput.py), the peak measured on this CPU: an
+    # indicative MFU (it moves with the machine's load), never asserted against 100.
     for r in (r for r in records if "loss" in r):
-        assert r["tflops"] > 0 and 0 < r["mfu"] < 100, r
+        assert r["tflops"] > 0 and r["mfu_indicative"] > 0 and "mfu" not in r, r
         assert r["max_active_gib"] > 0 and 0 < r["max_reserved_pct"] < 100, r
         assert 0 <= r["data_time_s"] < r["step_time_s"] and 0 <= r["data_pct"] < 100, r
     assert "MFU against peak" in proc.stdout and "(measured: cpu" in proc.stdout
@@ -49,4 +50,4 @@ def test_run_train_debug_model_learns(tmp_path):
     acc = EventAccumulator(str(run / "tb"))
     acc.Reload()
     assert len(acc.Scalars("loss")) == 60
-    assert len(acc.Scalars("mfu")) == 60 and len(acc.Scalars("data_pct")) == 60
+    assert len(acc.Scalars("mfu_indicative")) == 60 and len(acc.Scalars("data_pct")) == 60

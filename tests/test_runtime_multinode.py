@@ -267,6 +267,7 @@ def test_run_train_rejects_missing_config(tmp_path: Path) -> None:
         [str(ROOT / "run_train.sh")], env=env, cwd=ROOT, capture_output=True, text=True, timeout=30
     )
     assert res.returncode == 2
+    assert res.stderr.startswith("run_train.sh: CONFIG_FILE")  # the error prefix, kept
     assert "nope.toml' does not exist" in res.stderr and "CONFIG_FILE=" in res.stderr
 
 
@@ -292,9 +293,10 @@ def test_run_train_sets_allocator_defaults_and_keeps_the_users(tmp_path: Path) -
     unset = _launcher_env(tmp_path)
     assert unset["PYTORCH_CUDA_ALLOC_CONF"] == unset["PYTORCH_NPU_ALLOC_CONF"]
     assert unset["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
-    assert (
-        "run_train.sh: PYTORCH_NPU_ALLOC_CONF=expandable_segments:True (default" in unset["stdout"]
-    )
+    info = "run_train.sh info: PYTORCH_NPU_ALLOC_CONF=expandable_segments:True (default"
+    assert info in unset["stdout"]
+    # "run_train.sh:" starts an error (stderr) only, never an informational line.
+    assert not [ln for ln in unset["stdout"].splitlines() if ln.startswith("run_train.sh:")]
     mine = _launcher_env(
         tmp_path, PYTORCH_NPU_ALLOC_CONF="", PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512"
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,30 @@ _METADATA_CLASSES = {
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
     "collections": {"OrderedDict"},
 }
+
+
+# torch's weights-only refusal wraps its reason in advice (turn weights_only off, allowlist the
+# class, file an issue) that is wrong for a checkpoint we refuse on purpose.
+_ADVICE = (
+    "Weights only load failed",
+    "(1)",
+    "(2)",
+    "Check the documentation",
+    "Please file an issue",
+)
+
+
+def unpickler_reason(error: BaseException) -> str:
+    """The reason in torch's weights-only UnpicklingError, without its advice: e.g.
+    "Unsupported global: GLOBAL __main__.Odd was not an allowed global by default"."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    if "WeightsUnpickler error:" in text:
+        reason = text.split("WeightsUnpickler error:", 1)[1]
+    else:
+        lines = [ln.strip() for ln in text.splitlines()]
+        reason = " ".join(ln for ln in lines if ln and not ln.startswith(_ADVICE)) or text
+    reason = re.split(r"\.? Please use `torch\.serialization|\n\n", reason.strip(), maxsplit=1)[0]
+    return " ".join(reason.split())
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -82,7 +107,7 @@ class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
         except pickle.UnpicklingError as e:
             raise CheckpointError(
                 f"checkpoint item {read_item.dest_index.fqn!r} is a pickled object this "
-                f"checkpointer never writes: refusing to load it ({e})"
+                f"checkpointer never writes: refusing to load it ({unpickler_reason(e)})"
             ) from None
         # Re-serialised from the weights-only result: DCP's own reader sees plain values only.
         safe = io.BytesIO()

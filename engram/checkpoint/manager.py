@@ -203,6 +203,9 @@ class CheckpointManager:
                 )
                 return final
         except CheckpointError:
+            # Raised on every rank at once (raise_if_any_rank_failed): no rank writes into tmp
+            # any more, so its partial folder goes now, not at the next start.
+            self._remove_partial(tmp)
             raise
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
             raise self._save_failed(step, tmp, e) from e
@@ -231,11 +234,7 @@ class CheckpointManager:
             raise_if_any_rank_failed(error)
             self._commit_collective(step, tmp, final)
         except CheckpointError:
-            if self.rank == 0 and tmp.is_dir():
-                try:
-                    self._remove_own_tmp(tmp)
-                except (OSError, CheckpointError) as cleanup:
-                    logger.warning("could not remove partial checkpoint %s: %s", tmp, cleanup)
+            self._remove_partial(tmp)
             raise
         if self.rank == 0:
             logger.info(
@@ -310,12 +309,16 @@ class CheckpointManager:
         """A save raised (on any rank): remove our partial folder, report the path and why."""
         # Described first: removing the partial save frees the space a full disk lacked.
         message = describe_save_error(self.folder, step, tmp, e)
+        self._remove_partial(tmp)
+        return CheckpointError(message)
+
+    def _remove_partial(self, tmp: Path) -> None:
+        """Rank 0 removes a failed save's step-<N>.tmp/ (a warning if it cannot)."""
         if self.rank == 0 and tmp.is_dir():
             try:
                 self._remove_own_tmp(tmp)
             except (OSError, CheckpointError) as cleanup:
                 logger.warning("could not remove partial checkpoint %s: %s", tmp, cleanup)
-        return CheckpointError(message)
 
     def _commit(self, step: int, tmp: Path, final: Path, checksums: dict[str, Any]) -> None:
         meta = {

@@ -289,7 +289,7 @@ class Metrics:
     tb_folder: str = "tb"
     """Sub-folder of the run folder for TensorBoard events."""
     peak_tflops: float = 0.0
-    """Peak TFLOP/s per device that `mfu` divides by. 0: the dense bf16 figure of engram/runtime/device_specs.py for the device's name, or on cpu (and devices the table lacks) a short GEMM measured at start (logged as "measured")."""
+    """Peak TFLOP/s per device that `mfu` divides by. 0: the dense bf16 figure of engram/runtime/device_specs.py for the device's name, or on cpu (and devices the table lacks) a short GEMM measured at start (logged as "measured"; the key is then `mfu_indicative`, a figure that moves with the machine's load)."""
 
     def __post_init__(self) -> None:
         check(self.log_freq >= 1, "metrics.log_freq must be >= 1")

@@ -3,13 +3,18 @@
 (a) a self-contained Hugging Face folder that transformers loads as the full model:
 
         AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
-        AutoTokenizer.from_pretrained(folder)
+        AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+
+    (model_type engram_llama / engram_qwen2 / engram_qwen3: without the flag transformers refuses
+    the model rather than build the plain backbone; PreTrainedTokenizerFast reads the tokenizer
+    without the folder's code)
 
     model.safetensors (the backbone in HF Llama/Qwen names; Engram weights under
     `model.layers.<i>.engram.*`; the tokenizer compression table as `engram_hash.lookup`),
     config.json (the family's config plus `engram`: layer ids, seeds, multipliers, primes, table
     sizes; `engram_titan`: repo version, checkpoint fingerprint and the training config),
-    modeling_engram.py (engram/hf/remote/, torch + transformers only; `auto_map` points to it),
+    modeling_engram.py (engram/hf/remote/, torch + transformers only; `auto_map` points its
+    config and model classes to it),
     tokenizer.json + tokenizer_config.json and generation_config.json. Without Engram the folder
     is a plain Llama / Qwen2 / Qwen3 checkpoint (no remote code). It also loads back into any
     layout with `engram.hf.load.load_hf_backbone` (model.hf_checkpoint = folder).
@@ -66,8 +71,9 @@ _MODEL_FILE_PATTERNS = (
 )
 ENGRAM_FORMAT = "engram-safetensors/1"
 MODELING_FILE = Path(__file__).parent / "remote" / "modeling_engram.py"
-# model.name -> (plain architecture, model_type, Engram architecture); an Engram folder keeps the
-# plain model_type (earlier exports wrote engram_llama / ...: engram/models/hf_config.py reads both)
+# model.name -> (plain architecture, model_type, Engram architecture); an Engram folder's
+# model_type is "engram_" + the plain one (exports before it kept the plain one:
+# engram/models/hf_config.py reads both)
 _ARCH = {
     "llama3": ("LlamaForCausalLM", "llama", "EngramLlamaForCausalLM"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", "EngramQwen2ForCausalLM"),
@@ -126,8 +132,6 @@ def engram_hf_config(model: nn.Module, hasher: Any) -> dict[str, Any]:
     rows = {i: int(b.table.weight.shape[0]) for i, b in blocks.items()}
     if rows != {int(i): int(r) for i, r in hasher.table_rows.items()}:
         raise EngramExportError(f"table rows {rows} differ from the hasher's {hasher.table_rows}")
-    if cfg.hc_mult != 1:
-        raise EngramExportError(f"engram.hc_mult = {cfg.hc_mult}: the export computes hc_mult 1")
     layers = hasher.layer_ids
     engram = {
         "layer_ids": layers,
@@ -277,11 +281,17 @@ def export(
         lookup = hasher.lookup if hasher.lookup is not None else range(hasher.num_ids)
         tensors[HASH_LOOKUP] = torch.as_tensor(lookup, dtype=torch.int64).clone()
         arch = _ARCH[family][2]
-        # model_type stays the backbone's: transformers then reads the config (and the tokenizer)
-        # without running the folder's code; only the model class is remote code.
+        # A model_type of its own: with the backbone's, AutoModelForCausalLM without
+        # trust_remote_code builds the plain backbone and drops every Engram weight (exit 0).
+        # transformers knows no engram_* type, so it asks for the flag (the config class is the
+        # folder's code too); the tokenizer is found through tokenizer_config.json's class.
         config.update(
             architectures=[arch],
-            auto_map={"AutoModelForCausalLM": f"{MODELING_FILE.stem}.{arch}"},
+            model_type="engram_" + config["model_type"],
+            auto_map={
+                "AutoConfig": f"{MODELING_FILE.stem}.{arch.replace('ForCausalLM', 'Config')}",
+                "AutoModelForCausalLM": f"{MODELING_FILE.stem}.{arch}",
+            },
             engram=engram_hf_config(model, hasher),
         )
     config.update(

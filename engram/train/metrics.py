@@ -45,7 +45,7 @@ def _fmt_value(key: str, value: float) -> str:
         return f"{key} {value:.4f}"
     if key == "tokens_per_s":
         return f"tok/s {value:,.0f}"
-    if key in ("mfu", "max_active_pct", "max_reserved_pct", "data_pct"):
+    if key in ("mfu", "mfu_indicative", "max_active_pct", "max_reserved_pct", "data_pct"):
         return f"{key} {value:.1f}%"
     if key == "data_time_s":
         return f"{key} {value:.3f}"

@@ -488,10 +488,23 @@ class _EngramCausalLM:
         return args, {**kwargs, "hidden_states": hidden}
 
 
-# The configs are transformers' own (config.json's model_type is the backbone's), so reading the
-# config or the tokenizer runs no code from the folder; only these model classes are remote code.
+# config.json's model_type is engram_llama / engram_qwen2 / engram_qwen3, transformers knows none
+# of them: AutoModelForCausalLM without trust_remote_code refuses the folder instead of building
+# the plain backbone (which would drop every Engram weight). The configs are the backbone's.
+class EngramLlamaConfig(LlamaConfig):
+    model_type = "engram_llama"
+
+
+class EngramQwen2Config(Qwen2Config):
+    model_type = "engram_qwen2"
+
+
+class EngramQwen3Config(Qwen3Config):
+    model_type = "engram_qwen3"
+
+
 class EngramLlamaForCausalLM(_EngramCausalLM, LlamaForCausalLM):
-    config_class = LlamaConfig
+    config_class = EngramLlamaConfig
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -499,7 +512,7 @@ class EngramLlamaForCausalLM(_EngramCausalLM, LlamaForCausalLM):
 
 
 class EngramQwen2ForCausalLM(_EngramCausalLM, Qwen2ForCausalLM):
-    config_class = Qwen2Config
+    config_class = EngramQwen2Config
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -507,7 +520,7 @@ class EngramQwen2ForCausalLM(_EngramCausalLM, Qwen2ForCausalLM):
 
 
 class EngramQwen3ForCausalLM(_EngramCausalLM, Qwen3ForCausalLM):
-    config_class = Qwen3Config
+    config_class = EngramQwen3Config
 
     def __init__(self, config) -> None:
         super().__init__(config)
