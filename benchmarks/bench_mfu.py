@@ -8,7 +8,7 @@
    by the measured peak on cpu and by the table's on accelerators (as training logs it).
 2. A 256M-parameter Llama-shaped model (dim 1024, 16 layers, 16 heads / 8 KV, FFN 2816,
    vocabulary 32768), seq 1024, trained a few steps with the recipe's own placement, optimizers
-   and step (parallelisms/trial_step.py, synthetic batches), Engram off, then on (one Engram
+   and step (runner/trial_step.py, synthetic batches), Engram off, then on (one Engram
    layer at layer 1, 2 orders x 8 heads x 64, tables of 2 x 8 x ~32 K rows, dense Adam). The last
    step of each is timed (cpu: the only one); FLOPs per token as engram/train/flops.py counts them.
 3. The table: step time, tokens/s, TFLOP/s and MFU per device, the share of the CPU threads the
@@ -33,7 +33,7 @@ from engram.runtime import device as dev  # noqa: E402
 from engram.runtime.device_specs import measure_gemm_tflops, peak_spec_for  # noqa: E402
 from engram.runtime.distributed import destroy_distributed, init_distributed  # noqa: E402
 from parallelisms.parallel_dims import parallel_dims_from_config  # noqa: E402
-from parallelisms.trial_step import run_trial_step  # noqa: E402
+from runner.trial_step import run_trial_step  # noqa: E402
 
 FLAVOR = "bench-256M"
 MODEL_FLAVORS["llama3"][FLAVOR] = ModelArgs(

@@ -2,7 +2,7 @@
 
     CONFIG_FILE=train_configs/debug_model.toml ./run_train.sh [--section.key=value ...]
 
-The model is built on meta, then placed on this rank by parallelisms/model_parts.py: the
+The model is built on meta, then placed on this rank by runner/model_parts.py: the
 parallelisms in the order stated in parallelisms/parallelize.py, then materialised and
 initialised (init is independent of the layout). It is held as `model_parts` (one part; under
 pipeline parallelism this rank's stages, each split from the meta model first and then
@@ -54,7 +54,7 @@ from engram.train.throughput import Throughput
 from parallelisms.context_parallel import split_batch
 from parallelisms.engram_tables import prefetch_host_tables
 from parallelisms.fsdp import defer_grad_sync
-from parallelisms.model_parts import build_model_parts
+from runner.model_parts import build_model_parts
 from parallelisms.parallel_dims import parallel_dims_from_config
 
 

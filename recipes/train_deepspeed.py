@@ -6,7 +6,7 @@
 It reads the same TOML plus the [deepspeed] section (docs/deepspeed.md) and is built from the
 same pieces as train.py (engram/train/: process, meta model, data, checkpoint manager, step,
 metrics, evaluation). What differs, and so is here: the model is placed for the engine
-(parallelisms/deepspeed_engine.py place_for_engine: LoRA as in train.py, the Engram tables
+(runner/deepspeed_engine.py place_for_engine: LoRA as in train.py, the Engram tables
 row-sharded as there, then taken out of the module tree, since ZeRO-3 would partition them, and
 given their own optimizer); everything else (backbone, LoRA adapters, Engram gates /
 projections / ShortConv) is handed to `deepspeed.initialize` with a torch AdamW. One optimizer
@@ -45,7 +45,7 @@ from engram.train.profiling import maybe_profile
 from engram.train.progress import Progress, TrainResult
 from engram.train.step import dp_mean, next_batches, step_optimizers
 from engram.train.throughput import Throughput
-from parallelisms.deepspeed_engine import (
+from runner.deepspeed_engine import (
     EngineCheckpoint,
     build_ds_config,
     check_layout,

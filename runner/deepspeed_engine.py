@@ -19,7 +19,7 @@ only its loop:
   is committed with the table shards in one step folder; `convert_to_universal` (the command
   scripts/deepspeed_universal.py) adds DeepSpeed's universal format to a step folder, which
   the engine loads at another world size. Every read of DeepSpeed's files (resume,
-  conversion) runs inside parallelisms/deepspeed_files.py `weights_only_loads`: no pickled
+  conversion) runs inside runner/deepspeed_files.py `weights_only_loads`: no pickled
   code runs; reading a step folder into an unsharded model is there too.
 
 The engine gets a torch optimizer through DeepSpeed's client-optimizer path
@@ -54,7 +54,7 @@ from engram.models.table_grad import row_grad, scale_row_grads_
 from engram.models.transformer import clean_fqn
 from engram.optim.builder import apply_training_mode
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
-from parallelisms.deepspeed_files import (
+from runner.deepspeed_files import (
     ENGINE_TAG,
     is_deepspeed_step,
     register_at,

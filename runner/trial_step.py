@@ -8,7 +8,7 @@ and speed are those of the real run's layers. On cpu ranks the widths shrink too
 32B layer does not fit a test machine. The batch is synthetic (random token ids and table rows):
 the check times the step, not the data.
 
-It lives in parallelisms/ because it places the model (build_model_parts), as model_parts.py.
+It lives in runner/ because it assembles a run (build_model_parts), as model_parts.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from engram.runtime import device as dev
 from engram.runtime.device_specs import Peak, resolve_peak
 from engram.train.flops import FlopCount, model_flops
 from engram.train.step import forward_backward, step_optimizers
-from parallelisms.model_parts import build_model_parts
+from runner.model_parts import build_model_parts
 from parallelisms.parallel_dims import ParallelDims
 
 CPU_WIDTH_DIV = 16  # cpu: model width, FFN width and vocabulary / 16; attention heads / 8

@@ -3,7 +3,7 @@ memory planner's prediction for the same cut.
 
     rank 0: the planner's peak for the cut (in a child process: the planner plays ranks under
             torch's fake process group, which cannot coexist with the job's real one)
-    every rank: parallelisms/trial_step.py (the recipe's placement, optimizers and step)
+    every rank: runner/trial_step.py (the recipe's placement, optimizers and step)
     printed: what was cut, step time, TFLOP/s and MFU per device, rank 0's peak memory against
             the planner's (the ratio is the planner's error on this hardware)
 
@@ -52,7 +52,7 @@ def real_step(cfg, cfg_argv: list[str], device, layers: int) -> str:
     import torch.distributed as dist
 
     from parallelisms.parallel_dims import parallel_dims_from_config
-    from parallelisms.trial_step import cut_config, run_trial_step
+    from runner.trial_step import cut_config, run_trial_step
 
     world, cpu = dist.get_world_size(), device.type == "cpu"
     dims = parallel_dims_from_config(cfg, world)
@@ -81,7 +81,7 @@ def real_step(cfg, cfg_argv: list[str], device, layers: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     from parallelisms.parallel_dims import parallel_dims_from_config
-    from parallelisms.trial_step import cut_config
+    from runner.trial_step import cut_config
     from planner.estimate import estimate
 
     parser = argparse.ArgumentParser(description="the planner's peak for check_cluster's cut")

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from engram.checkpoint import CheckpointError
 from engram.config import ConfigError, config_from_dict, load_config
 from engram.models.transformer import clean_fqn
-from parallelisms.deepspeed_files import load_deepspeed_weights
+from runner.deepspeed_files import load_deepspeed_weights
 
 pytest.importorskip("deepspeed")
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,7 +244,7 @@ def _universal_resume(folder: str, world: int, runs: str, stage: int) -> dict:
     """Step 3 of the 2-rank ZeRO-`stage` run resumed by this `world`-rank run (same global
     batch): refused until the step folder is converted (scripts/deepspeed_universal.py for
     ZeRO-2, its function for ZeRO-3), then steps 4-5 from the universal checkpoint."""
-    from parallelisms.deepspeed_engine import convert_to_universal
+    from runner.deepspeed_engine import convert_to_universal
 
     shutil.copytree(
         f"{runs}/zero{stage}_adam/run/checkpoint/step-3", f"{folder}/run/checkpoint/step-3"
@@ -546,7 +546,7 @@ def test_lora_under_zero_stages_matches_fsdp2(tmp_path):
 
 
 def _ds_config(tmp_path, user: dict | str | None = None, **sections):
-    from parallelisms.deepspeed_engine import build_ds_config
+    from runner.deepspeed_engine import build_ds_config
 
     raw = _config(str(tmp_path), 2, "adam", **sections)
     if user is not None:
@@ -602,7 +602,7 @@ def test_ds_config_json_conflicts_are_errors(tmp_path, user, match):
 def test_missing_config_json(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         config = _config(str(tmp_path), 2, "adam", deepspeed={"config_json": "/nope.json"})
-        from parallelisms.deepspeed_engine import build_ds_config
+        from runner.deepspeed_engine import build_ds_config
 
         build_ds_config(config_from_dict(config), 2)
 
@@ -634,14 +634,14 @@ def test_deepspeed_section_checks(tmp_path, section, match):
     ],
 )
 def test_layouts_this_variant_refuses(tmp_path, sections, match):
-    from parallelisms.deepspeed_engine import check_layout
+    from runner.deepspeed_engine import check_layout
 
     with pytest.raises(ConfigError, match=match):
         check_layout(config_from_dict(_config(str(tmp_path), 2, "adam", **sections)))
 
 
 def test_missing_deepspeed_names_the_install_command(monkeypatch):
-    from parallelisms.deepspeed_engine import import_deepspeed
+    from runner.deepspeed_engine import import_deepspeed
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     with pytest.raises(ImportError, match=r'pip install -e "\.\[deepspeed\]"'):
@@ -700,7 +700,7 @@ def test_run_train_sh_zero3_trains_and_exports(tmp_path):
 
 
 def test_shipped_32b_deepspeed_config_builds_its_ds_config():
-    from parallelisms.deepspeed_engine import build_ds_config, check_layout
+    from runner.deepspeed_engine import build_ds_config, check_layout
 
     cfg = load_config([f"--job.config_file={ROOT / 'train_configs/32b_npu_deepspeed.toml'}"])
     check_layout(cfg)

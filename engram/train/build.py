@@ -3,7 +3,7 @@ process group, logger, seed), the tokenizer / hasher / model on meta, the data l
 checkpoint manager of the run folder.
 
 How the model is placed on ranks is not here: that is parallelisms/ (FSDP2 / TP / PP:
-parallelisms/model_parts.py; DeepSpeed: parallelisms/deepspeed_engine.py), which engram/ does
+runner/model_parts.py; DeepSpeed: runner/deepspeed_engine.py), which engram/ does
 not import; the recipe passes this module the placed model's states.
 """
 

@@ -70,7 +70,7 @@ class PipelineLoss:
 @dataclass
 class PipelineRun:
     """This rank's pipeline schedules and where the loss lives (under PP only; built by
-    parallelisms/model_parts.py)."""
+    runner/model_parts.py)."""
 
     schedule: Any  # a torch.distributed.pipelining schedule over this rank's stages
     eval_schedule: Any  # forward-only (see parallelisms/pipeline.py build_eval_schedule)
