@@ -54,15 +54,15 @@ from engram.models.table_grad import row_grad, scale_row_grads_
 from engram.models.transformer import clean_fqn
 from engram.optim.builder import apply_training_mode
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.engram_tables import ShardedEngramTable
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallelize import convert_model, engram_halo, shard_engram_tables
 from runner.deepspeed_files import (
     ENGINE_TAG,
     is_deepspeed_step,
     register_at,
     weights_only_loads,
 )
-from parallelisms.engram_tables import ShardedEngramTable
-from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import convert_model, engram_halo, shard_engram_tables
 
 INSTALL = 'pip install -e ".[deepspeed]"'
 UNIVERSAL_TAG = f"{ENGINE_TAG}_universal"  # <step folder>/engine/model_universal/ (converted)

@@ -30,8 +30,8 @@ from engram.runtime import device as dev
 from engram.runtime.device_specs import Peak, resolve_peak
 from engram.train.flops import FlopCount, model_flops
 from engram.train.step import forward_backward, step_optimizers
-from runner.model_parts import build_model_parts
 from parallelisms.parallel_dims import ParallelDims
+from runner.model_parts import build_model_parts
 
 CPU_WIDTH_DIV = 16  # cpu: model width, FFN width and vocabulary / 16; attention heads / 8
 CPU_SEQ_LEN = 256
