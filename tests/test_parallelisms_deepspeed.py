@@ -280,9 +280,9 @@ def _universal_resume(folder: str, world: int, runs: str, stage: int) -> dict:
 
 @contextlib.contextmanager
 def _faulty(attr: str, calls: tuple[int, ...], fault):
-    """recipes.train_deepspeed.<attr> runs as `fault(real, *args)` on its `calls`-th calls
-    (counted from 1), as itself otherwise."""
-    import recipes.train_deepspeed as recipe
+    """runner.engine_step.<attr> (the DeepSpeed recipe's step) runs as `fault(real, *args)` on
+    its `calls`-th calls (counted from 1), as itself otherwise."""
+    import runner.engine_step as recipe
 
     real, n = getattr(recipe, attr), [0]
 
