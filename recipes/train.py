@@ -6,11 +6,11 @@ The model is built on meta, then placed on this rank by runner/model_parts.py: t
 parallelisms in the order stated in parallelisms/parallelize.py, then materialised and
 initialised (init is independent of the layout). It is held as `model_parts` (one part; under
 pipeline parallelism this rank's stages, each split from the meta model first and then
-parallelised). One optimizer step: the data, then runner/step.py's TrainStep (the context
-parallel cut, host-table prefetch, forward / backward per micro-batch or the PP schedule, clip,
-the non-finite guard, the update: the one step check_cluster and bench_mfu time too), log,
-evaluate, save. The pieces are engram/train/ (build.py, evaluate.py, progress.py) and runner/,
-shared with recipes/train_deepspeed.py.
+parallelised). Then the loop (runner/loop.py, shared with recipes/train_deepspeed.py), per
+optimizer step: the data, runner/step.py's TrainStep (the context-parallel cut, host-table
+prefetch, forward / backward per micro-batch or the PP schedule, clip, the non-finite guard,
+the update: the one step that check_cluster's real_step and bench_mfu time too), log, evaluate,
+save. The other pieces are engram/train/ (build.py, progress.py, ...) and runner/model_parts.py.
 """
 
 from __future__ import annotations
