@@ -101,8 +101,8 @@ def _resume(raw: dict, universal: bool, root: str) -> dict:
 
 
 def _stage(root: str, stage: int) -> dict:
-    from runner.deepspeed_engine import convert_to_universal
     from recipes.train_deepspeed import train
+    from runner.deepspeed_engine import convert_to_universal
 
     raw = _config(
         f"{root}/zero{stage}",
