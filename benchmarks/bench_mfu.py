@@ -1,14 +1,28 @@
-"""MFU of a mid-size model with Engram off and on, against this machine's measured GEMM peak.
+"""MFU of a mid-size model with Engram off and on, against this machine's measured GEMM peak; or
+of any config's real-width cut, against the memory planner.
 
     python benchmarks/bench_mfu.py                          # this CPU: ~2 min on 2 idle cores
     torchrun --nproc_per_node=8 benchmarks/bench_mfu.py     # a GPU / NPU node: FSDP-8, bf16
+    python benchmarks/bench_mfu.py --config train_configs/8b_gpu.toml --layers 4 \
+        --parallelism.tp=1 [--section.key=value ...]        # a config's cut (below)
+
+With --config: the config's model cut to --layers decoder layers (one Engram layer kept, with its
+full tables; runner/trial_step.py cut_config) at the config's layout, compute dtype
+(parallelism.mixed_precision_param), activation checkpointing, compile / float8, loss and
+optimizers, stepped by the recipe's one step (runner/step.py) on synthetic batches. Printed:
+the cut, step time, tokens/s, TFLOP/s and MFU per device, and rank 0's peak memory against the
+planner's plan for the same cut (live tensors, no fragmentation / reserve: scripts/cluster_step.py).
+On accelerators the widths, sequence and batch are the config's; on cpu they shrink (widths / 16,
+tables / 1000, seq <= 256: the output says so), so a cpu run checks the plumbing, not the speed.
+
+Without --config:
 
 1. The peak: square GEMMs timed on this device (float32 on cpu, bfloat16 on accelerators), and
    on accelerators the dense bf16 figure of engram/runtime/device_specs.py beside it. MFU divides
    by the measured peak on cpu and by the table's on accelerators (as training logs it).
 2. A 256M-parameter Llama-shaped model (dim 1024, 16 layers, 16 heads / 8 KV, FFN 2816,
    vocabulary 32768), seq 1024, trained a few steps with the recipe's own placement, optimizers
-   and step (parallelisms/trial_step.py, synthetic batches), Engram off, then on (one Engram
+   and step (runner/trial_step.py, synthetic batches), Engram off, then on (one Engram
    layer at layer 1, 2 orders x 8 heads x 64, tables of 2 x 8 x ~32 K rows, dense Adam). The last
    step of each is timed (cpu: the only one); FLOPs per token as engram/train/flops.py counts them.
 3. The table: step time, tokens/s, TFLOP/s and MFU per device, the share of the CPU threads the
@@ -27,13 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from engram.config import config_from_dict  # noqa: E402
+from engram.config import config_from_dict, load_config  # noqa: E402
 from engram.models.args import MODEL_FLAVORS, ModelArgs  # noqa: E402
 from engram.runtime import device as dev  # noqa: E402
 from engram.runtime.device_specs import measure_gemm_tflops, peak_spec_for  # noqa: E402
 from engram.runtime.distributed import destroy_distributed, init_distributed  # noqa: E402
 from parallelisms.parallel_dims import parallel_dims_from_config  # noqa: E402
-from parallelisms.trial_step import run_trial_step  # noqa: E402
+from runner.trial_step import cut_config, run_trial_step  # noqa: E402
+from scripts.cluster_step import GIB, planner_peak_gib  # noqa: E402
 
 FLAVOR = "bench-256M"
 MODEL_FLAVORS["llama3"][FLAVOR] = ModelArgs(
@@ -64,6 +79,40 @@ def run(engram: bool, args, device, peak_tflops: float) -> dict:
     return {"step": step, "tokens_per_s": tokens}
 
 
+def run_config(args, cfg_argv: list[str], device) -> list[str]:
+    """--config: the cut's one step, against the planner's peak for the same cut."""
+    cfg = load_config(cfg_argv)
+    world, cpu = dist.get_world_size(), device.type == "cpu"
+    dims = parallel_dims_from_config(cfg, world)
+    cut, what = cut_config(cfg, args.layers, cpu, dims.tp, dims.pp, dims.cp)
+    planned, note = None, ""
+    if dist.get_rank() == 0:
+        try:
+            planned = planner_peak_gib(cfg_argv, world, args.layers, cpu)
+        except Exception as e:  # the step still runs; the table says why there is no ratio
+            note = f" (no plan: {type(e).__name__}: {e})"
+    dims.build_mesh(device.type)
+    step = run_trial_step(cut, dims, device, steps=args.steps)
+    t = cut.training
+    tokens = t.local_batch_size * t.seq_len * dims.dp_size / step.step_time_s / world
+    measured = step.peak_bytes / GIB
+    ratio = f"{measured / planned:.2f}" if planned else "-"
+    return [
+        f"device {dev.device_name(device)} ({device.type}, world {world}), torch "
+        f"{torch.__version__}; layout {dims}",
+        f"{what}" + ("; SHRUNK on cpu: not the config's speed or memory" if cpu else ""),
+        f"compute dtype {cut.parallelism.mixed_precision_param}, compile "
+        f"{cut.compile.enable}, float8 {cut.float8.enable}; timed step {args.steps} of "
+        f"{args.steps}; MFU of the {step.peak.source} peak {step.peak.tflops:.3g} TFLOP/s",
+        "| step s | tokens/s per device | TFLOP/s per device | MFU | peak GiB (rank 0) "
+        "| planned GiB | measured / planned |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| {step.step_time_s:.3f} | {tokens:,.0f} | {step.tflops:.3g} | {step.mfu:.1f}% | "
+        f"{measured:.2f}{' (cpu: resident-set growth)' if cpu else ''} | "
+        f"{f'{planned:.2f}' if planned else '-'} | {ratio} |{note}",
+    ]
+
+
 def share(step) -> str:
     """cpu: the share of this process's threads' time the timed step got (a loaded machine
     shows here, not as a slow kernel)."""
@@ -73,6 +122,8 @@ def share(step) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="", help="a TOML config: bench its cut (see above)")
+    ap.add_argument("--layers", type=int, default=4, help="--config: decoder layers kept")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=1)
@@ -81,8 +132,13 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=2, help="cpu threads")
     ap.add_argument("--dtype", default="", help="FSDP compute dtype (default: bf16 off cpu)")
-    args = ap.parse_args()
+    args, overrides = ap.parse_known_args()
+    if overrides and not args.config:
+        ap.error(f"unknown arguments {overrides} (--section.key=value needs --config)")
     device_type = dev.resolve_device_type(args.device)
+    # --config: the config file, this machine's device type (the 8B/32B GPU configs name cuda)
+    # unless an override names one, then the overrides.
+    cfg_argv = [f"--job.config_file={args.config}", f"--job.device={device_type}", *overrides]
     args.dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
     # cpu: one ~40 s step per variant (a warm-up step would double the run); accelerators: the
     # first steps pay for kernel selection and allocator growth.
@@ -93,6 +149,11 @@ def main() -> None:
     _, local_rank, world = init_distributed(device_type)
     device = dev.local_device(device_type, local_rank)
     try:
+        if args.config:
+            lines = run_config(args, cfg_argv, device)
+            if dist.get_rank() == 0:
+                print("\n".join(lines), flush=True)
+            return
         gemm_dtype = torch.float32 if device_type == "cpu" else torch.bfloat16
         n = 512 if device_type == "cpu" else 8192
         measured = measure_gemm_tflops(device, gemm_dtype, n=n, budget_s=1.0)

@@ -85,7 +85,7 @@ def shard_engram_tables(model: nn.Module, cfg: JobConfig, dims: ParallelDims) ->
 def convert_model(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> None:
     """The converter slot, on the meta model before any parallelism: float8, then LoRA (lora
     mode: adapters, and the frozen backbone held in `frozen_dtype`). Also the DeepSpeed
-    variant's (parallelisms/deepspeed_engine.py place_for_engine), so LoRA is one code path.
+    variant's (runner/deepspeed_engine.py place_for_engine), so LoRA is one code path.
     Not named apply_*: it is no step of its own for planner/registry.py, only these two."""
     apply_float8(model, cfg.float8, dims.mesh().device_type, compiled=cfg.compile.enable)
     if cfg.training.mode == "lora":

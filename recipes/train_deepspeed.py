@@ -6,55 +6,42 @@
 It reads the same TOML plus the [deepspeed] section (docs/deepspeed.md) and is built from the
 same pieces as train.py (engram/train/: process, meta model, data, checkpoint manager, step,
 metrics, evaluation). What differs, and so is here: the model is placed for the engine
-(parallelisms/deepspeed_engine.py place_for_engine: LoRA as in train.py, the Engram tables
+(runner/deepspeed_engine.py place_for_engine: LoRA as in train.py, the Engram tables
 row-sharded as there, then taken out of the module tree, since ZeRO-3 would partition them, and
 given their own optimizer); everything else (backbone, LoRA adapters, Engram gates /
 projections / ShortConv) is handed to `deepspeed.initialize` with a torch AdamW. One optimizer
-step: `engine.backward` per micro-batch, then one global gradient norm over engine + tables
+step is train.py's (runner/step.py) with the engine's parts (runner/engine_step.py):
+`engine.backward` per micro-batch, then one global gradient norm over engine + tables
 (DeepSpeed's own clipping is off), the non-finite guard, `engine.step()` and the tables' step.
 The step folder holds the engine's checkpoint and the tables' DCP shards, committed together.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
 from engram.checkpoint import ModelState, OptimizerState, TrainState
 from engram.config import JobConfig, load_config
-from engram.optim.builder import (
-    SchedulersState,
-    build_lr_schedulers,
-    build_optimizers,
-    scheduled_lr,
-)
+from engram.optim.builder import SchedulersState, build_lr_schedulers, build_optimizers
 from engram.runtime import device as dev
-from engram.runtime.distributed import destroy_distributed, set_pg_timeouts
 from engram.train.build import build_checkpointer, build_loaders, build_meta_model, init_process
-from engram.train.evaluate import eval_due, evaluate
 from engram.train.flops import model_flops
-from engram.train.loss import LanguageModelLoss, cross_entropy
 from engram.train.metrics import MetricsLogger, logger
 from engram.train.nonfinite import NonFiniteGuard
-from engram.train.profiling import maybe_profile
-from engram.train.progress import Progress, TrainResult
-from engram.train.step import dp_mean, next_batches, step_optimizers
-from engram.train.throughput import Throughput
-from parallelisms.deepspeed_engine import (
+from engram.train.progress import TrainResult
+from parallelisms.parallel_dims import parallel_dims_from_config
+from runner.deepspeed_engine import (
     EngineCheckpoint,
     build_ds_config,
     check_layout,
-    clip_engine_and_tables_,
-    engine_update_discarded,
     import_deepspeed,
     place_for_engine,
 )
-from parallelisms.parallel_dims import parallel_dims_from_config
+from runner.engine_step import EngineStep
+from runner.loop import RunParts, run_recipe, train_loop
 
 
 @dataclass
@@ -111,65 +98,20 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
     result = DeepSpeedResult(
         start_step=start_step, model=model, model_parts=[model], engine=engine, tables=tables
     )
+    run = RunParts(
+        proc, dims.dp_size, flops, state, metrics, train_loader, make_eval_loader, checkpointer,
+        guard, result,
+    )  # fmt: skip
 
-    # --- the loop: train.py's step with the engine's forward / backward and update ------------
-    accum = cfg.training.grad_accum_steps
-    data_iter = iter(train_loader)
-    eval_loss_fn = LanguageModelLoss(1, None, sharded_logits=False)
-    profile = maybe_profile(cfg.profiling, cfg.run_folder, proc.rank, proc.device_type, start_step)
-    throughput = Throughput(flops, device, proc.world_size, cfg.metrics.peak_tflops)
-    progress = Progress(cfg, dims.dp_size, state, metrics, train_loader, device, throughput)
-    with profile as profiler:
-        for step in range(start_step + 1, cfg.training.steps + 1):
-            # data, then forward / backward per micro-batch through the engine
-            with progress.data_timer():
-                batches = next_batches(data_iter, accum, device)
-            loss_sum = torch.zeros((), device=device)
-            for micro, batch in enumerate(batches):
-                logits = engine(batch["input_ids"], hash_ids=batch.get("hash_ids"))
-                loss = cross_entropy(logits, batch["labels"])
-                engine.backward(loss)  # loss / accum; gradients reduced at the last micro-batch
-                loss_sum += loss.detach()
-                if micro < accum - 1:
-                    engine.step()  # between boundaries DeepSpeed only counts the micro-batch
-            # clip (one global norm over engine + tables), guard (before any update), update
-            grad_norm = clip_engine_and_tables_(engine, table_params, cfg.training.max_norm)
-            loss = dp_mean(loss_sum / accum, dp_group)
-            grad_norm = grad_norm.detach().float().to(loss.device)
-            skip = guard.skip(step, torch.stack([loss, grad_norm]))
-            applied_lr = scheduled_lr(schedulers[0], cfg.optimizer.lr)
-            # A skipped step skips the engine too, also when only the tables' gradients are
-            # not finite (DeepSpeed would see finite gradients and apply its update).
-            with engine_update_discarded(engine) if skip else nullcontext():
-                engine.step()
-            step_optimizers(table_optimizers, schedulers, skip)
-            profiler.step()
-            # log, evaluate, save
-            progress.record(step, loss, grad_norm, applied_lr, guard.total)
-            if eval_due(cfg, step):
-                result.eval_losses[step] = evaluate(
-                    [engine], make_eval_loader(), cfg.data.eval_batches, device, dp_group,
-                    eval_loss_fn,
-                )  # fmt: skip
-                metrics.log(step, {"eval_loss": result.eval_losses[step]})
-            last_step = step == cfg.training.steps
-            checkpointer.maybe_save(step, last_step=last_step, finite=not skip)
-            progress.end_step(step)
-            if step == start_step + 1:  # start-up is over (load, compile, first step): [comm]
-                set_pg_timeouts(cfg.comm.train_timeout_s)
-    result.losses, result.grad_norms = progress.history()
-    metrics.close()
-    guard.check_finished(cfg.training.steps)
-    return result
+    # --- the loop (runner/loop.py) around train.py's step with the engine's parts -----------
+    step = EngineStep(
+        cfg, dims, engine, table_params, table_optimizers, schedulers, guard, dp_group
+    )
+    return train_loop(cfg, run, step)
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = load_config(argv)
-    try:
-        train(cfg)
-        dist.barrier()
-    finally:
-        destroy_distributed()
+    run_recipe(train, load_config(argv))
 
 
 if __name__ == "__main__":

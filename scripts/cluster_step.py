@@ -3,7 +3,7 @@ memory planner's prediction for the same cut.
 
     rank 0: the planner's peak for the cut (in a child process: the planner plays ranks under
             torch's fake process group, which cannot coexist with the job's real one)
-    every rank: parallelisms/trial_step.py (the recipe's placement, optimizers and step)
+    every rank: runner/trial_step.py (the recipe's placement, optimizers and step: runner/step.py)
     printed: what was cut, step time, TFLOP/s and MFU per device, rank 0's peak memory against
             the planner's (the ratio is the planner's error on this hardware)
 
@@ -52,11 +52,11 @@ def real_step(cfg, cfg_argv: list[str], device, layers: int) -> str:
     import torch.distributed as dist
 
     from parallelisms.parallel_dims import parallel_dims_from_config
-    from parallelisms.trial_step import cut_config, run_trial_step
+    from runner.trial_step import cut_config, run_trial_step
 
     world, cpu = dist.get_world_size(), device.type == "cpu"
     dims = parallel_dims_from_config(cfg, world)
-    cut, what = cut_config(cfg, layers, cpu, dims.tp)
+    cut, what = cut_config(cfg, layers, cpu, dims.tp, dims.pp, dims.cp)
     planned, note = None, ""
     if dist.get_rank() == 0:
         try:
@@ -81,8 +81,8 @@ def real_step(cfg, cfg_argv: list[str], device, layers: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     from parallelisms.parallel_dims import parallel_dims_from_config
-    from parallelisms.trial_step import cut_config
     from planner.estimate import estimate
+    from runner.trial_step import cut_config
 
     parser = argparse.ArgumentParser(description="the planner's peak for check_cluster's cut")
     parser.add_argument("--world", type=int, required=True)
@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpu", action="store_true")
     args, rest = parser.parse_known_args(argv)
     cfg = load_config(rest)
-    tp = parallel_dims_from_config(cfg, args.world).tp
-    cut, _ = cut_config(cfg, args.layers, args.cpu, tp)
+    dims = parallel_dims_from_config(cfg, args.world)
+    cut, _ = cut_config(cfg, args.layers, args.cpu, dims.tp, dims.pp, dims.cp)
     result = estimate(cut, args.world, ranks=[0], fragmentation=0.0, reserve_gib=0.0)
     print(json.dumps({"peak_gib": result.ranks[0].peak_bytes / GIB}))
 

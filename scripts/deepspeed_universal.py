@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parallelisms.deepspeed_engine import convert_to_universal, import_deepspeed  # noqa: E402
+from runner.deepspeed_engine import convert_to_universal, import_deepspeed  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,7 +44,7 @@ from engram.hf.peft import export_peft  # noqa: E402
 from engram.inference import build_for_generation, load_checkpoint_weights  # noqa: E402
 from engram.models.lora import merge_lora_  # noqa: E402
 from engram.train.metrics import init_logger  # noqa: E402
-from parallelisms.deepspeed_files import is_deepspeed_step, load_deepspeed_weights  # noqa: E402
+from runner.deepspeed_files import is_deepspeed_step, load_deepspeed_weights  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[Path]:

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engram.checkpoint.manager as ckpt  # noqa: E402
 import recipes.train as recipe  # noqa: E402
+import runner.step as train_step  # noqa: E402  (the recipe's step: clip is called there)
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 RANK = int(os.environ.get("RANK", "0"))
@@ -48,7 +49,7 @@ def load(self):
     return start
 
 
-real_clip = recipe.clip_grad_norm_
+real_clip = train_step.clip_grad_norm_
 
 
 def clip(*args, **kwargs):
@@ -71,7 +72,7 @@ def dcp_save(state_dict, checkpoint_id=None, **kwargs):
 
 
 ckpt.CheckpointManager.load = load
-recipe.clip_grad_norm_ = clip
+train_step.clip_grad_norm_ = clip
 ckpt.dcp.save = dcp_save
 
 if __name__ == "__main__":

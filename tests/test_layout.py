@@ -1,6 +1,6 @@
 """The repository's rooms and the direction of its imports (docs/architecture.md, "Layout").
 
-Every .py file under engram/, parallelisms/, planner/, recipes/, scripts/ and benchmarks/ is
+Every .py file under engram/, parallelisms/, runner/, planner/, recipes/, scripts/ and benchmarks/ is
 parsed with `ast` (no import runs, no torch): every import statement, at module level or inside a
 function, and every `importlib.import_module("...")` with a literal name, that names one of the
 repo's own modules is an edge from its file to the imported file. The rules:
@@ -8,8 +8,9 @@ repo's own modules is an edge from its file to the imported file. The rules:
 - no import cycle between files;
 - a module imports only from its own package or a lower layer, lowest first: engram.runtime <
   engram.config < engram.data < engram.hashing < engram.models < engram.optim <
-  engram.checkpoint < engram.train < engram.hf < engram.inference < parallelisms < planner <
-  recipes / scripts / benchmarks; nothing in engram/ or parallelisms/ imports planner/;
+  engram.checkpoint < engram.train < engram.hf < engram.inference < parallelisms < runner <
+  planner < recipes / scripts / benchmarks; nothing in engram/ or parallelisms/ imports runner/
+  or planner/;
 - no recipe imports another recipe, scripts/ import the library and not recipes/ (a benchmark may
   run a recipe's entry point);
 - engram/ has no loose modules (only its __init__.py), and every package under it says in its
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP_LEVEL = ("engram", "parallelisms", "planner", "recipes", "scripts", "benchmarks")
+TOP_LEVEL = ("engram", "parallelisms", "runner", "planner", "recipes", "scripts", "benchmarks")
 ENTRY_POINTS = ("recipes", "scripts", "benchmarks")
 LAYERS = (
     "engram.runtime",
@@ -39,6 +40,7 @@ LAYERS = (
     "engram.hf",
     "engram.inference",
     "parallelisms",
+    "runner",
     "planner",
     ENTRY_POINTS,
 )
@@ -138,8 +140,8 @@ def layer_violations(imports: list[Import]) -> list[str]:
     bad = []
     for imp in imports:
         src, dst = imp.importer.split(".")[0], imp.target.split(".")[0]
-        if dst == "planner" and src in ("engram", "parallelisms"):
-            bad.append(f"{imp.where()}: {src}/ imports planner/ (the planner sits above them)")
+        if dst in ("runner", "planner") and src in ("engram", "parallelisms"):
+            bad.append(f"{imp.where()}: {src}/ imports {dst}/ ({dst}/ sits above them)")
         elif src == dst == "recipes" and "recipes" not in (imp.importer, imp.target):
             bad.append(f"{imp.where()}: a recipe imports another recipe ({imp.target})")
         elif src == "scripts" and dst in ("recipes", "benchmarks"):
@@ -291,6 +293,8 @@ def test_checker_finds_upward_planner_recipe_and_script_imports(tmp_path):
             "engram/models/__init__.py": "",
             "engram/models/builder.py": "from ..config import schema\n",  # relative, downward
             "parallelisms/fsdp.py": "import planner.estimate\n",
+            "parallelisms/tp.py": "from runner.step import TrainStep\n",
+            "runner/step.py": "",
             "planner/estimate.py": "from parallelisms import fsdp\n",
             "recipes/__init__.py": "",
             "recipes/train.py": "",
@@ -300,11 +304,12 @@ def test_checker_finds_upward_planner_recipe_and_script_imports(tmp_path):
         },
     )
     bad = layer_violations(repo_imports(root))
-    assert len(bad) == 4, bad
+    assert len(bad) == 5, bad
     assert "engram/config/schema.py:2" in bad[0] and "higher layer engram.models" in bad[0]
     assert "parallelisms/fsdp.py:1" in bad[1] and "imports planner/" in bad[1]
-    assert "recipes/train_deepspeed.py:1" in bad[2] and "another recipe" in bad[2]
-    assert "scripts/eval.py:2" in bad[3] and "not recipes/" in bad[3]
+    assert "parallelisms/tp.py:1" in bad[2] and "imports runner/" in bad[2]
+    assert "recipes/train_deepspeed.py:1" in bad[3] and "another recipe" in bad[3]
+    assert "scripts/eval.py:2" in bad[4] and "not recipes/" in bad[4]
 
 
 def test_checker_finds_a_cycle_and_names_its_imports(tmp_path):

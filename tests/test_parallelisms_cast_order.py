@@ -40,8 +40,8 @@ def _place(rank: int, world_size: int, tmp: str) -> dict:
     from engram.config import config_from_dict
     from engram.optim.builder import is_trainable
     from engram.train.build import build_meta_model
-    from parallelisms.model_parts import build_model_parts
     from parallelisms.parallel_dims import parallel_dims_from_config
+    from runner.model_parts import build_model_parts
 
     extra = {
         "training": {"mode": "lora"},

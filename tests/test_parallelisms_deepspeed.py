@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from engram.checkpoint import CheckpointError
 from engram.config import ConfigError, config_from_dict, load_config
 from engram.models.transformer import clean_fqn
-from parallelisms.deepspeed_files import load_deepspeed_weights
+from runner.deepspeed_files import load_deepspeed_weights
 
 pytest.importorskip("deepspeed")
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,7 +244,7 @@ def _universal_resume(folder: str, world: int, runs: str, stage: int) -> dict:
     """Step 3 of the 2-rank ZeRO-`stage` run resumed by this `world`-rank run (same global
     batch): refused until the step folder is converted (scripts/deepspeed_universal.py for
     ZeRO-2, its function for ZeRO-3), then steps 4-5 from the universal checkpoint."""
-    from parallelisms.deepspeed_engine import convert_to_universal
+    from runner.deepspeed_engine import convert_to_universal
 
     shutil.copytree(
         f"{runs}/zero{stage}_adam/run/checkpoint/step-3", f"{folder}/run/checkpoint/step-3"
@@ -280,9 +280,9 @@ def _universal_resume(folder: str, world: int, runs: str, stage: int) -> dict:
 
 @contextlib.contextmanager
 def _faulty(attr: str, calls: tuple[int, ...], fault):
-    """recipes.train_deepspeed.<attr> runs as `fault(real, *args)` on its `calls`-th calls
-    (counted from 1), as itself otherwise."""
-    import recipes.train_deepspeed as recipe
+    """runner.engine_step.<attr> (the DeepSpeed recipe's step) runs as `fault(real, *args)` on
+    its `calls`-th calls (counted from 1), as itself otherwise."""
+    import runner.engine_step as recipe
 
     real, n = getattr(recipe, attr), [0]
 
@@ -546,7 +546,7 @@ def test_lora_under_zero_stages_matches_fsdp2(tmp_path):
 
 
 def _ds_config(tmp_path, user: dict | str | None = None, **sections):
-    from parallelisms.deepspeed_engine import build_ds_config
+    from runner.deepspeed_engine import build_ds_config
 
     raw = _config(str(tmp_path), 2, "adam", **sections)
     if user is not None:
@@ -605,7 +605,7 @@ def test_ds_config_json_conflicts_are_errors(tmp_path, user, match):
 def test_missing_config_json(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         config = _config(str(tmp_path), 2, "adam", deepspeed={"config_json": "/nope.json"})
-        from parallelisms.deepspeed_engine import build_ds_config
+        from runner.deepspeed_engine import build_ds_config
 
         build_ds_config(config_from_dict(config), 2)
 
@@ -647,14 +647,14 @@ def test_deepspeed_section_checks(tmp_path, section, match):
     ],
 )
 def test_layouts_this_variant_refuses(tmp_path, sections, match):
-    from parallelisms.deepspeed_engine import check_layout
+    from runner.deepspeed_engine import check_layout
 
     with pytest.raises(ConfigError, match=match):
         check_layout(config_from_dict(_config(str(tmp_path), 2, "adam", **sections)))
 
 
 def test_every_setting_is_classified_for_deepspeed():
-    """A new config setting must be classified in parallelisms/deepspeed_settings.py (honoured,
+    """A new config setting must be classified in runner/deepspeed_settings.py (honoured,
     refused with a reason, or irrelevant here), as planner/registry.py does for the planner:
     recipes/train_deepspeed.py never ignores one by default."""
     from engram.config import JobConfig
@@ -663,13 +663,13 @@ def test_every_setting_is_classified_for_deepspeed():
     names = set(ds.settings(JobConfig()))
     classes = [set(ds.HONOURED), set(ds.REFUSED), set(ds.IRRELEVANT)]
     unclassified = names - set().union(*classes)
-    assert not unclassified, f"classify in parallelisms/deepspeed_settings.py: {unclassified}"
+    assert not unclassified, f"classify in runner/deepspeed_settings.py: {unclassified}"
     assert set().union(*classes) <= names, f"stale: {set().union(*classes) - names}"
     assert sum(len(c) for c in classes) == len(names), "a setting in two classes"
 
 
 def test_missing_deepspeed_names_the_install_command(monkeypatch):
-    from parallelisms.deepspeed_engine import import_deepspeed
+    from runner.deepspeed_engine import import_deepspeed
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     with pytest.raises(ImportError, match=r'pip install -e "\.\[deepspeed\]"'):
@@ -728,7 +728,7 @@ def test_run_train_sh_zero3_trains_and_exports(tmp_path):
 
 
 def test_shipped_32b_deepspeed_config_builds_its_ds_config():
-    from parallelisms.deepspeed_engine import build_ds_config, check_layout
+    from runner.deepspeed_engine import build_ds_config, check_layout
 
     cfg = load_config([f"--job.config_file={ROOT / 'train_configs/32b_npu_deepspeed.toml'}"])
     check_layout(cfg)

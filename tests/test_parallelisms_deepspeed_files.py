@@ -30,7 +30,7 @@ from engram.config import config_from_dict
 pytest.importorskip("deepspeed")
 from test_parallelisms_deepspeed import _config, _unsharded_model  # noqa: E402
 
-from parallelisms.deepspeed_files import load_deepspeed_weights, weights_only_loads  # noqa: E402
+from runner.deepspeed_files import load_deepspeed_weights, weights_only_loads  # noqa: E402
 
 
 class _Payload:
@@ -101,8 +101,8 @@ def _resume(raw: dict, universal: bool, root: str) -> dict:
 
 
 def _stage(root: str, stage: int) -> dict:
-    from parallelisms.deepspeed_engine import convert_to_universal
     from recipes.train_deepspeed import train
+    from runner.deepspeed_engine import convert_to_universal
 
     raw = _config(
         f"{root}/zero{stage}",
@@ -170,7 +170,7 @@ def _generate_reads_deepspeed(raw: dict, full, root: str) -> dict:
     from engram.config import to_toml
     from engram.inference import build_for_generation, load_weights
     from engram.models.transformer import clean_fqn
-    from parallelisms.deepspeed_files import read_deepspeed_step
+    from runner.deepspeed_files import read_deepspeed_step
 
     cfg = config_from_dict(raw)
     trained = {clean_fqn(n): _full(p) for n, p in full.engine.module.named_parameters()}

@@ -1,6 +1,6 @@
 """A DeepSpeed engine save is bounded in time and ships no helper script that unpickles.
 
-parallelisms/deepspeed_save.py: a rank stuck inside DeepSpeed's save collectives (another rank
+runner/deepspeed_save.py: a rank stuck inside DeepSpeed's save collectives (another rank
 failed in them) exits after the timeout naming the cause; a collective's own timeout becomes a
 CheckpointError naming it; zero_to_fp32.py / zero_to_torch.py are removed from the engine
 folder. The stuck collective is a save that never returns (one process, no DeepSpeed);
@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 from engram.checkpoint import CheckpointError
-from parallelisms.deepspeed_save import RECOVERY_SCRIPTS, WATCHDOG_EXIT_CODE, save_bounded
+from runner.deepspeed_save import RECOVERY_SCRIPTS, WATCHDOG_EXIT_CODE, save_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 STUCK = """
 import threading
 from pathlib import Path
-from parallelisms.deepspeed_save import save_bounded
+from runner.deepspeed_save import save_bounded
 save_bounded(threading.Event().wait, Path("step-9.tmp/engine"), 1.0)  # never returns
 print("returned")
 """

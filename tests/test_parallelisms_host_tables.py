@@ -321,7 +321,7 @@ def test_host_worker_failure_fails_later_jobs():
 
 
 def test_deepspeed_recipe_refuses_host_tables():
-    from parallelisms.deepspeed_engine import check_layout
+    from runner.deepspeed_engine import check_layout
 
     raw = {"engram": {"table_location": "host"}, "optimizer": {"table_optimizer": "lazy_adam"}}
     with pytest.raises(ConfigError, match='table_location = "host" is not supported'):

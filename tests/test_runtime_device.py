@@ -263,22 +263,23 @@ def _pg_timeouts() -> list[float]:
 
 def _check_recipe_timeouts(tmp: str) -> None:
     """recipes/train.py: the default group is created with comm.init_timeout_s and holds it
-    through the first step; then every group holds comm.train_timeout_s."""
+    through the first step; then every group holds comm.train_timeout_s (runner/loop.py sets it)."""
     from engram.config import config_from_dict
     from recipes import train as recipe
+    from runner import loop
     from tests.small_job import small_job
 
     torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork (a hang)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(var, None)
     before: list[list[float]] = []
-    set_timeouts = recipe.set_pg_timeouts
+    set_timeouts = loop.set_pg_timeouts
 
     def spy(timeout_s: float) -> int:
         before.append(_pg_timeouts())
         return set_timeouts(timeout_s)
 
-    recipe.set_pg_timeouts = spy
+    loop.set_pg_timeouts = spy
     comm = {"comm": {"init_timeout_s": 1234, "train_timeout_s": 567}}
     cfg = config_from_dict(small_job(tmp, "comm", 1, 3, comm))
     try:

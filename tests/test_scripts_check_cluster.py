@@ -142,3 +142,54 @@ def test_unknown_config_key_is_rejected_before_any_rank_starts() -> None:
 def test_setting_hints_cover_every_check() -> None:
     assert set(check_cluster.FIXES) == set(ALL_CHECKS)
     assert all(check_cluster.FIXES[name] for name in ALL_CHECKS if name != "peak_memory")
+
+
+def _real_step_seen(rank: int, world_size: int, layouts: list[list[str]]) -> list[tuple]:
+    """check_cluster's real_step once per layout, counting what each rank's model embeds: a
+    forward pre-hook on every part's token embedding records the [batch, tokens] it is given."""
+    import torch
+
+    from engram.config import load_config
+    from runner import trial_step
+    from scripts.cluster_step import real_step
+
+    build = trial_step.build_model_parts
+    out = []
+    for argv in layouts:
+        seen: list[tuple[int, ...]] = []
+
+        def counted(*args, seen=seen):
+            parts, loss_fn, pp = build(*args)
+            for part in parts:
+                if getattr(part, "tok_embeddings", None) is not None:
+                    part.tok_embeddings.register_forward_pre_hook(
+                        lambda _, inputs: seen.append(tuple(inputs[0].shape))
+                    )
+            return parts, loss_fn, pp
+
+        trial_step.build_model_parts = counted
+        row = real_step(load_config(argv), argv, torch.device("cpu"), 2)
+        out.append((row, seen))
+    return out
+
+
+@pytest.mark.slow
+def test_real_step_cuts_the_sequence_at_cp2_and_runs_a_pipeline(tmp_path: Path) -> None:
+    """real_step is the recipe's one step (runner/step.py): at cp = 2 each rank's model sees
+    seq / 2 tokens of every sample (before, each rank ran the whole sequence), and a pp = 2
+    layout runs its schedule (before, it was refused)."""
+    common = ["--job.device=cpu", f"--job.dump_folder={tmp_path}"]
+    cp2 = [f"--job.config_file={ROOT / 'train_configs/debug_cp.toml'}", *common]
+    pp2 = [f"--job.config_file={ROOT / 'train_configs/debug_pp.toml'}", *common]
+    results = run_distributed(_real_step_seen, 2, [cp2, pp2])
+    (cp_row, cp_seen_0), (pp_row, pp_seen_0) = results[0]
+    (_, cp_seen_1), (_, pp_seen_1) = results[1]
+    # cp 2, seq 128 (the debug config's), batch 1 on cpu: two steps of [1, 64] on each rank
+    assert "seq 128, batch 1" in cp_row and "TFLOP/s per device" in cp_row, cp_row
+    assert cp_seen_0 == cp_seen_1 == [(1, 64)] * 2
+    # pp 2, 1F1B over 4 micro-batches (batch 4 on cpu): the first stage embeds [1, 128] per
+    # micro-batch, 4 per step (plus torch's shape inference at the first), the second stage has
+    # no embedding
+    assert "seq 128, batch 4" in pp_row and "TFLOP/s per device" in pp_row, pp_row
+    assert set(pp_seen_0) == {(1, 128)} and len(pp_seen_0) >= 8, pp_seen_0
+    assert pp_seen_1 == []

@@ -2,9 +2,9 @@
 process group, logger, seed), the tokenizer / hasher / model on meta, the data loaders and the
 checkpoint manager of the run folder.
 
-How the model is placed on ranks is not here: that is parallelisms/ (FSDP2 / TP / PP:
-parallelisms/model_parts.py; DeepSpeed: parallelisms/deepspeed_engine.py), which engram/ does
-not import; the recipe passes this module the placed model's states.
+How the model is placed on ranks is not here: that is runner/ over parallelisms/ (FSDP2 / TP /
+PP: runner/model_parts.py; DeepSpeed: runner/deepspeed_engine.py), which engram/ does not
+import; the recipe passes this module the placed model's states.
 """
 
 from __future__ import annotations

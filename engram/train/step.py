@@ -2,8 +2,9 @@
 pipeline stages through their schedule), the data-parallel mean of a logged value, and the update
 (or the guard's skip) with the learning-rate schedules.
 
-The recipes call these in order (data, forward / backward, clip, guard, update); what an engine
-does differently (DeepSpeed's `engine.backward` / `engine.step`) stays in its recipe.
+runner/step.py's TrainStep calls these in order (the one step of the recipes, check_cluster and
+the benchmarks: forward / backward, clip, guard, update); what an engine does differently
+(DeepSpeed's `engine.backward` / `engine.step`) is runner/engine_step.py's.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class PipelineLoss:
 @dataclass
 class PipelineRun:
     """This rank's pipeline schedules and where the loss lives (under PP only; built by
-    parallelisms/model_parts.py)."""
+    runner/model_parts.py)."""
 
     schedule: Any  # a torch.distributed.pipelining schedule over this rank's stages
     eval_schedule: Any  # forward-only (see parallelisms/pipeline.py build_eval_schedule)

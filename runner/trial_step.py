@@ -8,7 +8,7 @@ and speed are those of the real run's layers. On cpu ranks the widths shrink too
 32B layer does not fit a test machine. The batch is synthetic (random token ids and table rows):
 the check times the step, not the data.
 
-It lives in parallelisms/ because it places the model (build_model_parts), as model_parts.py.
+It lives in runner/ because it assembles a run (build_model_parts), as model_parts.py.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from engram.data.tokenizer import load_tokenizer
 from engram.hashing.ngram import engram_table_rows
 from engram.models.args import MODEL_FLAVORS
 from engram.models.builder import build_model, flavor_args
-from engram.optim.builder import build_optimizers, clip_grad_norm_
+from engram.optim.builder import build_optimizers
 from engram.runtime import device as dev
 from engram.runtime.device_specs import Peak, resolve_peak
 from engram.train.flops import FlopCount, model_flops
-from engram.train.step import forward_backward, step_optimizers
-from parallelisms.model_parts import build_model_parts
-from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallel_dims import ParallelDims, axis_divisors
+from runner.model_parts import build_model_parts
+from runner.step import TrainStep
 
 CPU_WIDTH_DIV = 16  # cpu: model width, FFN width and vocabulary / 16; attention heads / 8
 CPU_SEQ_LEN = 256
@@ -42,11 +42,15 @@ def _multiple(n: int, k: int) -> int:
     return max(k, -(-n // k) * k)
 
 
-def cut_config(cfg: JobConfig, layers: int, cpu: bool, tp: int = 1) -> tuple[JobConfig, str]:
+def cut_config(
+    cfg: JobConfig, layers: int, cpu: bool, tp: int = 1, pp: int = 1, cp: int = 1
+) -> tuple[JobConfig, str]:
     """The config with its model cut to `layers` decoder layers (registered as a flavor
     "<flavor>-cut<layers>[-cpu]" so every piece, the planner too, builds it by name) and one
-    Engram layer among them; with `cpu`, widths, sequence, batch and tables shrunk. Returns the
-    config and a sentence saying what was cut."""
+    Engram layer among them; with `cpu`, widths, sequence, batch and tables shrunk (the batch to
+    one sample, or under PP (`pp` > 1) to one sample per micro-batch; the head counts stay
+    divisible by what `tp` and `cp` divide: parallel_dims.axis_divisors). Returns the config and
+    a sentence saying what was cut."""
     args = flavor_args(cfg.model)
     # Debug flavors take the vocabulary from the tokenizer; the cut fixes it (no tokenizer read later).
     vocab = (
@@ -58,7 +62,8 @@ def cut_config(cfg: JobConfig, layers: int, cpu: bool, tp: int = 1) -> tuple[Job
     training = dataclasses.replace(cfg.training, grad_accum_steps=1)
     engram = cfg.engram
     if cpu:
-        kv = _multiple(max(1, args.n_kv_heads // 8), tp)
+        head_div = axis_divisors(tp, True, cp=cp, cp_method=cfg.parallelism.cp_method).heads
+        kv = _multiple(max(1, args.n_kv_heads // 8), head_div)
         heads = _multiple(max(kv, args.n_heads // 8), kv * tp)
         head_dim = max(8, args.head_dim // 2 // 2 * 2)
         changes.update(
@@ -67,8 +72,10 @@ def cut_config(cfg: JobConfig, layers: int, cpu: bool, tp: int = 1) -> tuple[Job
             # Not below the shipped debug tokenizer's 2048 ids (the planner reads it for "").
             vocab_size=_multiple(max(2048, vocab // CPU_WIDTH_DIV), tp * 64),
         )  # fmt: skip
+        p = cfg.pipeline
+        batch = (p.microbatches or pp * p.virtual_stages) if pp > 1 else 1
         training = dataclasses.replace(
-            training, seq_len=min(training.seq_len, CPU_SEQ_LEN), local_batch_size=1
+            training, seq_len=min(training.seq_len, CPU_SEQ_LEN), local_batch_size=batch
         )
         per_head = max(1, engram.n_embed_per_ngram // CPU_WIDTH_DIV // engram.n_head_per_ngram)
         engram = dataclasses.replace(
@@ -151,12 +158,9 @@ def run_trial_step(
     cfg: JobConfig, dims: ParallelDims, device: torch.device, steps: int = 2
 ) -> TrialStep:
     """Build `cfg`'s model (a cut: see cut_config) with the recipe's placement, then `steps`
-    optimizer steps (forward / backward, clip, update) on synthetic batches; the last one is
+    optimizer steps of the recipe's own step (runner/step.py TrainStep: the context-parallel
+    cut, the pipeline schedule under PP, clip, update) on synthetic batches; the last one is
     timed (the first pays for allocations and kernel selection)."""
-    if dims.pp_enabled:
-        raise NotImplementedError(
-            "the trial step does not run pipeline schedules: check the layout without pp"
-        )
     dev.reset_peak_memory(device)
     rss_before = current_rss_bytes()
     meta = build_model(
@@ -165,17 +169,16 @@ def run_trial_step(
     )  # fmt: skip
     flops = model_flops(meta, cfg)
     vocab = meta.args.vocab_size
-    model_parts, loss_fn, _ = build_model_parts(meta, cfg, dims, device)
+    model_parts, loss_fn, pp = build_model_parts(meta, cfg, dims, device)
     optimizers = [opt for part in model_parts for opt in build_optimizers(part, cfg)]
-    trainable = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+    train_step = TrainStep(cfg, dims, model_parts, loss_fn, optimizers, [], pp=pp)
+    # Whole samples, one per dp rank (the cp ranks of a replica share it; the step cuts it).
     batch = _synthetic_batch(cfg, vocab, 1000 + dims.mesh("dp").get_local_rank(), device)
     with loss_fn.context():
-        for _ in range(steps):
+        for i in range(steps):
             dev.synchronize(device)
             t0, c0 = time.perf_counter(), time.process_time()
-            forward_backward(model_parts, batch, loss_fn, 1.0)
-            clip_grad_norm_(trainable, cfg.training.max_norm)
-            step_optimizers(optimizers, [], skip=False)
+            train_step([batch], i + 1)
             dev.synchronize(device)
             step_time, cpu_time = time.perf_counter() - t0, time.process_time() - c0
     if device.type == "cpu":

@@ -4,7 +4,7 @@ Used by recipes/train_deepspeed.py (docs/deepspeed.md). What lives here, so the 
 only its loop:
 
 - `import_deepspeed`: the optional dependency, with the install command when it is missing;
-- `check_layout` (parallelisms/deepspeed_settings.py: every setting classified, the refused ones
+- `check_layout` (runner/deepspeed_settings.py: every setting classified, the refused ones
   refused by name) / `build_ds_config`: the [deepspeed] section and the TOML turned into a
   ds_config dict, merged with the user's `deepspeed.config_json`; a setting both give must agree;
 - `place_for_engine`: the model for the engine (LoRA, table sharding, activation checkpointing,
@@ -20,7 +20,7 @@ only its loop:
   is committed with the table shards in one step folder; `convert_to_universal` (the command
   scripts/deepspeed_universal.py) adds DeepSpeed's universal format to a step folder, which
   the engine loads at another world size. Every read of DeepSpeed's files (resume,
-  conversion) runs inside parallelisms/deepspeed_files.py `weights_only_loads`: no pickled
+  conversion) runs inside runner/deepspeed_files.py `weights_only_loads`: no pickled
   code runs; reading a step folder into an unsharded model is there too.
 
 The engine gets a torch optimizer through DeepSpeed's client-optimizer path
@@ -56,17 +56,17 @@ from engram.models.table_grad import row_grad, scale_row_grads_
 from engram.models.transformer import clean_fqn
 from engram.optim.builder import apply_training_mode
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
-from parallelisms.deepspeed_files import (
+from parallelisms.engram_tables import ShardedEngramTable
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallelize import convert_model, engram_halo, shard_engram_tables
+from runner.deepspeed_files import (
     ENGINE_TAG,
     is_deepspeed_step,
     register_at,
     weights_only_loads,
 )
-from parallelisms.deepspeed_save import save_bounded
-from parallelisms.deepspeed_settings import check_settings as check_layout
-from parallelisms.engram_tables import ShardedEngramTable
-from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import convert_model, engram_halo, shard_engram_tables
+from runner.deepspeed_save import save_bounded
+from runner.deepspeed_settings import check_settings as check_layout
 
 INSTALL = 'pip install -e ".[deepspeed]"'
 UNIVERSAL_TAG = f"{ENGINE_TAG}_universal"  # <step folder>/engine/model_universal/ (converted)
@@ -470,7 +470,7 @@ class EngineCheckpoint:
     """A DeepSpeed engine's checkpoint (module weights, ZeRO-partitioned optimizer state) as a
     folder state of engram.checkpoint.CheckpointManager: written into `<step folder>/engine/`
     (DeepSpeed's layout: `model/` plus `latest`; its zero_to_fp32.py removed, see
-    parallelisms/deepspeed_save.py), listed in the step's
+    runner/deepspeed_save.py), listed in the step's
     manifest, loaded after the manifest is verified and before the DCP states. At the saving
     world size it loads `model/`; at another one (or with `checkpoint.load_universal` in the
     ds_config JSON) the universal checkpoint `model_universal/` that convert_to_universal

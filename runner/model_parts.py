@@ -2,9 +2,10 @@
 parallelised in parallelize.py's order, materialised and initialised; the loss over them and,
 under PP, the schedules that run them.
 
-It lives in parallelisms/ because it calls the placement code (split_stages, parallelize_model,
-the host-memory check, the schedule builders), while the pieces it returns (LanguageModelLoss,
-PipelineRun) are engram/train's: parallelisms/ may import engram/, never the reverse.
+It lives in runner/ because it assembles a run from the placement code (split_stages,
+parallelize_model, the host-memory check, the schedule builders), while the pieces it returns
+(LanguageModelLoss, PipelineRun) are engram/train's: runner/ imports parallelisms/ and engram/,
+never the reverse.
 """
 
 from __future__ import annotations

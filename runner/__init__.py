@@ -1,0 +1,12 @@
+"""What assembles a run and owns the one training step.
+
+The model placed on this rank (model_parts.py: pipeline stages, parallelisms, materialised and
+initialised); the one training step (step.py TrainStep: the context-parallel cut, host-table
+prefetch, forward / backward per micro-batch or the pipeline schedule, clip, the non-finite
+guard, the update), run by both recipes, by the trial step on a config's cut (trial_step.py:
+check_cluster's `real_step`, benchmarks/bench_mfu.py) and, with the engine's parts
+(engine_step.py), under DeepSpeed; the loop around it (loop.py: data, step, log, evaluate,
+save); the DeepSpeed engine's glue and files (deepspeed_engine.py, deepspeed_files.py). It sits
+above parallelisms/ (it calls the placement code) and below the planner and the entry points;
+nothing in engram/ or parallelisms/ imports it.
+"""

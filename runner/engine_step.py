@@ -1,0 +1,76 @@
+"""The one training step (runner/step.py) under a DeepSpeed engine: recipes/train_deepspeed.py.
+
+The order (micro-batches, clip, loss mean, guard, update, schedules) is TrainStep's; the engine
+replaces three parts: `engine.backward` per micro-batch (between accumulation boundaries
+`engine.step()` only counts the micro-batch), one global gradient norm over the engine and the
+Engram tables (DeepSpeed's own clipping is off), and `engine.step()` with the tables' step. No
+context-parallel cut and no pipeline: runner/deepspeed_engine.py check_layout refuses them.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
+
+from engram.config import JobConfig
+from engram.train.loss import LanguageModelLoss, cross_entropy
+from engram.train.nonfinite import NonFiniteGuard
+from engram.train.step import step_optimizers
+from parallelisms.parallel_dims import ParallelDims
+from runner.deepspeed_engine import clip_engine_and_tables_, engine_update_discarded
+from runner.step import Batch, TrainStep
+
+
+class EngineStep(TrainStep):
+    """TrainStep with the DeepSpeed engine's forward / backward, clip and update. The optimizers
+    are the tables' own (the engine holds the dense one); `schedulers` cover both."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        dims: ParallelDims,
+        engine: Any,
+        table_params: list[torch.nn.Parameter],
+        table_optimizers: list[torch.optim.Optimizer],
+        schedulers: list[LambdaLR],
+        guard: NonFiniteGuard,
+        dp_group: dist.ProcessGroup,
+    ) -> None:
+        # Evaluation reads the full logits through the same loss (no TP here).
+        loss_fn = LanguageModelLoss(1, None, sharded_logits=False)
+        super().__init__(
+            cfg, dims, [engine], loss_fn, table_optimizers, schedulers, guard=guard,
+            dp_group=dp_group,
+        )  # fmt: skip
+        self.engine = engine
+        self.table_params = table_params
+        self.prefetch = False
+
+    def cut(self, batch: Batch) -> Batch:
+        return batch  # cp = 1 (check_layout)
+
+    def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
+        engine = self.engine
+        loss_sum = torch.zeros((), device=batches[0]["labels"].device)
+        for micro, batch in enumerate(batches):
+            logits = engine(batch["input_ids"], hash_ids=batch.get("hash_ids"))
+            loss = cross_entropy(logits, batch["labels"])
+            engine.backward(loss)  # loss / accum; gradients reduced at the last micro-batch
+            loss_sum += loss.detach()
+            if micro < self.accum - 1:
+                engine.step()  # between boundaries DeepSpeed only counts the micro-batch
+        return loss_sum
+
+    def clip(self) -> torch.Tensor:
+        return clip_engine_and_tables_(self.engine, self.table_params, self.cfg.training.max_norm)
+
+    def update(self, skip: bool) -> None:
+        # A skipped step skips the engine too, also when only the tables' gradients are not
+        # finite (DeepSpeed would see finite gradients and apply its update).
+        with engine_update_discarded(self.engine) if skip else nullcontext():
+            self.engine.step()
+        step_optimizers(self.optimizers, self.schedulers, skip)

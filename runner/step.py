@@ -1,0 +1,135 @@
+"""The one training step: what recipes/train.py, the trial step (check_cluster's `real_step`,
+benchmarks/bench_mfu.py) and, with the engine's pieces, recipes/train_deepspeed.py run.
+
+`TrainStep` is built once from this rank's model parts, loss, pipeline run, optimizers and
+schedules; a call takes the step's micro-batches as the loader gave them (whole samples, on the
+device) and runs, in this order:
+
+    the context-parallel cut (split_batch: this rank's chunks; the whole batch at cp = 1)
+    host-table prefetch (the rows of every micro-batch, before the first forward)
+    forward / backward per micro-batch (under PP: one schedule step each), gradient accumulation
+    clip (one global norm), the data-parallel mean of the loss
+    the non-finite guard (before any update), the update or its skip, the schedules
+
+and returns the logged loss, the gradient norm, whether the guard skipped the update and the
+learning rate the update used. The pieces it calls (forward_backward, the PP schedule, dp_mean,
+step_optimizers) are engram/train/step.py's; the order and the layout's rules are here, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from engram.config import JobConfig
+from engram.optim.builder import clip_grad_norm_, scheduled_lr
+from engram.train.evaluate import evaluate
+from engram.train.loss import LanguageModelLoss
+from engram.train.nonfinite import NonFiniteGuard
+from engram.train.step import (
+    PipelineRun,
+    dp_mean,
+    forward_backward,
+    pipeline_forward_backward,
+    step_optimizers,
+)
+from parallelisms.context_parallel import split_batch
+from parallelisms.engram_tables import prefetch_host_tables
+from parallelisms.fsdp import defer_grad_sync
+from parallelisms.parallel_dims import ParallelDims
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # the mean loss over every rank's tokens (dp x cp), on the device
+    grad_norm: torch.Tensor  # the global norm before clipping, float32, on the device
+    skip: bool  # the non-finite guard skipped the update
+    lr: float  # the learning rate this update used (scheduled_lr, read before the schedules step)
+
+
+class TrainStep:
+    """One optimizer step over this rank's model parts (see the module docstring). Subclasses
+    replace the engine's parts (forward_backward, clip, update), never the order."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        dims: ParallelDims,
+        model_parts: list[nn.Module],
+        loss_fn: LanguageModelLoss,
+        optimizers: list[torch.optim.Optimizer],
+        schedulers: list[LambdaLR],
+        pp: PipelineRun | None = None,
+        guard: NonFiniteGuard | None = None,
+        dp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.cfg, self.dims = cfg, dims
+        self.model_parts, self.loss_fn, self.pp = model_parts, loss_fn, pp
+        self.optimizers, self.schedulers, self.guard = optimizers, schedulers, guard
+        self.accum = cfg.training.grad_accum_steps
+        # Every rank with other tokens: the logged loss is their mean.
+        self.dp_group = dp_group or dims.mesh("dp_cp").get_group()
+        self.trainable = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+        self.pp_group = dims.mesh("pp").get_group() if dims.pp_enabled else None
+        # Host tables see hash_ids[:, :, slot] only without TP / PP; there their lookups gather late.
+        self.prefetch = (
+            cfg.engram.enabled
+            and cfg.engram.table_location == "host"
+            and not (dims.tp_enabled or dims.pp_enabled)
+        )
+
+    def __call__(self, batches: list[Batch], step: int) -> StepResult:
+        """One optimizer step on this step's micro-batches (whole samples, on the device)."""
+        batches = [self.cut(batch) for batch in batches]
+        if self.prefetch:  # behind the previous step's host update (engram_tables/host.py)
+            for batch in batches:
+                prefetch_host_tables(self.model_parts[0], batch["hash_ids"])
+        loss_sum = self.forward_backward(batches)
+        grad_norm = self.clip()
+        loss = dp_mean(loss_sum / self.accum, self.dp_group)
+        grad_norm = grad_norm.detach().float().to(loss.device)
+        skip = self.guard.skip(step, torch.stack([loss, grad_norm])) if self.guard else False
+        lr = scheduled_lr(self.schedulers[0], self.cfg.optimizer.lr) if self.schedulers else 0.0
+        self.update(skip)
+        return StepResult(loss, grad_norm, skip, lr)
+
+    def cut(self, batch: Batch) -> Batch:
+        """This rank's part of a batch: its context-parallel chunks (whole at cp = 1)."""
+        return split_batch(batch, self.dims)
+
+    def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
+        """Gradients of the mean loss over the micro-batches; returns the sum of their losses."""
+        device = batches[0]["labels"].device
+        loss_sum = torch.zeros((), device=device)
+        for micro, batch in enumerate(batches):
+            if self.pp is not None:  # the schedule toggles FSDP's reduction itself
+                loss_sum += pipeline_forward_backward(self.pp, batch, 1.0 / self.accum)
+                continue
+            # DDP reduces once per optimizer step; FSDP/HSDP every micro-batch (see fsdp.py).
+            if defer_grad_sync(self.dims):
+                for part in self.model_parts:
+                    part.set_requires_gradient_sync(micro == self.accum - 1)
+            loss_sum += forward_backward(self.model_parts, batch, self.loss_fn, 1.0 / self.accum)
+        if self.pp is not None:  # the loss lives on the last stage
+            self.pp.broadcast_loss(loss_sum)
+        return loss_sum
+
+    def clip(self) -> torch.Tensor:
+        return clip_grad_norm_(self.trainable, self.cfg.training.max_norm, pp_group=self.pp_group)
+
+    def update(self, skip: bool) -> None:
+        step_optimizers(self.optimizers, self.schedulers, skip)
+
+    def evaluate(self, loader: Iterable[Batch], num_batches: int, device: torch.device) -> float:
+        """Held-out loss through the same cut, loss and (under PP) pipeline as the step."""
+        return evaluate(
+            self.model_parts, loader, num_batches, device, self.dp_group, self.loss_fn, self.pp,
+            prepare=self.cut,
+        )  # fmt: skip
