@@ -2,7 +2,8 @@
 
 - `device.py`: cpu / cuda / npu selection, lazy `torch_npu`, per-device settings and the
   device module's calls (synchronize, memory stats).
-- `distributed.py`: process-group init / teardown for the chosen device's backend.
+- `distributed.py`: process-group init / teardown for the chosen device's backend, and the
+  groups a DTensor's local pieces are summed over (`shard_groups`, for gradient norms).
 - `device_specs.py`: usable memory per device type and dense bf16 peak per device name, with
   sources (the planner's default budget; the recipe logs the measured total beside it; MFU's
   denominator, or a GEMM measured on cpu).
