@@ -371,6 +371,28 @@ def test_cp_composes_with_host_tables_compile_and_lora(tmp_path):
                 assert np.abs(got["weights"][name] - w).max() < 0.5 * LR, f"{where}: {name}"
 
 
+@pytest.mark.parametrize("cp, tp", [(2, 1), (2, 2), (4, 2), (3, 1)])
+@pytest.mark.parametrize("method", ["ulysses", "allgather_kv"])
+def test_batch_split_and_halo_pieces_follow_one_chunk_rule(cp, tp, method):
+    """The positions split_batch gives a cp rank (chunk_positions) are those of the halo pieces
+    its tp ranks hold (sequence_pieces), in the same order: both read parallel_dims.cp_chunks,
+    at the chunk count ParallelDims checks seq_len against."""
+    from parallelisms.context_parallel import chunk_positions
+    from parallelisms.halo import sequence_pieces
+    from parallelisms.parallel_dims import ParallelDims
+
+    dims = ParallelDims(1, 1, tp, 1, cp * tp, cp=cp, cp_method=method)
+    pieces = sequence_pieces(cp, tp, dims.cp_load_balanced)
+    n_pieces = dims.cp_chunk_count * tp
+    assert sorted(p for held in pieces for p in held) == list(range(n_pieces))
+    seq = n_pieces * 3
+    n = seq // n_pieces  # positions per piece
+    for c in range(cp):
+        held = [p for t in range(tp) for p in pieces[c * tp + t]]
+        from_pieces = [p * n + i for p in held for i in range(n)]
+        assert chunk_positions(c, cp, seq, dims.cp_load_balanced).tolist() == from_pieces
+
+
 def test_chunks_and_halo_pieces_partition_the_sequence():
     """Contiguous chunks, load-balanced chunks (rank i: chunks i and 2 cp - 1 - i), and the halo
     pieces of cp x tp ranks in each rank's local order (TP splits a cp rank's local sequence)."""
