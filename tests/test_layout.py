@@ -14,6 +14,8 @@ repo's own modules is an edge from its file to the imported file. The rules:
   run a recipe's entry point);
 - engram/ has no loose modules (only its __init__.py), and every package under it says in its
   __init__ docstring what belongs there;
+- no function of the planner runs over PLANNER_FUNCTION_LINES lines (its report, estimate,
+  flags and communication grow with every axis: split them by section, as they are);
 - no code names one of this project's issues (code says why, not when): an upstream issue is
   cited with its project (`torch issue 135712`, `triton-lang/triton-ascend#424`).
 """
@@ -271,6 +273,20 @@ def test_every_engram_package_says_what_belongs_there():
         elif not (ast.get_docstring(ast.parse(init.read_text())) or "").strip():
             missing.append(f"{rel} has no docstring")
     assert not missing, "\n".join(missing)
+
+
+PLANNER_FUNCTION_LINES = 100
+
+
+def test_planner_functions_stay_split_by_section():
+    long = []
+    for path in sorted((ROOT / "planner").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > PLANNER_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert not long, "split these by section into named functions:\n" + "\n".join(long)
 
 
 # Code files: the rooms, the tests, the config files and the launch scripts.
