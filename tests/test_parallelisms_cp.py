@@ -167,8 +167,9 @@ NO_ENGRAM = {"engram": {"enabled": False}}
 
 # label -> (world, parallelism section, Engram, steps, extra sections)
 # Ulysses runs the unchanged causal kernel on the whole sequence of its heads: 5 steps within
-# test_parallelisms_parity's bounds (measured at step 5: cp 2 losses 1.9e-7, grad norms 2.7e-5;
-# FSDP 2 x cp 2 grad norms 7e-5; cp 2 x pp 2 7e-6). All-gather K/V runs a masked kernel over
+# test_parallelisms_parity's bounds in this setting (measured at step 5: cp 2 losses 2.2e-7, grad
+# norms 1.2e-4; FSDP 2 x cp 2 grad norms 7e-5; cp 2 x pp 2 7e-6; other settings drift
+# otherwise, docs/parallelisms.md). All-gather K/V runs a masked kernel over
 # gathered keys (another fp32 summation order): step 1 matches to 1e-6, then the Engram gate
 # amplifies the order as under TP (tests/test_parallelisms_tp.py; measured at cp 2, step 5: grad
 # norm 4.3e-3; with identity init a gate weight's update 9.8e-3 relative), so with Engram it is
