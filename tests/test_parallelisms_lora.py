@@ -350,3 +350,15 @@ def test_inference_build_carries_the_training_adapters(tmp_path):
     served_params = dict(served.named_parameters())
     for name, p in trained.named_parameters():
         torch.testing.assert_close(served_params[name], p, rtol=0, atol=0, msg=name)
+
+
+def test_lora_target_names_are_the_hf_module_names_of_their_paths():
+    """lora.target_modules are HF names (what a PEFT export's target_modules lists) and
+    LORA_TARGETS maps them to our paths; the export names each adapter by engram.hf.adapter's
+    own mapping of that path. The two must name the same module."""
+    from engram.config import LORA_TARGETS
+    from engram.hf.adapter import hf_module_name
+
+    for hf_name, path in LORA_TARGETS.items():
+        assert hf_module_name(f"layers.3.{path}").split(".")[-1] == hf_name, path
+        assert hf_module_name(f"layers.3.{path}").startswith("model.layers.3."), path
