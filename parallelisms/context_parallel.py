@@ -37,22 +37,18 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from engram.models.transformer import Attention, Transformer, unwrap_block
 from parallelisms.halo import all_gather_autograd, sequence_pieces, split_short_conv, swap_class
-from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallel_dims import ParallelDims, cp_chunks
 
 # Batch entries laid out along the sequence (dim 1); the others (the loader's position) pass.
 SEQUENCE_KEYS = ("input_ids", "labels", "hash_ids", "segment_ids")
 
 
 def chunk_positions(rank: int, cp: int, seq_len: int, load_balanced: bool) -> torch.Tensor:
-    """Global positions rank `rank` of `cp` holds, in its local order (int64 [seq_len / cp])."""
-    if not load_balanced:
-        n = seq_len // cp
-        return torch.arange(rank * n, (rank + 1) * n)
-    n = seq_len // (2 * cp)
-    first, second = rank, 2 * cp - 1 - rank
-    return torch.cat(
-        [torch.arange(first * n, (first + 1) * n), torch.arange(second * n, (second + 1) * n)]
-    )
+    """Global positions rank `rank` of `cp` holds, in its local order (int64 [seq_len / cp]):
+    those of its cp_chunks."""
+    chunks = cp_chunks(rank, cp, load_balanced)
+    n = seq_len // (cp * len(chunks))
+    return torch.cat([torch.arange(c * n, (c + 1) * n) for c in chunks])
 
 
 def split_batch(batch: dict[str, torch.Tensor], dims: ParallelDims) -> dict[str, torch.Tensor]:
@@ -61,12 +57,12 @@ def split_batch(batch: dict[str, torch.Tensor], dims: ParallelDims) -> dict[str,
     (global, for RoPE). At cp = 1 the whole batch (same path)."""
     mesh = dims.mesh("cp")
     b, t = batch["input_ids"].shape[:2]
-    if t % (dims.cp * (2 if dims.cp_method == "allgather_kv" else 1)):
+    if t % dims.cp_chunk_count:
         raise ValueError(
             f"a batch of {t} tokens per sample cannot be cut into cp={dims.cp} "
             f"{dims.cp_method} chunks: use a seq_len that is a multiple of it (ParallelDims)"
         )
-    pos = chunk_positions(mesh.get_local_rank(), dims.cp, t, dims.cp_method == "allgather_kv")
+    pos = chunk_positions(mesh.get_local_rank(), dims.cp, t, dims.cp_load_balanced)
     pos = pos.to(batch["input_ids"].device)
     out = {k: v.index_select(1, pos) if k in SEQUENCE_KEYS else v for k, v in batch.items()}
     out["positions"] = pos.expand(b, -1)
@@ -142,7 +138,7 @@ def apply_context_parallel(model: Transformer, dims: ParallelDims) -> None:
         return
     cp_mesh = dims.mesh("cp")
     mixin = UlyssesAttention if dims.cp_method == "ulysses" else AllGatherKVAttention
-    pieces = sequence_pieces(dims.cp, dims.tp, dims.cp_method == "allgather_kv")
+    pieces = sequence_pieces(dims.cp, dims.tp, dims.cp_load_balanced)
     for layer in model.layers.values():
         block = unwrap_block(layer)
         swap_class(block.attention, mixin)

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from engram.models.engram import ShortConv
+from parallelisms.parallel_dims import cp_chunks
 
 # torch >= 2.10 renamed it; the old name still works there with a deprecation warning.
 all_gather_autograd = getattr(
@@ -29,14 +30,13 @@ all_gather_autograd = getattr(
 def sequence_pieces(cp: int, tp: int, load_balanced: bool) -> list[list[int]]:
     """Global piece indices each rank of the flattened (cp, tp) group holds, in local order.
 
-    The sequence is cut into cp x tp pieces (contiguous chunks) or 2 x cp x tp pieces
-    (load-balanced: cp rank c holds chunks c and 2 cp - 1 - c of 2 cp, so the causal work is
-    even). A cp rank's chunk(s) are then split over its tp ranks contiguously (TP's Shard(1)):
+    The sequence is cut into the cp ranks' chunks (parallel_dims.cp_chunks: cp contiguous ones,
+    or 2 x cp load-balanced ones). A cp rank's chunk(s) are then split over its tp ranks contiguously (TP's Shard(1)):
     tp rank t takes the t-th k-th of the cp rank's local sequence."""
-    k = 2 if load_balanced else 1
     layout = []
     for c in range(cp):
-        chunks = [c, 2 * cp - 1 - c] if load_balanced else [c]
+        chunks = cp_chunks(c, cp, load_balanced)
+        k = len(chunks)
         local = [chunk * tp + j for chunk in chunks for j in range(tp)]
         layout += [local[t * k : (t + 1) * k] for t in range(tp)]
     return layout

@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import nn
 
-from engram.config import LORA_TARGETS, ConfigError
+from engram.config import ConfigError
 from engram.config import Lora as LoraConfig
 from engram.models.lora import add_lora_adapters
 from engram.optim.builder import is_trainable
@@ -28,8 +28,7 @@ __all__ = ["apply_lora", "hold_frozen_in"]
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     """Add adapters to every `cfg.target_modules` projection of `model.layers` in place (works on
     meta and on a pipeline stage); returns the adapted modules' names."""
-    paths = [LORA_TARGETS[t] for t in cfg.target_modules]
-    adapted = add_lora_adapters(model, paths, cfg.rank, cfg.alpha, cfg.dropout, cfg.init_a)
+    adapted = add_lora_adapters(model, cfg)
     if not adapted:
         raise ConfigError(
             "training.mode = 'lora' but this model (stage) has no decoder layer to adapt"

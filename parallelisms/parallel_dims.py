@@ -93,6 +93,15 @@ def axis_divisors(
     )
 
 
+def cp_chunks(cp_rank: int, cp: int, load_balanced: bool) -> list[int]:
+    """The one statement of how context parallelism cuts a sequence: the chunk indices cp rank
+    `cp_rank` holds, in its local order (the order of its tokens, chunk_positions, and of its
+    halo pieces, sequence_pieces). Contiguous: cp equal chunks, rank c holds chunk c.
+    Load-balanced (allgather_kv, ParallelDims.cp_load_balanced): 2 x cp chunks, rank c holds
+    chunks c and 2 cp - 1 - c, so that every rank's share of the causal attention work is even."""
+    return [cp_rank, 2 * cp - 1 - cp_rank] if load_balanced else [cp_rank]
+
+
 @dataclass
 class ParallelDims:
     dp_replicate: int
@@ -195,10 +204,10 @@ class ParallelDims:
                         "product divides both head counts, or set parallelism.cp_method="
                         '"allgather_kv" (any head count)'
                     )
-        # Pieces: load-balanced chunks are 2 x cp, each split over tp (parallelisms/halo.py).
-        pieces = cp * tp * (2 if method == "allgather_kv" else 1)
+        # Pieces: the cp_chunks, each split over tp (parallelisms/halo.py).
+        pieces = self.cp_chunk_count * tp
         if seq_len % pieces:
-            why = " x 2 (load-balanced chunks)" if method == "allgather_kv" else ""
+            why = " x 2 (load-balanced chunks)" if self.cp_load_balanced else ""
             raise ConfigError(
                 f"training.seq_len={seq_len} is not divisible by cp({cp}) x tp({tp}){why} = "
                 f"{pieces}: context parallelism splits each sequence into that many equal "
@@ -211,6 +220,18 @@ class ParallelDims:
                 f"ShortConv's reach of {engram_halo} positions ((kernel_size - 1) x max_ngram) "
                 "that a piece takes from its predecessor: use a longer seq_len or a smaller cp"
             )
+
+    @property
+    def cp_load_balanced(self) -> bool:
+        """Whether the sequence is cut into load-balanced chunks (cp_chunks): under allgather_kv,
+        whose ranks each attend their own queries; Ulysses gives every rank the whole sequence
+        of its heads, so contiguous chunks are already balanced."""
+        return self.cp_method == "allgather_kv"
+
+    @property
+    def cp_chunk_count(self) -> int:
+        """Chunks a sequence is cut into over the cp ranks (cp_chunks): cp, or 2 x cp."""
+        return self.cp * len(cp_chunks(0, self.cp, self.cp_load_balanced))
 
     @property
     def dp_size(self) -> int:

@@ -22,6 +22,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         description="Fake-backend dry run: per-rank memory of a config at its real world size. "
         "Other arguments (--job.config_file PATH, --section.key=value) go to the job config."
     )
+    _estimate_flags(p)
+    _host_table_flags(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    _compare_flags(p)
+    _step_model_flags(p)
+    return p.parse_known_args(argv)
+
+
+def _estimate_flags(p: argparse.ArgumentParser) -> None:
+    """The world, the ranks to report and the memory budget's assumptions."""
     p.add_argument("--world_size", type=int, required=True, help="processes (NNODES x NGPU)")
     p.add_argument(
         "--ranks", default="", help="comma-separated ranks, or 'all' (default: 0,1,W/2,W-1)"
@@ -52,6 +62,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="model reduce-scatter after every micro-batch instead of the recipe's no-sync "
         "gradient accumulation",
     )
+
+
+def _host_table_flags(p: argparse.ArgumentParser) -> None:
+    """Host-resident Engram tables: host memory per node, the host link, the locations
+    --compare tries."""
     p.add_argument(
         "--host_memory_gib",
         type=float,
@@ -71,7 +86,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="with --compare: engram.table_location values to try per layout, e.g. device,host "
         "(default: the config's)",
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+
+
+def _compare_flags(p: argparse.ArgumentParser) -> None:
+    """--compare and the candidates it tries: layouts, CP, micro-batch sizes, loss chunks."""
     p.add_argument(
         "--compare",
         action="store_true",
@@ -115,6 +133,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         default=0.15,
         help="with --compare: the pick needs this fraction of device memory free",
     )
+
+
+def _step_model_flags(p: argparse.ArgumentParser) -> None:
+    """--compare's step model: the machine's assumed speeds (planner/step_model.py)."""
     for flag, what in (
         ("peak_tflops", "dense bf16 TFLOPS per device"),
         ("mfu", "model FLOPs utilisation"),
@@ -124,7 +146,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.add_argument(
             f"--{flag}", type=float, default=None, help=f"with --compare: {what} (step model)"
         )
-    return p.parse_known_args(argv)
 
 
 def _parse_ranks(text: str, world_size: int) -> list[int] | None:

@@ -82,32 +82,20 @@ def cp_layer_bytes(args, engram, dims: ParallelDims, batch: int, seq_len: int, a
         attention = local * 2 * dkv // tp * (cp - 1) * a
     halo = 0
     if engram is not None and engram.enabled:
-        pieces_per_rank = 2 if dims.cp_method == "allgather_kv" else 1  # load-balanced chunks
+        pieces_per_rank = dims.cp_chunk_count // cp  # cp_chunks
         reach = (engram.kernel_size - 1) * engram.max_ngram
         halo = pieces_per_rank * batch * reach * engram.hc_mult * args.dim * a * (cp * tp - 1)
     return attention, halo
 
 
-def comm_per_step(
-    cfg: JobConfig, dims: ParallelDims, parts, table_params, mem, plan
-) -> CommPerStep:
-    """`mem`: this rank's RankMemory (its stages, FSDP dtypes, micro-batch tokens); `plan`: the
-    StagePlan under PP, else None."""
-    p = cfg.parallelism
-    a = DTYPES[mem.fsdp.compute_dtype].itemsize
-    r = DTYPES[mem.fsdp.reduce_dtype].itemsize
+def _fsdp_and_dp(cfg: JobConfig, dims: ParallelDims, out: CommPerStep, shard, trainable, a, r):
+    """FSDP all-gather and reduce-scatter over dp_shard x cp, HSDP / DDP all-reduce over
+    dp_replicate, for a dense shard of `shard` and `trainable` elements (`a`, `r`: bytes per
+    element in the compute and reduce dtypes)."""
     accum = cfg.training.grad_accum_steps
-    tokens = mem.activations.microbatch_tokens
-    passes = accum * (cfg.training.local_batch_size * cfg.training.seq_len // tokens)
-    table_ids = {id(t) for t in table_params}
-    dense = [q for part in parts for q in part.parameters() if id(q) not in table_ids]
-    shard = sum(_local_numel(q) for q in dense)
-    trainable = sum(_local_numel(q) for q in dense if q.requires_grad)
-    out = CommPerStep()
-
     s, rep = dims.fsdp_size, dims.dp_replicate  # FSDP shards over dp_shard x cp
     if s > 1:
-        layer_reshard, _ = reshard_after_forward(dims, p)
+        layer_reshard, _ = reshard_after_forward(dims, cfg.parallelism)
         gathers = accum if dims.pp_enabled else accum * (2 if layer_reshard else 1)
         out.fsdp_all_gather = gathers * shard * (s - 1) * a
     if dims.pp_enabled or not defer_grad_sync(dims):
@@ -119,6 +107,62 @@ def comm_per_step(
     if rep > 1:
         out.dp_all_reduce = syncs * 2 * (rep - 1) * trainable * r // rep
 
+
+def _tp(dims: ParallelDims, mem, plan, layers, recomputed, passes: int, stream: int) -> int:
+    """Sequence-parallel (or all-reduce) bytes of the decoder layers, embedding and head."""
+    tp = dims.tp
+    ops = sum(8 + (4 if i in recomputed else 0) for i in layers)
+    first = 0 in mem.stages
+    last = plan is None or plan.num_stages - 1 in mem.stages
+    ops += 2 * first + 2 * last
+    return passes * ops * stream * (tp - 1) // tp
+
+
+def _pp_send_recv(dims: ParallelDims, mem, plan, passes: int, stream: int) -> int:
+    """Activations to the next stage and input gradients to the previous one, when on another
+    rank."""
+    sends = 0
+    for st in mem.stages:
+        if st < plan.num_stages - 1 and plan.ranks[st + 1] != plan.ranks[st]:
+            sends += 1  # activation to the next stage
+        if st > 0 and plan.ranks[st - 1] != plan.ranks[st]:
+            sends += 1  # input gradient to the previous stage
+    return passes * sends * stream * dims.cp // dims.divisors.stream_tokens
+
+
+def _table_all_to_all(
+    cfg: JobConfig, dims: ParallelDims, engram_layers, recomputed, tokens: int, passes: int
+) -> int:
+    """Ids out, rows back and row gradients out per Engram layer, the remote part of them."""
+    e, p, shards = cfg.engram, cfg.parallelism, dims.divisors.table_rows
+    wire = DTYPES[p.engram_a2a_dtype].itemsize if p.engram_a2a_dtype else 4
+    local_tokens = tokens // dims.divisors.engram_tokens
+    ids = local_tokens * e.num_heads * 8
+    rows = local_tokens * e.num_heads * e.head_dim * wire
+    per_layer = [
+        (ids + rows) * (2 if i in recomputed else 1) + rows for i in engram_layers
+    ]  # forward (+ recompute), row gradients in backward
+    return passes * sum(per_layer) * (shards - 1) // shards
+
+
+def comm_per_step(
+    cfg: JobConfig, dims: ParallelDims, parts, table_params, mem, plan
+) -> CommPerStep:
+    """`mem`: this rank's RankMemory (its stages, FSDP dtypes, micro-batch tokens); `plan`: the
+    StagePlan under PP, else None."""
+    a = DTYPES[mem.fsdp.compute_dtype].itemsize
+    r = DTYPES[mem.fsdp.reduce_dtype].itemsize
+    tokens = mem.activations.microbatch_tokens
+    passes = cfg.training.grad_accum_steps * (
+        cfg.training.local_batch_size * cfg.training.seq_len // tokens
+    )
+    table_ids = {id(t) for t in table_params}
+    dense = [q for part in parts for q in part.parameters() if id(q) not in table_ids]
+    shard = sum(_local_numel(q) for q in dense)
+    trainable = sum(_local_numel(q) for q in dense if q.requires_grad)
+    out = CommPerStep()
+    _fsdp_and_dp(cfg, dims, out, shard, trainable, a, r)
+
     layers = [i for s_ in mem.stages for i in mem.stage_layers[s_]]
     recomputed = {
         i
@@ -126,43 +170,21 @@ def comm_per_step(
         for k, i in enumerate(mem.stage_layers[s_])
         if is_checkpointed(cfg.activation_checkpoint, k)
     }
-    dim = parts[0].args.dim
     # One [tokens, dim] tensor of this rank's part of the micro-batch (1 / cp of its sequence).
-    stream = tokens // dims.cp * dim * a
+    stream = tokens // dims.cp * parts[0].args.dim * a
     if dims.tp > 1:
-        tp = dims.tp
-        ops = sum(8 + (4 if i in recomputed else 0) for i in layers)
-        first = 0 in mem.stages
-        last = plan is None or plan.num_stages - 1 in mem.stages
-        ops += 2 * first + 2 * last
-        out.tp = passes * ops * stream * (tp - 1) // tp
-
-    d = dims.divisors
+        out.tp = _tp(dims, mem, plan, layers, recomputed, passes, stream)
     if plan is not None:
-        sends = 0
-        for st in mem.stages:
-            if st < plan.num_stages - 1 and plan.ranks[st + 1] != plan.ranks[st]:
-                sends += 1  # activation to the next stage
-            if st > 0 and plan.ranks[st - 1] != plan.ranks[st]:
-                sends += 1  # input gradient to the previous stage
-        out.pp_send_recv = passes * sends * stream * dims.cp // d.stream_tokens
-
+        out.pp_send_recv = _pp_send_recv(dims, mem, plan, passes, stream)
     e = cfg.engram
     engram_layers = [i for i in layers if e.enabled and i in e.layer_ids]
-    shards = d.table_rows
-    if engram_layers and shards > 1:
-        wire = DTYPES[p.engram_a2a_dtype].itemsize if p.engram_a2a_dtype else 4
-        local_tokens = tokens // d.engram_tokens
-        ids = local_tokens * e.num_heads * 8
-        rows = local_tokens * e.num_heads * e.head_dim * wire
-        per_layer = [
-            (ids + rows) * (2 if i in recomputed else 1) + rows for i in engram_layers
-        ]  # forward (+ recompute), row gradients in backward
-        out.table_all_to_all = passes * sum(per_layer) * (shards - 1) // shards
+    if engram_layers and dims.divisors.table_rows > 1:
+        out.table_all_to_all = _table_all_to_all(
+            cfg, dims, engram_layers, recomputed, tokens, passes
+        )
     if dims.cp > 1:
-        args = parts[0].args
         seqs = tokens // cfg.training.seq_len
-        attention, halo = cp_layer_bytes(args, e, dims, seqs, cfg.training.seq_len, a)
+        attention, halo = cp_layer_bytes(parts[0].args, e, dims, seqs, cfg.training.seq_len, a)
         out.cp = passes * sum(
             (attention + (halo if i in engram_layers else 0)) * (3 if i in recomputed else 2)
             for i in layers

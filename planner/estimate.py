@@ -33,6 +33,7 @@ from planner.registry import check_modelled
 from planner.results import (
     GIB,
     ActivationEstimate,
+    AllRanks,
     FsdpBuffers,
     MemoryEstimate,
     RankActivations,
@@ -212,6 +213,57 @@ def _settle_peak(mem: RankMemory, fragmentation: float, reserve: int, device_byt
     mem.headroom_bytes = device_bytes - mem.peak_bytes
 
 
+def _micro_batches(
+    cfg: JobConfig, dims: ParallelDims, sync_every_micro_batch: bool
+) -> tuple[int, bool]:
+    """(micro-batches per schedule step, whether unsharded gradients are kept across
+    micro-batches): the recipe's no-sync DDP accumulation, or a pipeline stage (torch's stage
+    turns gradient sync off for all but the last micro-batch)."""
+    n_micro = (
+        check_schedule(cfg.pipeline, dims.pp, cfg.training.local_batch_size)
+        if dims.pp_enabled
+        else 1
+    )
+    pp_micro = n_micro > 1
+    no_sync = (recipe_defers_grad_sync(cfg, dims) and not sync_every_micro_batch) or pp_micro
+    return n_micro, no_sync
+
+
+def _measure_ranks(
+    cfg: JobConfig,
+    world_size: int,
+    ranks: list[int],
+    pp: int,
+    vocab_size: int,
+    table_rows: dict[int, int],
+    whole: nn.Module,
+    n_micro: int,
+    no_sync: bool,
+) -> tuple[list[RankMemory], AllRanks, list[ActivationEstimate]]:
+    """Build each requested rank under its own fake process group and measure it, plus one
+    built rank per pipeline coordinate, which gives every rank's numbers (all_ranks_summary)."""
+    per_stage = world_size // pp
+    representatives = {c * per_stage for c in range(pp)}
+    results: list[RankMemory] = []
+    summaries, stage_acts = [], []
+    for rank in sorted(set(ranks) | representatives):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            dims = parallel_dims_from_config(cfg, world_size)
+            dims.build_mesh("cpu")
+            parts_of_rank = build_rank_parts(cfg, dims, vocab_size, table_rows)
+            _, _, parts, table_params = parts_of_rank
+            if rank in representatives:
+                summaries.append(stage_ranks_summary(parts, table_params, dims))
+            if rank in ranks:
+                mem, acts = _measure_rank(cfg, dims, rank, parts_of_rank, whole, n_micro, no_sync)
+                stage_acts = stage_acts or acts
+                results.append(mem)
+        finally:
+            dist.destroy_process_group()
+    return results, all_ranks_summary(summaries, dims), stage_acts
+
+
 def estimate(
     cfg: JobConfig,
     world_size: int,
@@ -238,52 +290,21 @@ def estimate(
         device_memory_gib = DEVICE_MEMORY_GIB.get(cfg.job.device, DEVICE_MEMORY_GIB["npu"])
     cfg = _planning_config(cfg)
     dims = parallel_dims_from_config(cfg, world_size)  # validates the degrees up front
-    # Unsharded gradients kept across micro-batches: the recipe's no-sync DDP accumulation, or
-    # a pipeline stage (torch's stage turns gradient sync off for all but the last micro-batch).
-    n_micro = (
-        check_schedule(cfg.pipeline, dims.pp, cfg.training.local_batch_size)
-        if dims.pp_enabled
-        else 1
-    )
-    pp_micro = n_micro > 1
-    no_sync = (recipe_defers_grad_sync(cfg, dims) and not sync_every_micro_batch) or pp_micro
+    n_micro, no_sync = _micro_batches(cfg, dims, sync_every_micro_batch)
     table_rows = engram_table_rows(cfg.engram)
     vocab_size = tokenizer_vocab_size(cfg)
     whole = build_model(
         cfg.model, cfg.engram, vocab_size, table_rows, "meta", max_seq_len=cfg.training.seq_len
     )
-    n_global = sum(p.numel() for p in whole.parameters())
-    n_tables = sum(b.table.weight.numel() for b in whole.engram_blocks().values())
-    # One built rank per pipeline coordinate gives every rank's numbers (all_ranks_summary).
-    per_stage = world_size // dims.pp
-    representatives = {c * per_stage for c in range(dims.pp)}
-
-    results: list[RankMemory] = []
-    summaries, stage_acts = [], []
-    for rank in sorted(set(ranks) | representatives):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        try:
-            dims = parallel_dims_from_config(cfg, world_size)
-            dims.build_mesh("cpu")
-            parts_of_rank = build_rank_parts(cfg, dims, vocab_size, table_rows)
-            _, _, parts, table_params = parts_of_rank
-            if rank in representatives:
-                summaries.append(stage_ranks_summary(parts, table_params, dims))
-            if rank in ranks:
-                mem, acts = _measure_rank(cfg, dims, rank, parts_of_rank, whole, n_micro, no_sync)
-                stage_acts = stage_acts or acts
-                results.append(mem)
-        finally:
-            dist.destroy_process_group()
-    all_ranks = all_ranks_summary(summaries, dims)
-
+    results, all_ranks, stage_acts = _measure_ranks(
+        cfg, world_size, ranks, dims.pp, vocab_size, table_rows, whole, n_micro, no_sync
+    )
     device_bytes = int(device_memory_gib * GIB)
     reserve = int(reserve_gib * GIB)
     for mem in results:
         _settle_peak(mem, fragmentation, reserve, device_bytes)
-    baseline = replicated_tables(
-        results, table_rows, n_tables, world_size // dims.pp, fragmentation
-    )
+    n_global = sum(p.numel() for p in whole.parameters())
+    n_tables = sum(b.table.weight.numel() for b in whole.engram_blocks().values())
     return MemoryEstimate(
         config_file=cfg.job.config_file,
         model=f"{cfg.model.name}/{cfg.model.flavor}",
@@ -308,6 +329,20 @@ def estimate(
         fragmentation=fragmentation,
         reserve_bytes=reserve,
         stage_activations=stage_acts,
+        float8=cfg.float8.recipe if cfg.float8.enable else "off",
+        ranks=results,
+        all_ranks=all_ranks,
+        replicated_tables=replicated_tables(
+            results, table_rows, n_tables, world_size // dims.pp, fragmentation
+        ),
+        **_layout_fields(cfg, dims, n_micro),
+        **_host_table_fields(cfg, world_size, ranks_per_node, host_memory_gib, host_link_gbs),
+    )
+
+
+def _layout_fields(cfg: JobConfig, dims: ParallelDims, n_micro: int) -> dict:
+    """MemoryEstimate's TP, PP and CP description."""
+    return dict(
         tp=dims.tp,
         sequence_parallel=cfg.parallelism.tp_sequence_parallel,
         pp=dims.pp,
@@ -317,16 +352,25 @@ def estimate(
             if dims.pp_enabled
             else "off"
         ),
-        float8=cfg.float8.recipe if cfg.float8.enable else "off",
-        ranks=results,
-        all_ranks=all_ranks,
-        replicated_tables=baseline,
+        cp=dims.cp,
+        cp_method=dims.cp_method,
+    )
+
+
+def _host_table_fields(
+    cfg: JobConfig,
+    world_size: int,
+    ranks_per_node: int,
+    host_memory_gib: float | None,
+    host_link_gbs: float,
+) -> dict:
+    """MemoryEstimate's host-table settings: where the tables live, the node's host memory and
+    the host link."""
+    return dict(
         table_location=cfg.engram.table_location if cfg.engram.enabled else "device",
         ranks_per_node=min(ranks_per_node, world_size),
         host_memory_bytes=int(
             (cfg.engram.host_memory_gib if host_memory_gib is None else host_memory_gib) * GIB
         ),
         host_link_gbs=host_link_gbs,
-        cp=dims.cp,
-        cp_method=dims.cp_method,
     )

@@ -53,11 +53,26 @@ def _span(layers: list[int]) -> str:
     return f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}"
 
 
-def to_markdown(est: MemoryEstimate) -> str:
+class _RankTable:
+    """The per-rank markdown table: one column per reported rank and a 'kind' column."""
+
+    def __init__(self, est: MemoryEstimate) -> None:
+        self.est = est
+        self.lines: list[str] = []
+
+    def row(self, label: str, values: list[str], kind: str) -> None:
+        self.lines.append(f"| {label} | " + " | ".join(values) + f" | {kind} |")
+
+    def each(self, fn) -> list[str]:
+        return [fn(m) for m in self.est.ranks]
+
+
+def _header(est: MemoryEstimate) -> list[str]:
+    """Title, the layout and training settings, and the rank table's header."""
     rs = est.ranks
     f0 = rs[0].fsdp
     cols = " | ".join(f"rank {m.rank}" for m in rs)
-    lines = [
+    return [
         f"## {est.model} at world {est.world_size} ({est.config_file or 'defaults'})",
         "",
         f"{est.parallel_dims}; seq_len {est.seq_len}, local batch {est.local_batch_size}, "
@@ -73,12 +88,10 @@ def to_markdown(est: MemoryEstimate) -> str:
         "| --- | " + " | ".join("---:" for _ in rs) + " | --- |",
     ]
 
-    def row(label: str, values: list[str], kind: str) -> None:
-        lines.append(f"| {label} | " + " | ".join(values) + f" | {kind} |")
 
-    def each(fn) -> list[str]:
-        return [fn(m) for m in rs]
-
+def _persistent_rows(t: _RankTable) -> None:
+    """Exact bytes held for the whole run: parameters, tables, gradients, optimizer state."""
+    est, rs, row, each = t.est, t.est.ranks, t.row, t.each
     if est.pp > 1:
         row(
             "pipeline stages (decoder layers)",
@@ -118,6 +131,11 @@ def to_markdown(est: MemoryEstimate) -> str:
             "estimate",
         )
     row("**persistent on device**, GiB", [f"**{_gib(m.persistent_bytes)}**" for m in rs], "exact")
+
+
+def _host_rows(t: _RankTable) -> None:
+    """Host-side memory and traffic: host tables, the async checkpoint's staging copy."""
+    est, rs, row, each = t.est, t.est.ranks, t.row, t.each
     if est.table_location == "host":
         row(
             "host tables: shard + optimizer state + staging (host memory), GiB",
@@ -140,6 +158,13 @@ def to_markdown(est: MemoryEstimate) -> str:
             [_gib(m.async_staging_bytes) for m in rs],
             "exact",
         )
+
+
+def _transient_rows(t: _RankTable) -> None:
+    """What comes and goes within a step: FSDP buffers, activations, casts, optimizer
+    temporaries, and the phase that sets the transient peak."""
+    est, rs, row, each = t.est, t.est.ranks, t.row, t.each
+    f0 = rs[0].fsdp
     gathered = "x2" if f0.layers_reshard_after_forward else "all layers held (no reshard)"
     row(
         f"all-gather largest layer {gathered}, GiB",
@@ -201,6 +226,11 @@ def to_markdown(est: MemoryEstimate) -> str:
         [f"**{_gib(m.transient_bytes)}** ({m.peak_phase})" for m in rs],
         "sum of the above at that phase",
     )
+
+
+def _peak_rows(t: _RankTable) -> None:
+    """The assumptions on top of the transient peak, the estimated peak and the headroom."""
+    est, rs, row, each = t.est, t.est.ranks, t.row, t.each
     row(
         f"allocator fragmentation ({est.fragmentation:.0%}), GiB",
         [_gib(m.fragmentation_bytes) for m in rs],
@@ -214,12 +244,21 @@ def to_markdown(est: MemoryEstimate) -> str:
     row("**estimated peak**, GiB", [f"**{_gib(m.peak_bytes)}**" for m in rs], "estimate")
     row("device memory, GiB", each(lambda m: _gib(est.device_memory_bytes)), "--device_memory_gib")
     row("headroom, GiB", [_gib(m.headroom_bytes) for m in rs], "estimate")
+
+
+def _comm_rows(t: _RankTable) -> None:
     for label, key in COMM_ROWS:
-        row(
+        t.row(
             f"{label}, GiB received per step",
-            each(lambda m, k=key: _gib(getattr(m.comm, k))),
+            t.each(lambda m, k=key: _gib(getattr(m.comm, k))),
             "formula",
         )
+
+
+def _verdict(est: MemoryEstimate) -> list[str]:
+    """Whether host tables and the rank fit, and how gradient accumulation was modelled."""
+    f0 = est.ranks[0].fsdp
+    lines = []
     if est.table_location == "host":
         have = (
             f"{_gib(est.host_memory_bytes)} GiB available per node"
@@ -252,11 +291,15 @@ def to_markdown(est: MemoryEstimate) -> str:
             "",
             f"Note: {why}; FSDP2 then keeps every unit's unsharded gradient in "
             f"{f0.reduce_dtype} until the last micro-batch "
-            f"({_gib(f0.no_sync_accum_bytes)} GiB on rank {rs[0].rank}).",
+            f"({_gib(f0.no_sync_accum_bytes)} GiB on rank {est.ranks[0].rank}).",
         ]
+    return lines
+
+
+def _all_ranks_section(est: MemoryEstimate) -> list[str]:
     a = est.all_ranks
     rows_summary = "; ".join(f"layer {layer}: {_runs(r)}" for layer, r in a.table_rows.items())
-    lines += [
+    return [
         "",
         "### All ranks (DTensor placement math from one built rank per pipeline stage)",
         "",
@@ -265,14 +308,18 @@ def to_markdown(est: MemoryEstimate) -> str:
         f"{_count(a.dense_params_min)}, "
         f"max {_count(a.dense_params_max)}",
         f"- Engram table rows: {rows_summary or 'no Engram tables'}",
+    ]
+
+
+def _replicated_tables_section(est: MemoryEstimate) -> list[str]:
+    """What the tables would cost replicated (DDP, ZeRO-1/2) beside this repo's row sharding."""
+    b = est.replicated_tables
+    lines = [
         "",
         "### Replicated-table baselines (formula, fp32 tables, Adam)",
         "",
         "| Engram table state per rank | GiB |",
         "| --- | ---: |",
-    ]
-    b = est.replicated_tables
-    lines += [
         f"| DDP: full table + full grad + Adam (16 B/param x {_count(b.table_params_total)}) | {_gib(b.ddp_bytes)} |",
         f"| ZeRO-1: full table + full grad, Adam / {est.world_size} | {_gib(b.zero1_bytes)} |",
         f"| ZeRO-2: full table + full dense grad in backward, grad shard and Adam / {est.world_size} | {_gib(b.zero2_bytes)} |",
@@ -281,7 +328,22 @@ def to_markdown(est: MemoryEstimate) -> str:
     ]
     n_rows = sum(est.table_rows_global.values())
     dim = est.global_table_params // n_rows if n_rows else 0
-    lines += table_memory_markdown(est.table_rows_global, dim, est.world_size // est.pp)
+    return lines + table_memory_markdown(est.table_rows_global, dim, est.world_size // est.pp)
+
+
+def to_markdown(est: MemoryEstimate) -> str:
+    """One config's estimate: the per-rank table, the verdict and the all-ranks and
+    replicated-table sections."""
+    table = _RankTable(est)
+    for section in (_persistent_rows, _host_rows, _transient_rows, _peak_rows, _comm_rows):
+        section(table)
+    lines = (
+        _header(est)
+        + table.lines
+        + _verdict(est)
+        + _all_ranks_section(est)
+        + _replicated_tables_section(est)
+    )
     return "\n".join(lines) + "\n"
 
 

@@ -294,7 +294,7 @@ def _first_save_fails(run: Path, engine: _ZipWrittenState, width: int = 4) -> st
 
 
 def test_disk_full_in_torch_zip_writer_is_named(small_tmpfs):
-    """Issue 30 item 11: the zip writer's "unexpected pos" on a real full disk (2 MiB tmpfs: 1.5
+    """The zip writer's "unexpected pos" on a real full disk (2 MiB tmpfs: 1.5
     MiB of DCP shards, then a 1 MiB engine file) is reported as a full disk with the free and
     written bytes: the free space is measured before the partial save is removed (after it,
     the shards' 1.5 MiB are free again and the disk does not look full)."""

@@ -1,4 +1,4 @@
-"""What a LoRA checkpoint must agree on to be resumed or exported (issue 30, items 1-3).
+"""What a LoRA checkpoint must agree on to be resumed or exported.
 
 One lora run (1 rank, checkpoint.trainable_only, backbone from an HF folder) saves step 2; then
 the real recipe resumes it, in one forked rank per test:
@@ -193,7 +193,7 @@ def test_full_fingerprint_unchanged_and_older_checkpoints_accepted(tmp_path, cap
     raw = _raw(tmp_path, "")
     full = {k: v for k, v in raw.items() if k not in ("lora", "checkpoint")}
     full["training"] = {**raw["training"], "mode": "full"}
-    # The keys a full run's fingerprint had before issue 30: its checkpoints still resume.
+    # The keys of an older full run's fingerprint: its checkpoints still resume.
     assert set(_fingerprint(full)) == {
         "engram", "engram_head_dim", "engram_layers", "engram_table_rows", "model",
         "model_shape", "tokenizer", "training_mode", "table_optimizer", "vocab_size",

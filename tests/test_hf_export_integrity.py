@@ -1,4 +1,4 @@
-"""What an exported folder guarantees to whoever reads it (issue 30, export items 4-8).
+"""What an exported folder guarantees to whoever reads it.
 
 - checksums.sha256 (`sha256sum -c` format) covers every file; our readers (the re-import that
   generation / evaluation use, the Engram-only reader) refuse a changed, missing or added file

@@ -14,12 +14,17 @@ repo's own modules is an edge from its file to the imported file. The rules:
 - no recipe imports another recipe, scripts/ import the library and not recipes/ (a benchmark may
   run a recipe's entry point);
 - engram/ has no loose modules (only its __init__.py), and every package under it says in its
-  __init__ docstring what belongs there.
+  __init__ docstring what belongs there;
+- no function of the planner runs over PLANNER_FUNCTION_LINES lines (its report, estimate,
+  flags and communication grow with every axis: split them by section, as they are);
+- no code names one of this project's issues (code says why, not when): an upstream issue is
+  cited with its project (`torch issue 135712`, `triton-lang/triton-ascend#424`).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -270,6 +275,71 @@ def test_every_engram_package_says_what_belongs_there():
         elif not (ast.get_docstring(ast.parse(init.read_text())) or "").strip():
             missing.append(f"{rel} has no docstring")
     assert not missing, "\n".join(missing)
+
+
+PLANNER_FUNCTION_LINES = 100
+
+
+def test_planner_functions_stay_split_by_section():
+    long = []
+    for path in sorted((ROOT / "planner").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > PLANNER_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert not long, "split these by section into named functions:\n" + "\n".join(long)
+
+
+# Code files: the rooms, the tests, the config files and the launch scripts.
+CODE_GLOBS = ("*.py", "*.sh", "*.toml")
+CODE_ROOTS = (*TOP_LEVEL, "tests", "train_configs")
+# Projects whose issues code may cite as "<project> issue N".
+UPSTREAM = {"torch", "pytorch", "torchtitan", "torchdata", "torchao", "torch_npu", "triton"}
+UPSTREAM |= {"triton-ascend", "transformers", "deepspeed", "peft", "safetensors", "upstream"}
+_ISSUE = re.compile(r"(?:([\w./-]+)\s+)?\b[Ii]ssues?[\s-]*#?\d+")
+_BARE_REF = re.compile(r"(?<![\w/&.-])#\d+\b")  # "#12"; "owner/repo#12", "repo#12" pass
+
+
+def issue_mentions(text: str) -> list[str]:
+    """Every place in `text` that names an issue without naming an upstream project."""
+    found = [
+        m.group(0) for m in _ISSUE.finditer(text) if (m.group(1) or "").lower() not in UPSTREAM
+    ]
+    return found + [m.group(0) for m in _BARE_REF.finditer(text)]
+
+
+def code_files(root: Path = ROOT) -> list[Path]:
+    files = [p for glob in CODE_GLOBS for p in root.glob(glob)]
+    for top in CODE_ROOTS:
+        files += [p for glob in CODE_GLOBS for p in (root / top).rglob(glob)]
+    ci = root / ".ci" / "run"  # the suite's runner, a shell script without a suffix
+    return sorted(set(files) | ({ci} if ci.exists() else set()))
+
+
+def test_no_code_names_one_of_our_issues():
+    bad = []
+    for path in code_files():
+        if path == Path(__file__).resolve():
+            continue  # its own examples below
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            bad += [f"{path.relative_to(ROOT)}:{n}: {m!r}" for m in issue_mentions(line)]
+    assert not bad, "code says why, not when (cite upstream issues with their project):\n" + (
+        "\n".join(bad)
+    )
+
+
+def test_issue_check_tells_our_issues_from_upstream_ones():
+    ours = ["# added after issue 30", '"""Issue 30 item 11: the writer', "(issues 12-13)", "see #7"]
+    upstream = [
+        "(torch issue 135712; docs/multinode.md)",
+        "triton-lang/triton-ascend#424",
+        "(ms-swift#7870)",
+        "# 2 issues: the first",
+        "the tissue 3 times",
+    ]
+    assert all(issue_mentions(text) for text in ours), [issue_mentions(t) for t in ours]
+    assert not any(issue_mentions(text) for text in upstream), [issue_mentions(t) for t in upstream]
 
 
 # --- the checker on made-up trees --------------------------------------------------------------

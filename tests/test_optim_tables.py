@@ -323,3 +323,58 @@ def test_table_optimizer_spec_is_read_by_config_builder_lookup_pipeline_and_plan
     assert run_isolated(_lookups_row_sparse_after_parallelize, cfg)
     with pytest.raises(ConfigError, match="table_optimizer"):
         config_from_dict({"optimizer": {"table_optimizer": "not_registered"}})
+
+
+def _norm_groups_by_placement() -> dict[str, object]:
+    """On one fake rank of a 2 x 2 mesh: the groups the dense norm path (clip_grad_norm_) and
+    the row-sparse one (row_grad_norm_sq) sum a tensor over, per placement."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from engram.models.table_grad import accumulate_row_grad, row_grad_norm_sq
+    from engram.runtime.distributed import shard_groups
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+        groups = {name: mesh.get_group(name) for name in ("a", "b")}
+        names = {g: name for name, g in groups.items()}
+        cases = {
+            "plain": None,
+            "shard_replicate": (Shard(0), Replicate()),
+            "replicate_strided": (Replicate(), _StridedShard(0, split_factor=2)),
+            "shard_shard": (Shard(0), Shard(1)),
+        }
+        got = {}
+        for case, placements in cases.items():
+            t = torch.zeros(4, 2)
+            if placements is not None:
+                t = DTensor.from_local(t, mesh, placements, run_check=False)
+            accumulate_row_grad(t, torch.tensor([0, 1]), torch.ones(2, 2))
+            (row_key,) = row_grad_norm_sq([t])
+            got[case] = ([names[g] for g in shard_groups(t)], [names[g] for g in row_key])
+        partial = DTensor.from_local(torch.zeros(4, 2), mesh, (Partial(), Replicate()))
+        try:
+            shard_groups(partial)
+        except ValueError as e:
+            got["partial"] = str(e)
+        return got
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dense_and_row_sparse_norms_sum_over_the_same_groups():
+    """One rule (engram.runtime.distributed.shard_groups) gives the groups of both gradient-norm
+    paths: Shard and FSDP's _StridedShard dims are summed over, Replicate dims counted once, a
+    pending Partial refused."""
+    got = run_isolated(_norm_groups_by_placement)
+    assert got.pop("partial").startswith("cannot take the norm of a tensor with placements")
+    assert got == {
+        "plain": ([], []),
+        "shard_replicate": (["a"], ["a"]),
+        "replicate_strided": (["b"], ["b"]),
+        "shard_shard": (["a", "b"], ["a", "b"]),
+    }

@@ -1,10 +1,11 @@
 """Every dtype cast of a parameter happens before FSDP2 wraps it (parallelisms/parallelize.py).
 
 Why it matters: torch_npu's dtype cast (`npu._npu_dtype_cast`) has no DTensor sharding strategy,
-so a `.to(dtype)` on an FSDP-sharded parameter fails on Ascend (ms-swift#7870 / #7871) although
-it works on CPU / CUDA. Two checks over the whole placement (parallelize, materialise, init) in
-lora mode with a bf16 frozen backbone at 2 gloo ranks: when `fully_shard` is called, the frozen
-parameters already hold their final dtype; and no call changes the dtype of a DTensor.
+so a `.to(dtype)` on an FSDP-sharded parameter fails on Ascend (modelscope/ms-swift#7870,
+modelscope/ms-swift#7871) although it works on CPU / CUDA. Two checks over the whole placement
+(parallelize, materialise, init) in lora mode with a bf16 frozen backbone at 2 gloo ranks: when
+`fully_shard` is called, the frozen parameters already hold their final dtype; and no call
+changes the dtype of a DTensor.
 """
 
 from __future__ import annotations

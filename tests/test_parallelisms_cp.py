@@ -167,8 +167,9 @@ NO_ENGRAM = {"engram": {"enabled": False}}
 
 # label -> (world, parallelism section, Engram, steps, extra sections)
 # Ulysses runs the unchanged causal kernel on the whole sequence of its heads: 5 steps within
-# test_parallelisms_parity's bounds (measured at step 5: cp 2 losses 1.9e-7, grad norms 2.7e-5;
-# FSDP 2 x cp 2 grad norms 7e-5; cp 2 x pp 2 7e-6). All-gather K/V runs a masked kernel over
+# test_parallelisms_parity's bounds in this setting (measured at step 5: cp 2 losses 2.2e-7, grad
+# norms 1.2e-4; FSDP 2 x cp 2 grad norms 7e-5; cp 2 x pp 2 7e-6; other settings drift
+# otherwise, docs/parallelisms.md). All-gather K/V runs a masked kernel over
 # gathered keys (another fp32 summation order): step 1 matches to 1e-6, then the Engram gate
 # amplifies the order as under TP (tests/test_parallelisms_tp.py; measured at cp 2, step 5: grad
 # norm 4.3e-3; with identity init a gate weight's update 9.8e-3 relative), so with Engram it is
@@ -375,6 +376,28 @@ def test_cp_composes_with_host_tables_compile_and_lora(tmp_path):
             assert got["weights"].keys() == ref["weights"].keys(), where
             for name, w in ref["weights"].items():
                 assert np.abs(got["weights"][name] - w).max() < 0.5 * LR, f"{where}: {name}"
+
+
+@pytest.mark.parametrize("cp, tp", [(2, 1), (2, 2), (4, 2), (3, 1)])
+@pytest.mark.parametrize("method", ["ulysses", "allgather_kv"])
+def test_batch_split_and_halo_pieces_follow_one_chunk_rule(cp, tp, method):
+    """The positions split_batch gives a cp rank (chunk_positions) are those of the halo pieces
+    its tp ranks hold (sequence_pieces), in the same order: both read parallel_dims.cp_chunks,
+    at the chunk count ParallelDims checks seq_len against."""
+    from parallelisms.context_parallel import chunk_positions
+    from parallelisms.halo import sequence_pieces
+    from parallelisms.parallel_dims import ParallelDims
+
+    dims = ParallelDims(1, 1, tp, 1, cp * tp, cp=cp, cp_method=method)
+    pieces = sequence_pieces(cp, tp, dims.cp_load_balanced)
+    n_pieces = dims.cp_chunk_count * tp
+    assert sorted(p for held in pieces for p in held) == list(range(n_pieces))
+    seq = n_pieces * 3
+    n = seq // n_pieces  # positions per piece
+    for c in range(cp):
+        held = [p for t in range(tp) for p in pieces[c * tp + t]]
+        from_pieces = [p * n + i for p in held for i in range(n)]
+        assert chunk_positions(c, cp, seq, dims.cp_load_balanced).tolist() == from_pieces
 
 
 def test_chunks_and_halo_pieces_partition_the_sequence():

@@ -1,4 +1,4 @@
-"""DeepSpeed's checkpoint files are read without running pickled code (issue 30, item 9).
+"""DeepSpeed's checkpoint files are read without running pickled code.
 
 One 1-rank launch per ZeRO stage (2 and 3: their universal loaders differ): a 2-step run with
 a checkpoint at each step; step 1 converted to DeepSpeed's universal format; a resume from

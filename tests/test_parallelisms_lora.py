@@ -327,3 +327,38 @@ def test_init_a_peft_draws_from_pefts_default_distribution(tmp_path):
     assert adapters and all(
         m.lora_A.abs().max() <= 1 / math.sqrt(m.in_features) < m.lora_A.std() * 2 for m in adapters
     )
+
+
+def test_inference_build_carries_the_training_adapters(tmp_path):
+    """build_for_inference (generation, export) adds the adapters the training recipe adds, with
+    every setting of lora: the same modules, rank, scaling and init_a, so the same weights."""
+    from engram.models.builder import build_for_inference
+    from engram.models.lora import lora_targets
+
+    extra = {"lora": {"init_a": "peft", "rank": 2, "target_modules": ["q_proj", "down_proj"]}}
+    trained, cfg = _built(_raw(tmp_path, 1, {}, extra))
+    served, _ = build_for_inference(cfg, load_tokenizer(""), cfg.training.seq_len)
+    adapters = {n: m for n, m in served.named_modules() if isinstance(m, LoRAMixin)}
+    assert sorted(adapters) == sorted(n for n, _ in lora_targets(served, cfg.lora))
+    assert {n.rsplit(".", 1)[-1] for n in adapters} == {"wq", "w2"}
+    for name, module in trained.named_modules():
+        if isinstance(module, LoRAMixin):
+            theirs = adapters.pop(name)
+            assert (theirs.lora_rank, theirs.lora_scaling, theirs.lora_init_a) == (2, 4.0, "peft")
+            assert (module.lora_rank, module.lora_scaling, module.lora_init_a) == (2, 4.0, "peft")
+    assert not adapters
+    served_params = dict(served.named_parameters())
+    for name, p in trained.named_parameters():
+        torch.testing.assert_close(served_params[name], p, rtol=0, atol=0, msg=name)
+
+
+def test_lora_target_names_are_the_hf_module_names_of_their_paths():
+    """lora.target_modules are HF names (what a PEFT export's target_modules lists) and
+    LORA_TARGETS maps them to our paths; the export names each adapter by engram.hf.adapter's
+    own mapping of that path. The two must name the same module."""
+    from engram.config import LORA_TARGETS
+    from engram.hf.adapter import hf_module_name
+
+    for hf_name, path in LORA_TARGETS.items():
+        assert hf_module_name(f"layers.3.{path}").split(".")[-1] == hf_name, path
+        assert hf_module_name(f"layers.3.{path}").startswith("model.layers.3."), path

@@ -1,4 +1,4 @@
-"""The memory planner under context parallelism (parallelism.cp, issue 28): activations per
+"""The memory planner under context parallelism (parallelism.cp): activations per
 method against the bytes autograd really saves on 2 gloo cp ranks, the cp collectives' bytes
 against a count by hand, FSDP over dp_shard x cp against real ranks, --compare's CP
 candidates, the refusal of what cp does not compose with, and the shipped long-context NPU

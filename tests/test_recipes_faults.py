@@ -106,9 +106,8 @@ def test_resume_with_other_hashing_is_refused_and_changes_nothing(tmp_path):
         (out,) = run_distributed(_train, 1, _raw(str(tmp_path), steps=4, **change))
         assert "different configuration" in out["error"] and key in out["error"], out
         assert _files(run) == before, change  # config record, metrics, checkpoints untouched
-    # Harmless changes resume.
-    # (data.num_workers too, once the loader state is global: torchdata's is per worker count.)
-    harmless = {"optimizer": {"lr": 1e-4}, "metrics": {"log_freq": 2}}
+    # Harmless changes resume, data.num_workers included (the loader state is global).
+    harmless = {"optimizer": {"lr": 1e-4}, "metrics": {"log_freq": 2}, "data": {"num_workers": 2}}
     (resumed,) = run_distributed(_train, 1, _raw(str(tmp_path), steps=3, **harmless))
     assert resumed["start"] == 2 and len(resumed["losses"]) == 1
     record = json.loads((run / "config.json").read_text())

@@ -74,7 +74,7 @@ def test_lora_counts_adapters_as_trained_and_the_backbone_4n(converted: bool) ->
     lora = Lora(rank=2, target_modules=["q_proj", "v_proj", "down_proj"])
     model = _model()
     if converted:  # the model as parallelisms/lora.py leaves it: the same count
-        add_lora_adapters(model, ["attention.wq", "attention.wv", "feed_forward.w2"], 2, 4.0, 0.0)
+        add_lora_adapters(model, lora)
     got = count_flops(model, T, "lora", lora)
     # Adapters per layer: r * (in + out) for wq (D -> H*Q), wv (D -> KV*Q), w2 (F -> D).
     adapters = 2 * (D + H * Q) + 2 * (D + KV * Q) + 2 * (F + D)

@@ -89,8 +89,8 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: obj}
 
 
-# Fingerprint keys added after checkpoints were written without them (issue 30). A checkpoint
-# that lacks one cannot be checked on it: that is warned about, not refused, so it still resumes.
+# Fingerprint keys that older checkpoints were written without. A checkpoint that lacks one
+# cannot be checked on it: that is warned about, not refused, so it still resumes.
 _RECORDED_LATER = {
     "frozen_base": "which frozen backbone it was trained on (it was saved with "
     "checkpoint.trainable_only = false, or before base identities were recorded)",

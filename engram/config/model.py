@@ -215,3 +215,9 @@ class Lora:
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+    @property
+    def module_paths(self) -> list[str]:
+        """This repo's module paths (inside a decoder layer) of `target_modules`: the one
+        mapping every reader uses (the adapters, the inference build, the FLOP count)."""
+        return [LORA_TARGETS[t] for t in self.target_modules]

@@ -6,8 +6,8 @@ import logging
 
 import torch
 
-from engram.config import LORA_TARGETS, JobConfig
 from engram.config import Engram as EngramConfig
+from engram.config import JobConfig
 from engram.config import Model as ModelConfig
 from engram.hashing.ngram import NgramHasher, engram_table_rows
 from engram.models.args import ModelArgs, get_model_args
@@ -144,9 +144,7 @@ def build_for_inference(
     mode (generation, export). `max_seq_len` sizes the RoPE table."""
     model, hasher = build_from_config(cfg, tokenizer, max_seq_len=max_seq_len)
     if cfg.training.mode == "lora":  # the adapters a lora run's checkpoint holds
-        lora = cfg.lora
-        paths = [LORA_TARGETS[t] for t in lora.target_modules]
-        add_lora_adapters(model, paths, lora.rank, lora.alpha, lora.dropout)
+        add_lora_adapters(model, cfg.lora)
     model.to_empty(device=device)
     model.init_weights(seed=cfg.job.seed)
     model.eval()

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from engram.config import Lora as LoraConfig
 from engram.models.init import init_constant_, init_normal_, init_uniform_
 
 LORA_PARAMS = ("lora_A", "lora_B")
@@ -151,24 +152,25 @@ def add_lora(
     return linear
 
 
-def add_lora_adapters(
-    model: nn.Module,
-    paths: list[str],
-    rank: int,
-    alpha: float,
-    dropout: float,
-    init_a: str = "normal",
-) -> list[str]:
-    """`add_lora` on every `layers.<i>.<path>` linear of `model` for `path` in `paths` (our module
-    paths, e.g. attention.wq); before any wrapper (names unprefixed). Returns the names."""
+def lora_targets(model: nn.Module, cfg: LoraConfig) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every `layers.<i>.<path>` of `model` for `path` in cfg.module_paths:
+    the modules `cfg` adapts (names as built, before any wrapper)."""
+    paths = cfg.module_paths
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if name.partition(".")[0] == "layers" and name.partition(".")[2].partition(".")[2] in paths
+    ]
+
+
+def add_lora_adapters(model: nn.Module, cfg: LoraConfig) -> list[str]:
+    """`add_lora` with `cfg`'s rank, alpha, dropout and init_a on every module `cfg` targets
+    (lora_targets); returns their names."""
     adapted = []
-    for name, module in list(model.named_modules()):
-        head, _, rest = name.partition(".")
-        if head != "layers" or rest.partition(".")[2] not in paths:
-            continue
+    for name, module in lora_targets(model, cfg):
         if not isinstance(module, nn.Linear):
             raise TypeError(f"LoRA target {name} is a {type(module).__name__}, not a linear")
-        add_lora(module, rank, alpha, dropout, init_a)
+        add_lora(module, cfg.rank, cfg.alpha, cfg.dropout, cfg.init_a)
         adapted.append(name)
     return adapted
 

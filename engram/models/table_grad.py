@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
+
+from engram.runtime.distributed import shard_groups
 
 _PENDING = "_engram_row_grads"  # list of (rows, values) appended by backward
 _MERGED = "_engram_row_grad"  # (rows, values) after merging, cached until cleared
@@ -89,13 +89,6 @@ def clear_row_grad(param: torch.Tensor) -> None:
     setattr(param, _MERGED, None)
 
 
-def _shard_groups(t: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
-    if not isinstance(t, DTensor):
-        return ()
-    mesh = t.device_mesh
-    return tuple(mesh.get_group(i) for i, pl in enumerate(t.placements) if isinstance(pl, Shard))
-
-
 def row_grad_norm_sq(params: Iterable[torch.Tensor]) -> dict[tuple, torch.Tensor]:
     """Local squared norms of the row-sparse gradients, bucketed by the groups to sum them over.
 
@@ -108,7 +101,7 @@ def row_grad_norm_sq(params: Iterable[torch.Tensor]) -> dict[tuple, torch.Tensor
         rg = row_grad(p)
         if rg is None:
             continue
-        key = _shard_groups(p)
+        key = shard_groups(p)
         sq = rg[1].pow(2).sum()
         buckets[key] = buckets[key] + sq if key in buckets else sq
     return buckets

@@ -19,8 +19,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from engram.config import JobConfig
@@ -28,6 +27,7 @@ from engram.config.table_optimizers import table_optimizer_spec
 from engram.models.engram import is_engram_param, is_table_param
 from engram.models.lora import is_lora_param
 from engram.models.table_grad import row_grad_norm_sq, scale_row_grads_
+from engram.runtime.distributed import shard_groups
 from engram.runtime.host_worker import is_host_resident
 
 
@@ -211,19 +211,6 @@ class SchedulersState:
             s._last_lr = lrs
 
 
-def _shard_groups(t: DTensor) -> tuple[dist.ProcessGroup, ...]:
-    """Process groups over which a DTensor's local pieces must be summed: its Shard dims,
-    including the _StridedShard that FSDP2 puts over a TP-sharded dim (not a Shard subclass)."""
-    mesh = t.device_mesh
-    groups = []
-    for i, pl in enumerate(t.placements):
-        if isinstance(pl, (Shard, _StridedShard)):
-            groups.append(mesh.get_group(i))
-        elif not isinstance(pl, Replicate):
-            raise ValueError(f"cannot take the norm of a gradient with placements {t.placements}")
-    return tuple(groups)
-
-
 @torch.no_grad()
 def align_grads_(params: list[nn.Parameter]) -> None:
     """Bring DTensor gradients to their parameter's placements.
@@ -263,7 +250,7 @@ def clip_grad_norm_(
     if not grads and not buckets and pp_group is None:
         return torch.zeros(())
     for g in grads:
-        key = _shard_groups(g) if isinstance(g, DTensor) else ()
+        key = shard_groups(g)
         local = g.to_local() if isinstance(g, DTensor) else g
         sq = local.detach().float().pow(2).sum()
         buckets[key] = buckets[key] + sq if key in buckets else sq

@@ -2,7 +2,8 @@
 
 - `device.py`: cpu / cuda / npu selection, lazy `torch_npu`, per-device settings and the
   device module's calls (synchronize, memory stats).
-- `distributed.py`: process-group init / teardown for the chosen device's backend.
+- `distributed.py`: process-group init / teardown for the chosen device's backend, and the
+  groups a DTensor's local pieces are summed over (`shard_groups`, for gradient norms).
 - `device_specs.py`: usable memory and dense bf16 / fp8 peaks per device model (matched by the
   name the device reports, or the planner's --device) with the device type's figure as the
   fallback, with sources (the planner's default budget; the recipe logs the measured total and

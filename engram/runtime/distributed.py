@@ -8,7 +8,10 @@ import os
 import warnings
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from engram.runtime.device import dist_backend, local_device
 
@@ -88,3 +91,21 @@ def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
+
+
+def shard_groups(t: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
+    """Process groups over which a tensor's local pieces must be summed for a global sum (a
+    gradient norm): its Shard dims, including the _StridedShard that FSDP2 puts over a
+    TP-sharded dim (not a Shard subclass); () for a plain tensor. Replicate dims hold copies
+    (counted once); a pending Partial sum is refused: bring the tensor to its parameter's
+    placements first."""
+    if not isinstance(t, DTensor):
+        return ()
+    mesh = t.device_mesh
+    groups = []
+    for i, pl in enumerate(t.placements):
+        if isinstance(pl, (Shard, _StridedShard)):
+            groups.append(mesh.get_group(i))
+        elif not isinstance(pl, Replicate):
+            raise ValueError(f"cannot take the norm of a tensor with placements {t.placements}")
+    return tuple(groups)

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from engram.config import LORA_TARGETS, Lora
+from engram.config import Lora
 from engram.models.engram import is_table_param
-from engram.models.lora import LoRAMixin
+from engram.models.lora import LoRAMixin, lora_targets
 from engram.optim.builder import is_trainable
 
 
@@ -98,13 +98,11 @@ def count_flops(model: nn.Module, seq_len: int, mode: str, lora: Lora | None = N
         params.append((_layer_of(name), p.numel(), is_trainable(name, mode)))
     if mode == "lora":
         lora = lora or Lora()
-        paths = {LORA_TARGETS[t] for t in lora.target_modules}
-        for name, module in model.named_modules():
-            layer = _layer_of(name)
-            path = name.partition(".")[2].partition(".")[2]
-            if layer is None or path not in paths or isinstance(module, LoRAMixin):
+        for name, module in lora_targets(model, lora):
+            if isinstance(module, LoRAMixin):
                 continue
-            params.append((layer, lora.rank * (module.in_features + module.out_features), True))
+            n = lora.rank * (module.in_features + module.out_features)
+            params.append((_layer_of(name), n, True))
 
     trains = [layer for layer, _, t in params if t and layer is not None]
     first = min(trains) if trains else args.n_layers  # layers before it have no backward
