@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from launcher import run_isolated
+from saved_bytes import saved_activation_bytes
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -69,16 +70,7 @@ def test_lora_activation_formula_matches_saved_tensors(name, dropout):
         model.to(dtype)
         for block in model.engram_blocks().values():
             block.table.float()
-        held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-        saved: dict[int, int] = {}
-
-        def pack(t, saved=saved):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(ids, hash_ids=hash_ids)
-        measured = sum(n for ptr, n in saved.items() if ptr not in held)
+        measured = saved_activation_bytes(model, ids, hash_ids=hash_ids)
         predicted = activation_estimate(cfg, model.args, dtype_name).saved_bytes
         assert abs(predicted - measured) / measured < 0.02, (dtype, predicted, measured)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from launcher import run_distributed, run_isolated
+from saved_bytes import saved_activation_bytes
 from test_planner_estimate import _real_rank_counts
 
 from engram.config import load_config
@@ -80,16 +81,9 @@ def _saved_bytes_on_cp_ranks(rank: int, world: int, cfg, seq: int) -> dict[str, 
                 p.normal_(0.0, 0.02)
         apply_context_parallel(model, dims)
         part = split_batch(batch, dims)
-        held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-        saved: dict[int, int] = {}
-
-        def pack(t, saved=saved):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(part["input_ids"], hash_ids=part["hash_ids"], positions=part["positions"])
-        out[method] = sum(n for ptr, n in saved.items() if ptr not in held)
+        out[method] = saved_activation_bytes(
+            model, part["input_ids"], hash_ids=part["hash_ids"], positions=part["positions"]
+        )
     return out
 
 
