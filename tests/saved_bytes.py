@@ -18,3 +18,30 @@ def saved_activation_bytes(model: nn.Module, *args, **kwargs) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(*args, **kwargs)
     return sum(n for ptr, n in saved.items() if ptr not in held)
+
+
+def check_activation_formula(cfg, convert=lambda model: None) -> None:
+    """The planner's saved-activation bytes (planner/activations.py) within 2% of what autograd
+    saves for `cfg`'s model on one batch of 2 x 32 tokens, fp32 and bf16 (tables stay fp32, as
+    the recipe keeps them). `convert(model)` runs on the built model first (LoRA, float8)."""
+    from engram.data.tokenizer import load_tokenizer
+    from engram.hashing.ngram import NgramHasher
+    from engram.models.builder import build_model
+    from planner.activations import activation_estimate
+
+    tok = load_tokenizer("")
+    hasher = NgramHasher.from_config(cfg.engram, tok, tok.vocab_size)
+    ids = torch.randint(0, tok.vocab_size, (2, 32))
+    hash_ids = torch.from_numpy(hasher(ids.numpy()))
+    for dtype, dtype_name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        model = build_model(cfg.model, cfg.engram, tok.vocab_size, hasher.table_rows, "cpu")
+        convert(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02)  # values do not matter, but no denormals (slow matmuls)
+        model.to(dtype)
+        for block in model.engram_blocks().values():
+            block.table.float()
+        measured = saved_activation_bytes(model, ids, hash_ids=hash_ids)
+        predicted = activation_estimate(cfg, model.args, dtype_name).saved_bytes
+        assert abs(predicted - measured) / measured < 0.02, (dtype, predicted, measured)

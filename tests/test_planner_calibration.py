@@ -14,21 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 from launcher import run_isolated
-from saved_bytes import saved_activation_bytes
+from saved_bytes import check_activation_formula
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from engram.config import load_config
 from engram.data.tokenizer import load_tokenizer
-from engram.hashing.ngram import NgramHasher
 from engram.models.args import MODEL_FLAVORS
 from engram.models.builder import build_model
 from engram.optim.builder import apply_training_mode, build_optimizers
 from engram.train.loss import build_loss
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.lora import apply_lora
-from planner.activations import activation_estimate
 from planner.estimate import estimate
 
 DEBUG = "train_configs/debug_model.toml"
@@ -56,23 +54,12 @@ def test_lora_activation_formula_matches_saved_tensors(name, dropout):
     measured bytes with dropout (an under-prediction) and 1.11 without."""
     torch.manual_seed(0)
     cfg = _lora_cfg(name, dropout)
-    tok = load_tokenizer("")
-    hasher = NgramHasher.from_config(cfg.engram, tok, tok.vocab_size)
-    ids = torch.randint(0, tok.vocab_size, (2, 32))
-    hash_ids = torch.from_numpy(hasher(ids.numpy()))
-    for dtype, dtype_name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
-        model = build_model(cfg.model, cfg.engram, tok.vocab_size, hasher.table_rows, "cpu")
+
+    def lora(model):
         apply_lora(model, cfg.lora)
         apply_training_mode(model, "lora")
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.02)
-        model.to(dtype)
-        for block in model.engram_blocks().values():
-            block.table.float()
-        measured = saved_activation_bytes(model, ids, hash_ids=hash_ids)
-        predicted = activation_estimate(cfg, model.args, dtype_name).saved_bytes
-        assert abs(predicted - measured) / measured < 0.02, (dtype, predicted, measured)
+
+    check_activation_formula(cfg, lora)
 
 
 class LiveBytes(TorchDispatchMode):

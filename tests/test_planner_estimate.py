@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from launcher import run_distributed, run_isolated
-from saved_bytes import saved_activation_bytes
+from saved_bytes import check_activation_formula
 
 from engram.config import ConfigError, load_config
 from engram.data.tokenizer import load_tokenizer
@@ -185,26 +185,15 @@ def test_activation_formula_matches_saved_tensors(name):
     cfg = _cfg(
         DEBUG, f"--model.name={name}", "--training.local_batch_size=2", "--training.seq_len=32"
     )
-    tok = load_tokenizer("")
-    hasher = NgramHasher.from_config(cfg.engram, tok, tok.vocab_size)
-    ids = torch.randint(0, tok.vocab_size, (2, 32))
-    hash_ids = torch.from_numpy(hasher(ids.numpy()))
-    for dtype, dtype_name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
-        model = build_model(cfg.model, cfg.engram, tok.vocab_size, hasher.table_rows, "cpu")
+
+    def to_float8(model):
         if float8:
             from parallelisms.float8 import apply_float8
 
             cfg.float8.enable = cfg.float8.emulate = True
             assert apply_float8(model, cfg.float8, "cpu", compiled=True)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.02)  # values do not matter, but no denormals (slow matmuls)
-        model.to(dtype)
-        for block in model.engram_blocks().values():
-            block.table.float()
-        measured = saved_activation_bytes(model, ids, hash_ids=hash_ids)
-        predicted = activation_estimate(cfg, model.args, dtype_name).saved_bytes
-        assert abs(predicted - measured) / measured < 0.02, (dtype, predicted, measured)
+
+    check_activation_formula(cfg, to_float8)
 
 
 def test_cli_markdown_and_json(capfd):
