@@ -48,14 +48,14 @@ def _raw(folder: str, name: str, world: int, location: str, steps: int) -> dict:
 
 
 def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
-    import parallelisms.engram_tables.host as ht
+    import parallelisms.engram_tables.row_store as rs
     from engram.config import config_from_dict
     from engram.optim.lazy_adam import RowSparseOptimizer
     from engram.runtime.host_worker import is_host_resident
     from recipes.train import train
 
     moved = {"h2d": 0, "d2h": 0}
-    gather, row_grad = ht._gather, RowSparseOptimizer._row_grad
+    gather, row_grad = rs._gather, RowSparseOptimizer._row_grad
 
     def counted_gather(host, local_idx, device):
         out = gather(host, local_idx, device)
@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
             moved["d2h"] += sum(t.numel() * t.element_size() for t in rg)
         return rg
 
-    ht._gather = counted_gather
+    rs._gather = counted_gather
     RowSparseOptimizer._row_grad = staticmethod(counted_row_grad)
     cfg = config_from_dict(raw)
     train(cfg)

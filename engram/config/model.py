@@ -6,13 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engram.config.checks import check, check_finite
+from engram.config.table_locations import TABLE_LOCATIONS
 
 # Largest n-gram order of the C hashing kernel (MAX_NGRAM in engram/hashing/csrc/ngram_hash.c).
 MAX_NGRAM = 16
-
-
-# Where the Engram table shards and their optimizer state live (parallelisms/engram_tables/host.py).
-TABLE_LOCATIONS = ("device", "host")
 
 
 @dataclass

@@ -8,7 +8,8 @@ import os
 from torch import nn
 
 from engram.config.table_optimizers import table_memory_bytes
-from parallelisms.engram_tables.host import STAGING_CHUNK_BYTES, host_table_modules
+from parallelisms.engram_tables.host import host_table_modules
+from parallelisms.engram_tables.row_store import STAGING_CHUNK_BYTES
 
 __all__ = ["check_host_memory", "host_table_bytes", "mem_available_bytes"]
 

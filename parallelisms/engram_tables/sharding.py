@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from engram.config.table_locations import table_location_spec
 from parallelisms.engram_tables.host import HostShardedEngramTable
 from parallelisms.engram_tables.lookup import ShardedEngramTable
 from parallelisms.engram_tables.routing import LookupSettings, local_row_range
@@ -58,15 +59,13 @@ def apply_engram_table_sharding(
     it its own optimizer group. `table_types` defaults to engram.models.engram.EngramTable.
     `wire_dtype`: dtype of the rows and row gradients in the all-to-all (None: the table's).
     `location`: "device" | "host" (engram.table_location): a host table keeps its shard in host
-    memory and looks up through a host gather (host.py); it needs a
-    row-sparse table optimizer (lazy_adam / rowwise_adagrad).
+    memory and looks up through a host gather (host.py); which table optimizers a location
+    supports is engram/config/table_locations.py.
     """
-    if location not in ("device", "host"):
-        raise ValueError(f"table location must be 'device' or 'host', got {location!r}")
-    if location == "host" and not row_sparse:
+    if table_location_spec(location).row_sparse_only and not row_sparse:
         raise ValueError(
-            "host-resident Engram tables need row_sparse=True (a row-sparse table optimizer: "
-            "lazy_adam or rowwise_adagrad)"
+            f"Engram tables at table_location = {location} need row_sparse=True (a row-sparse "
+            f"table optimizer: {' or '.join(table_location_spec(location).optimizers())})"
         )
     if mesh.ndim != 1:
         raise ValueError(
