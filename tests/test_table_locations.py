@@ -17,9 +17,9 @@ from engram.runtime.host_worker import mark_host_resident, table_location_of
 
 
 def test_every_location_has_a_row_store():
-    from parallelisms.engram_tables.row_store import ROW_STORES
+    from parallelisms.engram_tables.sharding import LOCATION_BACKENDS
 
-    assert tuple(ROW_STORES) == TABLE_LOCATIONS
+    assert tuple(LOCATION_BACKENDS) == TABLE_LOCATIONS
     assert TABLE_LOCATION_SPECS["host"].optimizers() == ("lazy_adam", "rowwise_adagrad")
     assert TABLE_LOCATION_SPECS["device"].optimizers() == ("adam", "lazy_adam", "rowwise_adagrad")
 

@@ -3,7 +3,8 @@ which table optimizers it supports.
 
 Read by the config check (engram/config/schema.py), the table sharding
 (parallelisms/engram_tables/sharding.py), the optimizer builder (engram/optim/builder.py) and the
-row-store room (parallelisms/engram_tables/row_store.py, one backend per location here). It sits
+row-store room (parallelisms/engram_tables/sharding.py pairs each location here with its
+table class and row store). It sits
 in the config layer, not next to the row stores, because the config checks it when a TOML is
 read and engram/config may not import parallelisms (tests/test_layout.py); the row-store room
 checks at import that its backends are exactly these locations.
@@ -38,6 +39,7 @@ TABLE_LOCATION_SPECS: dict[str, TableLocationSpec] = {
     for spec in (
         TableLocationSpec("device", False, "accelerator memory"),
         TableLocationSpec("host", True, "host memory, gathered and updated on the host worker"),
+        TableLocationSpec("nvme", True, "page files on local disk with a host cache in front"),
     )
 }
 

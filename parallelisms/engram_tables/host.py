@@ -111,7 +111,7 @@ class HostShardedEngramTable(ShardedEngramTable):
         self._engram_prefetched = deque()
         self._engram_replay = {}
         # A state dict (checkpoint save / load) reads or writes the shard: queued updates first.
-        self.register_state_dict_pre_hook(lambda *args, **kwargs: self.row_store().snapshot())
+        self.register_state_dict_pre_hook(lambda *args, **kwargs: wait_host_work())
         self.register_load_state_dict_pre_hook(lambda *args, **kwargs: wait_host_work())
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
@@ -187,7 +187,8 @@ class HostShardedEngramTable(ShardedEngramTable):
                 )
             return staged.route, on_device(staged.rows.result())
         route = self._route(ids)
-        return route, on_device(self.row_store().prefetch(route.local_idx, ids.device).result())
+        future = self.row_store().prefetch(route.local_idx, ids.device, pin=False)
+        return route, on_device(future.result())
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", host-resident"

@@ -7,14 +7,17 @@ only through it:
     read_rows(idx)          the rows `idx` (local row numbers), now
     write_rows(idx, rows)   overwrite them (unique idx)
     prefetch(idx, device)   a Future of the rows `idx` on `device`, queued behind every earlier
-                            write (so it reads the rows as updated: the exactness argument)
+                            write (so it reads the rows as updated: the exactness argument);
+                            pinned unless pin=False
     pin(idx) / release(idx) keep rows resident between a prefetch and their last use
+    release_all()           end every pin (the optimizer, after the step's update)
     snapshot()              the whole shard, after every queued write (checkpoints)
 
 Backends: `DeviceRowStore` (the shard tensor in device memory: reads and writes are index ops,
 pin / release are no-ops) and `HostRowStore` (the shard in host memory: reads for the device
 are host-side gathers into page-locked staging on the FIFO host worker,
-engram/runtime/host_worker.py, copied to the device on a side stream).
+engram/runtime/host_worker.py, copied to the device on a side stream); the NVMe backend is
+nvme_store.py. sharding.py pairs each engram.table_location with its backend.
 """
 
 from __future__ import annotations
@@ -23,11 +26,9 @@ from concurrent.futures import Future
 
 import torch
 
-from engram.config.table_locations import TABLE_LOCATIONS
 from engram.runtime.host_worker import HOST_WORKER, wait_host_work
 
 __all__ = [
-    "ROW_STORES",
     "STAGING_CHUNK_BYTES",
     "DeviceRowStore",
     "HostRowStore",
@@ -53,7 +54,7 @@ class RowStore:
     def write_rows(self, idx: torch.Tensor, rows: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def prefetch(self, idx: torch.Tensor, device: torch.device) -> Future:
+    def prefetch(self, idx: torch.Tensor, device: torch.device, pin: bool = True) -> Future:
         raise NotImplementedError
 
     def pin(self, idx: torch.Tensor) -> None:
@@ -61,6 +62,9 @@ class RowStore:
 
     def release(self, idx: torch.Tensor) -> None:
         """End a `pin`."""
+
+    def release_all(self) -> None:
+        """End every pin."""
 
     def snapshot(self) -> torch.Tensor:
         raise NotImplementedError
@@ -80,7 +84,7 @@ class DeviceRowStore(RowStore):
     def write_rows(self, idx: torch.Tensor, rows: torch.Tensor) -> None:
         self.shard.index_copy_(0, idx.to(self.shard.device), rows.to(self.shard.dtype))
 
-    def prefetch(self, idx: torch.Tensor, device: torch.device) -> Future:
+    def prefetch(self, idx: torch.Tensor, device: torch.device, pin: bool = True) -> Future:
         done: Future = Future()
         done.set_result((self.read_rows(idx).to(device), None))
         return done
@@ -95,21 +99,12 @@ class HostRowStore(DeviceRowStore):
 
     location = "host"
 
-    def prefetch(self, idx: torch.Tensor, device: torch.device) -> Future:
+    def prefetch(self, idx: torch.Tensor, device: torch.device, pin: bool = True) -> Future:
         return HOST_WORKER.submit(_gather, self.shard, idx, device)
 
     def snapshot(self) -> torch.Tensor:
         wait_host_work()  # queued updates write the shard
         return self.shard
-
-
-# One backend per engram.table_location (engram/config/table_locations.py).
-ROW_STORES: dict[str, type[RowStore]] = {s.location: s for s in (DeviceRowStore, HostRowStore)}
-if tuple(ROW_STORES) != TABLE_LOCATIONS:
-    raise ImportError(
-        f"row-store backends {tuple(ROW_STORES)} differ from engram/config/table_locations.py "
-        f"{TABLE_LOCATIONS}: add the backend and its location together"
-    )
 
 
 def pin_staging(rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
