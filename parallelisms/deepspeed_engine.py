@@ -123,8 +123,8 @@ def check_layout(cfg: JobConfig) -> None:
         (cfg.float8.enable, "float8.enable = true", "float8 is not wired into this variant"),
         (cfg.compile.enable, "compile.enable = true", "torch.compile is not wired into this "
          "variant (DeepSpeed's ZeRO-3 hooks are untested under it here)"),
-        (cfg.engram.enabled and cfg.engram.table_location == "host",
-         'engram.table_location = "host"', "host tables' prefetch and host-update waits are "
+        (cfg.engram.enabled and cfg.engram.table_location != "device",
+         f'engram.table_location = "{cfg.engram.table_location}"', "host tables' prefetch and host-update waits are "
          "wired into recipes/train.py only; use it, or table_location = \"device\""),
         (cfg.training.loss_chunks > 1, f"training.loss_chunks = {cfg.training.loss_chunks}",
          "the chunked loss applies the output head outside the model's forward, where ZeRO-3 "

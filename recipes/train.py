@@ -108,10 +108,11 @@ def train(cfg: JobConfig) -> TrainResult:
     data_iter = iter(train_loader)
     trainable = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     pp_group = dims.mesh("pp").get_group() if dims.pp_enabled else None
-    # Host tables see hash_ids[:, :, slot] only without TP / PP; there their lookups gather late.
+    # Host / NVMe tables see hash_ids[:, :, slot] only without TP / PP; there their lookups
+    # gather late.
     prefetch = (
         cfg.engram.enabled
-        and cfg.engram.table_location == "host"
+        and cfg.engram.table_location != "device"
         and not (dims.tp_enabled or dims.pp_enabled)
     )
     profile = maybe_profile(cfg.profiling, cfg.run_folder, proc.rank, proc.device_type, start_step)

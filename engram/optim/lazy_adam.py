@@ -143,14 +143,18 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         wait_host_work()
         state_dict = {**state_dict, "state": dict(state_dict["state"])}
-        for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
+        # the saved parameters' keys (ints, or FQNs from DCP) pair with ours in group order, as
+        # in torch's own load_state_dict
+        saved = [k for g in state_dict["param_groups"] for k in g["params"]]
+        ours = [p for g in self.param_groups for p in g["params"]]
+        for key, p in zip(saved, ours, strict=True):
             store = row_store_of(p)
-            if store is not None and i in state_dict["state"]:
-                entry = dict(state_dict["state"][i])
+            if store is not None and key in state_dict["state"]:
+                entry = dict(state_dict["state"][key])
                 store.load(
                     {k: _local(entry.pop(k)).to("cpu") for k in self.ROW_STATE if k in entry}
                 )
-                state_dict["state"][i] = entry
+                state_dict["state"][key] = entry
         super().load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -32,7 +32,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from engram.config.table_optimizers import table_optimizer_spec
-from engram.runtime.host_worker import attach_row_store, mark_host_resident, wait_host_work
+from engram.runtime.host_worker import (
+    HOST_WORKER,
+    attach_row_store,
+    mark_host_resident,
+    wait_host_work,
+)
 from parallelisms.engram_tables.host import HostShardedEngramTable
 from parallelisms.engram_tables.nvme_store import NvmeRowStore
 
@@ -129,7 +134,9 @@ class NvmeShardedEngramTable(HostShardedEngramTable):
         return self.spill()
 
     def prefetch(self, ids: torch.Tensor) -> None:
-        self.spill()
+        store = self.spill()
+        if not self._engram_prefetched:  # a step's first prefetch: the last step's pins end
+            HOST_WORKER.submit(store.release_all)  # (also after a step skipped by the guard)
         super().prefetch(ids)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

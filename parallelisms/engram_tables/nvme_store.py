@@ -124,6 +124,7 @@ class NvmeRowStore(RowStore):
         self._pins: dict[int, int] = {}  # page -> pin count
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="engram-nvme")
         self.reads = self.writes = 0  # pages moved, for tests and benchmarks
+        self.pins_taken = 0
 
     # -- pages ---------------------------------------------------------------------------
     def _file_pos(self, page: int) -> tuple[int, int]:
@@ -236,6 +237,7 @@ class NvmeRowStore(RowStore):
     def pin(self, idx: torch.Tensor) -> None:
         pages = self._pages(idx)
         self._load(pages)
+        self.pins_taken += 1
         for p in pages:
             self._pins[p] = self._pins.get(p, 0) + 1
 
