@@ -40,7 +40,7 @@ def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if not isinstance(p, DTensor):
         return local
     shape = (p.shape[0], *local.shape[1:])
-    stride = (local.stride(0), *local.stride()[1:]) if local.dim() > 1 else (1,)
+    stride = local.stride()
     return DTensor.from_local(
         local, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride
     )
@@ -118,9 +118,11 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         store.release_all()  # the step's lookups and update are done with its pinned rows
 
     def _init_state(self, p: torch.Tensor, state: dict, tensors: bool) -> None:
-        """The state of a table's first update; with `tensors` its ROW_STATE tensors too."""
-        for name, per_param in self.ROW_STATE.items() if tensors else ():
-            state[name] = self._rows_state(p, row_shape=not per_param)
+        """The state of a table's first update: its ROW_STATE tensors, or without `tensors`
+        (a row store holds them) memoryless stand-ins of their shape, so that whoever lists the
+        state's names (DCP's flattened state dict) finds them; state_dict reads the store."""
+        for name, per_param in self.ROW_STATE.items():
+            state[name] = self._rows_state(p, row_shape=not per_param, hollow=not tensors)
 
     def _update_rows(
         self, t: dict, state: dict, hyper: dict, rows: torch.Tensor, g: torch.Tensor
@@ -156,6 +158,10 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 )
                 state_dict["state"][key] = entry
         super().load_state_dict(state_dict)
+        for p in ours:
+            if row_store_of(p) is not None and self.state.get(p):
+                self._init_state(p, (stand_ins := {}), tensors=False)
+                self.state[p] |= {k: stand_ins[k] for k in self.ROW_STATE}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -185,8 +191,12 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             return pairs[0]
         return coalesce_rows(torch.cat([r for r, _ in pairs]), torch.cat([v for _, v in pairs]))
 
-    def _rows_state(self, p: torch.Tensor, row_shape: bool) -> torch.Tensor:
-        """Zero state for `p`: like p (row_shape False) or one fp32 value per row (True)."""
+    def _rows_state(self, p: torch.Tensor, row_shape: bool, hollow: bool = False) -> torch.Tensor:
+        """Zero state for `p`: like p (row_shape False) or one fp32 value per row (True);
+        `hollow`: a zero-stride view of one fp32 zero of that shape (no memory)."""
+        if hollow:
+            shape = _local(p).shape[:1] if row_shape else _local(p).shape
+            return _like(p, torch.zeros(1).expand(*shape))
         if not row_shape:
             return torch.zeros_like(p, memory_format=torch.preserve_format)
         local = torch.zeros(_local(p).shape[0], dtype=torch.float32, device=_local(p).device)
