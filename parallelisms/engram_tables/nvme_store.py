@@ -120,6 +120,7 @@ class NvmeRowStore(RowStore):
         )
         self._free = list(range(self.cache_pages - 1, -1, -1))
         self._where: OrderedDict[int, int] = OrderedDict()  # page -> slot, LRU first
+        self._slot_of = torch.full((self.pages,), -1, dtype=torch.long)  # the same, as a tensor
         self._dirty: set[int] = set()
         self._pins: dict[int, int] = {}  # page -> pin count
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="engram-nvme")
@@ -134,16 +135,19 @@ class NvmeRowStore(RowStore):
         return memoryview(self._buf)[slot * self.page_bytes : (slot + 1) * self.page_bytes]
 
     def _io(self, jobs: list[tuple[int, int]], write: bool) -> None:
-        """Read (or write back) pages (page, slot) on the thread pool; raise the first error."""
+        """Read (or write back) pages (page, slot) on the thread pool, one share of the pages
+        per thread (a future per page costs more than its 4 KiB read); raise the first error."""
 
-        def one(job: tuple[int, int]) -> None:
-            fd, pos = self._file_pos(job[0])
-            view = self._view(job[1])
-            done = (os.pwritev if write else os.preadv)(fd, [view], pos)
-            if done != self.page_bytes:
-                raise OSError(f"short {'write' if write else 'read'} of a page: {done} B")
+        def share(part: list[tuple[int, int]]) -> None:
+            move = os.pwritev if write else os.preadv
+            for page, slot in part:
+                fd, pos = self._file_pos(page)
+                done = move(fd, [self._view(slot)], pos)
+                if done != self.page_bytes:
+                    raise OSError(f"short {'write' if write else 'read'} of a page: {done} B")
 
-        for _ in self._pool.map(one, jobs):
+        threads = self._pool._max_workers
+        for _ in self._pool.map(share, [jobs[i::threads] for i in range(threads) if jobs[i:]]):
             pass
         if write:
             self.writes += len(jobs)
@@ -158,16 +162,22 @@ class NvmeRowStore(RowStore):
                 self._where.move_to_end(p)
         if not missing:
             return
+        need, needed, victims = len(missing) - len(self._free), set(pages), []
+        for p in self._where if need > 0 else ():  # least recently used first
+            if p not in self._pins and p not in needed:
+                victims.append(p)
+                if len(victims) == need:
+                    break
+        if len(victims) < need:
+            raise RuntimeError(
+                f"NVMe Engram table: {len(missing) + len(self._where)} pages pinned or needed "
+                f"at once but the host cache holds {self.cache_pages} ({self.page_bytes} B "
+                "each): raise engram.nvme_host_cache_gib (a step's rows must fit)"
+            )
         evict = []
-        while len(self._free) < len(missing):
-            victim = next((p for p in self._where if p not in self._pins and p not in pages), None)
-            if victim is None:
-                raise RuntimeError(
-                    f"NVMe Engram table: {len(missing) + len(self._where)} pages pinned or needed "
-                    f"at once but the host cache holds {self.cache_pages} ({self.page_bytes} B "
-                    "each): raise engram.nvme_host_cache_gib (a step's rows must fit)"
-                )
+        for victim in victims:
             slot = self._where.pop(victim)
+            self._slot_of[victim] = -1
             if victim in self._dirty:
                 evict.append((victim, slot))
                 self._dirty.discard(victim)
@@ -177,6 +187,7 @@ class NvmeRowStore(RowStore):
         self._io(jobs, write=False)
         for p, slot in jobs:
             self._where[p] = slot
+            self._slot_of[p] = slot
 
     def _pages(self, idx: torch.Tensor) -> list[int]:
         return torch.unique(idx.to("cpu", torch.long) // self.rows_per_page).tolist()
@@ -184,10 +195,7 @@ class NvmeRowStore(RowStore):
     def _record_index(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cache slot, record within the page) of each row of `idx` (its page is cached)."""
         idx = idx.to("cpu", torch.long)
-        slot = torch.tensor(
-            [self._where[p] for p in (idx // self.rows_per_page).tolist()], dtype=torch.long
-        )
-        return slot, idx % self.rows_per_page
+        return self._slot_of[idx // self.rows_per_page], idx % self.rows_per_page
 
     def _records(self) -> torch.Tensor:
         """The cache as [slot, record, fp32 value] (a view: writes land in the slots)."""
