@@ -123,7 +123,7 @@ def main() -> None:
                     raw = _raw(tmp, f"{loc}{world}_{rep}", world, loc, args.steps, nvme)
                     res = run_distributed(_worker, world, raw, args.warmup)
                     med[loc].append(statistics.median(res[0]["times"]))
-                    if loc != "device":
+                    if loc == "host":  # the host path's gathers (the NVMe path moves pages)
                         host_bytes = (sum(r["h2d"] for r in res), sum(r["d2h"] for r in res))
             ratio = statistics.median(h / d for h, d in zip(med[other], med[base], strict=True))
             d, h = statistics.median(med[base]), statistics.median(med[other])
