@@ -198,3 +198,27 @@ def test_nvme_equals_device_fsdp2_tp2_and_pp2(tmp_path):
             for k, t in d["tables"].items():
                 assert np.array_equal(n["tables"][k], t), f"{where}: table {k} differs"
             assert n["stores"] and all(s["pins"] == 0 and s["reads"] > 0 for s in n["stores"])
+
+
+def test_buffered_fallback_when_o_direct_is_refused(tmp_path, monkeypatch, caplog):
+    """A file system that refuses O_DIRECT (tmpfs: EINVAL) gets buffered I/O, the reason logged,
+    and the same rows."""
+    import errno
+    import os
+
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with caplog.at_level("WARNING"):
+        store = NvmeRowStore(300, {"weight": 4}, [str(tmp_path)], cache_bytes=4096)
+    assert not store.direct
+    assert "buffered I/O" in caplog.text and "refuses O_DIRECT" in caplog.text
+    w = torch.randn(300, 4)
+    store.load({"weight": w})
+    assert torch.equal(store.snapshot(), w) and store.writes > 0
+    store.close()
