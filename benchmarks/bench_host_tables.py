@@ -1,6 +1,8 @@
-"""Step time with host-resident Engram tables vs device tables, and bytes moved per step.
+"""Step time with host-resident Engram tables vs device tables, and bytes moved per step; with
+`--locations host,nvme`, NVMe tables vs host tables.
 
     python benchmarks/bench_host_tables.py [--steps 30 --warmup 5 --worlds 1,2 --repeats 2]
+    python benchmarks/bench_host_tables.py --locations host,nvme --nvme_dir DIR --cache_gib 0.1
 
 Workload: the debug Llama (dim 256, 4 layers) with Engram at layers 1 and 2, orders 2-3, 4 heads
 per order, 32 wide per head, vocab_size_per_ngram [200000, 200000] (~51 M table parameters),
@@ -12,6 +14,9 @@ device memory are the same RAM: the host path's cost measured here is its extra 
 gather through the worker thread, staging, the async update's thread hand-off), not a PCIe copy.
 Bytes per step: rows gathered on the host and sent to the device (H2D) plus row gradients (and
 their int64 row ids) brought to the host (D2H), summed over ranks, averaged over steps.
+NVMe: page files under `--nvme_dir` (a local disk; default a temporary folder), each rank's host
+cache `--cache_gib` split over its two tables; the columns are then (base, other, other / base)
+and the byte columns are the host path's.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def _raw(folder: str, name: str, world: int, location: str, steps: int) -> dict:
-    return {
+def _raw(folder: str, name: str, world: int, location: str, steps: int, nvme: dict) -> dict:
+    raw = {
         "job": {"dump_folder": folder, "run_name": name, "device": "cpu", "seed": 0},
         "model": {"name": "llama3", "flavor": "debug"},
         "engram": {
@@ -45,17 +50,23 @@ def _raw(folder: str, name: str, world: int, location: str, steps: int) -> dict:
         "metrics": {"log_freq": 1, "enable_tensorboard": False},
         "parallelism": {"dp_shard": world},
     }
+    if location == "nvme":
+        raw["engram"] |= {
+            "nvme_dirs": [f"{nvme['dir']}/{name}"],
+            "nvme_host_cache_gib": nvme["gib"],
+        }
+    return raw
 
 
 def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
-    import parallelisms.engram_tables.host as ht
+    import parallelisms.engram_tables.row_store as rs
     from engram.config import config_from_dict
     from engram.optim.lazy_adam import RowSparseOptimizer
     from engram.runtime.host_worker import is_host_resident
     from recipes.train import train
 
     moved = {"h2d": 0, "d2h": 0}
-    gather, row_grad = ht._gather, RowSparseOptimizer._row_grad
+    gather, row_grad = rs._gather, RowSparseOptimizer._row_grad
 
     def counted_gather(host, local_idx, device):
         out = gather(host, local_idx, device)
@@ -68,7 +79,7 @@ def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
             moved["d2h"] += sum(t.numel() * t.element_size() for t in rg)
         return rg
 
-    ht._gather = counted_gather
+    rs._gather = counted_gather
     RowSparseOptimizer._row_grad = staticmethod(counted_row_grad)
     cfg = config_from_dict(raw)
     train(cfg)
@@ -90,26 +101,32 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--worlds", default="1,2")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--locations", default="device,host", help="base,other: device,host | host,nvme"
+    )
+    ap.add_argument("--nvme_dir", default=None, help="NVMe page files (default: a temp folder)")
+    ap.add_argument("--cache_gib", type=float, default=0.1, help="NVMe host cache per rank")
     args = ap.parse_args()
+    base, other = args.locations.split(",")
     print(
-        "| ranks | device step (s) | host step (s) | host / device | H2D MiB / step | D2H MiB / step |"
+        f"| ranks | {base} step (s) | {other} step (s) | {other} / {base} | H2D MiB / step | "
+        "D2H MiB / step |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as tmp:
+        nvme = {"dir": args.nvme_dir or tmp, "gib": args.cache_gib}
         for world in (int(w) for w in args.worlds.split(",")):
-            med = {"device": [], "host": []}
+            med = {base: [], other: []}
             host_bytes = None
             for rep in range(args.repeats):
-                for loc in ("device", "host"):
-                    raw = _raw(tmp, f"{loc}{world}_{rep}", world, loc, args.steps)
+                for loc in (base, other):
+                    raw = _raw(tmp, f"{loc}{world}_{rep}", world, loc, args.steps, nvme)
                     res = run_distributed(_worker, world, raw, args.warmup)
                     med[loc].append(statistics.median(res[0]["times"]))
-                    if loc == "host":
+                    if loc == "host":  # the host path's gathers (the NVMe path moves pages)
                         host_bytes = (sum(r["h2d"] for r in res), sum(r["d2h"] for r in res))
-            ratio = statistics.median(
-                h / d for h, d in zip(med["host"], med["device"], strict=True)
-            )
-            d, h = statistics.median(med["device"]), statistics.median(med["host"])
+            ratio = statistics.median(h / d for h, d in zip(med[other], med[base], strict=True))
+            d, h = statistics.median(med[base]), statistics.median(med[other])
             h2d, d2h = (b / 2**20 for b in host_bytes)
             print(f"| {world} | {d:.3f} | {h:.3f} | {ratio:.3f} | {h2d:.2f} | {d2h:.2f} |")
 

@@ -39,7 +39,7 @@ from engram.optim.builder import apply_training_mode
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import apply_compile
 from parallelisms.context_parallel import apply_context_parallel
-from parallelisms.engram_tables import apply_engram_table_sharding
+from parallelisms.engram_tables import NvmeSettings, apply_engram_table_sharding
 from parallelisms.float8 import apply_float8
 from parallelisms.fsdp import DTYPES, apply_fsdp
 from parallelisms.lora import apply_lora, hold_frozen_in
@@ -79,6 +79,11 @@ def shard_engram_tables(model: nn.Module, cfg: JobConfig, dims: ParallelDims) ->
         row_sparse=table_optimizer_spec(cfg.optimizer.table_optimizer).row_sparse,
         wire_dtype=DTYPES.get(cfg.parallelism.engram_a2a_dtype),
         location=cfg.engram.table_location,
+        nvme=NvmeSettings(
+            tuple(cfg.engram.nvme_dirs),
+            int(cfg.engram.nvme_host_cache_gib * 2**30),
+            cfg.optimizer.table_optimizer,
+        ),
     )
 
 

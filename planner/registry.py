@@ -112,6 +112,8 @@ MODELLED_VALUES = {  # setting -> the values the planner models (others are refu
     "training.mode": ("full", "engram_only", "lora"),
     # Without loss parallel the logits are all-gathered; the planner divides them by tp.
     "parallelism.tp_loss_parallel": (True,),
+    # NVMe tables (page files + host cache) are not modelled yet: the planner refuses them.
+    "engram.table_location": ("device", "host"),
 }
 
 NO_MEMORY_EFFECT = frozenset(
@@ -121,6 +123,8 @@ NO_MEMORY_EFFECT = frozenset(
         "job.cpu_affinity",  # which host CPUs the rank's threads run on
         *("comm.init_timeout_s", "comm.train_timeout_s"),  # how long a collective may wait
         "compile.allow_on_npu",  # an opt-in; compile itself is estimated as eager
+        # read only with engram.table_location = nvme, which MODELLED_VALUES refuses
+        *("engram.nvme_dirs", "engram.nvme_host_cache_gib"),
         "lora.alpha",  # a scale factor
         "lora.init_a",  # the adapters' initial values, not their size
         "model.hf_checkpoint",  # loaded into the same parameters

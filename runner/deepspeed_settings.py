@@ -77,8 +77,8 @@ REFUSED = {
     "float8.enable": "float8 is not wired into this variant",
     "compile.enable": "torch.compile is not wired into this variant (DeepSpeed's ZeRO-3 hooks are "
     "untested under it here)",
-    "engram.table_location": "host tables' prefetch and host-update waits are wired into "
-    'recipes/train.py only; use it, or table_location = "device"',
+    "engram.table_location": "host / NVMe tables' prefetch and host-update waits are wired "
+    'into recipes/train.py only; use it, or table_location = "device"',
     "training.loss_chunks": "the chunked loss applies the output head outside the model's "
     "forward, where ZeRO-3 has not gathered it; set it to 1 or use recipes/train.py",
     "checkpoint.trainable_only": "the engine's checkpoint holds every weight (DeepSpeed saves the "
@@ -110,6 +110,10 @@ IRRELEVANT = {
         ("compile.backend", "compile.allow_on_npu"), "read only with compile.enable, refused here"
     ),
     "engram.host_memory_gib": 'read only with engram.table_location = "host", refused here',
+    **dict.fromkeys(
+        ("engram.nvme_dirs", "engram.nvme_host_cache_gib"),
+        'read only with engram.table_location = "nvme", refused here',
+    ),
 }
 
 

@@ -78,10 +78,11 @@ class TrainStep:
         self.dp_group = dp_group or dims.mesh("dp_cp").get_group()
         self.trainable = [p for part in model_parts for p in part.parameters() if p.requires_grad]
         self.pp_group = dims.mesh("pp").get_group() if dims.pp_enabled else None
-        # Host tables see hash_ids[:, :, slot] only without TP / PP; there their lookups gather late.
+        # Host / NVMe tables see hash_ids[:, :, slot] only without TP / PP; there their lookups
+        # gather late.
         self.prefetch = (
             cfg.engram.enabled
-            and cfg.engram.table_location == "host"
+            and cfg.engram.table_location != "device"
             and not (dims.tp_enabled or dims.pp_enabled)
         )
 

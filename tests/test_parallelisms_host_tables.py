@@ -53,6 +53,7 @@ def _train(
     from torch.distributed.tensor import DTensor
 
     import parallelisms.engram_tables.host as ht
+    import parallelisms.engram_tables.row_store as rs
     import recipes.train as recipe
     from engram.optim.lazy_adam import RowSparseOptimizer
 
@@ -66,7 +67,7 @@ def _train(
         return wrapper
 
     ht.route_ids = counted("route", ht.route_ids)
-    ht._gather = counted("gather", ht._gather)
+    rs._gather = counted("gather", rs._gather)
     ht.HostShardedEngramTable.prefetch = counted("prefetch", ht.HostShardedEngramTable.prefetch)
     if slow_update:
         update_all = RowSparseOptimizer._update_all

@@ -32,7 +32,6 @@ from engram.config.parallelism import (
 )
 from engram.config.schema import JobConfig
 from engram.config.training import (
-    ROW_SPARSE_TABLE_OPTIMIZERS,
     TRAINING_MODES,
     Checkpoint,
     Data,
@@ -70,7 +69,6 @@ __all__ = [
     "Parallelism",
     "Pipeline",
     "Profiling",
-    "ROW_SPARSE_TABLE_OPTIMIZERS",
     "TABLE_LOCATIONS",
     "TRAINING_MODES",
     "Training",

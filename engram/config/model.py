@@ -6,13 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engram.config.checks import check, check_finite
+from engram.config.table_locations import TABLE_LOCATIONS
 
 # Largest n-gram order of the C hashing kernel (MAX_NGRAM in engram/hashing/csrc/ngram_hash.c).
 MAX_NGRAM = 16
-
-
-# Where the Engram table shards and their optimizer state live (parallelisms/engram_tables/host.py).
-TABLE_LOCATIONS = ("device", "host")
 
 
 @dataclass
@@ -90,12 +87,21 @@ class Engram:
     """Where each rank's row shard of the tables and its optimizer state live: device (accelerator
     memory) | host (host memory: the rows a lookup touches are gathered on the host and copied to
     the device, the row-sparse optimizer updates the shard on the host; needs
-    optimizer.table_optimizer = lazy_adam or rowwise_adagrad). Bitwise equal to device on CPU;
-    see docs/host_tables.md."""
+    optimizer.table_optimizer = lazy_adam or rowwise_adagrad) | nvme (page files under
+    engram.nvme_dirs with a host cache of engram.nvme_host_cache_gib; same optimizers). Bitwise
+    equal to device on CPU; see docs/host_tables.md."""
     host_memory_gib: float = 0.0
     """With table_location = host: host memory per node the table shards, their optimizer state
     and staging may use (GiB). 0: the node's MemAvailable (/proc/meminfo) at start. A run whose
     host tables need more fails at start, before allocating them."""
+    nvme_dirs: list[str] = field(default_factory=list)
+    """With table_location = nvme: directories on local disks (one per drive) for the table
+    shards' page files; each shard's pages stripe over them. Scratch space, not the checkpoint:
+    the files are deleted when the run ends."""
+    nvme_host_cache_gib: float = 1.0
+    """With table_location = nvme: host memory per rank for the cache of table pages (GiB),
+    split over the rank's tables. A step's rows are pinned in it from prefetch to their update,
+    so they must fit; the run fails naming this setting otherwise."""
 
     def __post_init__(self) -> None:
         check(
@@ -140,6 +146,13 @@ class Engram:
         check(self.table_init_std > 0, "engram.table_init_std must be > 0")
         check_finite(self.host_memory_gib, "engram.host_memory_gib")
         check(self.host_memory_gib >= 0, "engram.host_memory_gib must be >= 0 (0: MemAvailable)")
+        check_finite(self.nvme_host_cache_gib, "engram.nvme_host_cache_gib")
+        check(self.nvme_host_cache_gib > 0, "engram.nvme_host_cache_gib must be > 0")
+        check(
+            self.table_location != "nvme" or bool(self.nvme_dirs),
+            'engram.table_location = "nvme" needs engram.nvme_dirs: directories on local disks '
+            'for the table page files, e.g. nvme_dirs = ["/mnt/nvme0/engram"]',
+        )
         check(
             self.table_location in TABLE_LOCATIONS,
             f"engram.table_location must be one of {', '.join(TABLE_LOCATIONS)}, "

@@ -20,8 +20,8 @@ from engram.config.parallelism import (
     Parallelism,
     Pipeline,
 )
+from engram.config.table_locations import table_location_error
 from engram.config.training import (
-    ROW_SPARSE_TABLE_OPTIMIZERS,
     Checkpoint,
     Data,
     Job,
@@ -58,17 +58,10 @@ class JobConfig:
         # job.device = "auto" is checked once it resolves (engram/train/build.py init_process)
         if self.job.device != "auto":
             self.compile.check_device(self.job.device)
-        check(
-            not (
-                self.engram.enabled
-                and self.engram.table_location == "host"
-                and self.optimizer.table_optimizer not in ROW_SPARSE_TABLE_OPTIMIZERS
-            ),
-            f"engram.table_location = host needs a row-sparse table optimizer, got "
-            f"optimizer.table_optimizer = {self.optimizer.table_optimizer!r} (dense Adam touches "
-            f"every row every step): set optimizer.table_optimizer to "
-            f"{' or '.join(ROW_SPARSE_TABLE_OPTIMIZERS)}",
+        location_error = table_location_error(
+            self.engram.table_location, self.optimizer.table_optimizer
         )
+        check(not (self.engram.enabled and location_error), location_error or "")
 
     @property
     def run_folder(self) -> Path:

@@ -156,10 +156,6 @@ class Data:
         return list(self.sources) if self.sources else [DataSource(self.path, 1.0)]
 
 
-# Work O(rows touched) per step: the only ones host-resident tables accept.
-ROW_SPARSE_TABLE_OPTIMIZERS = tuple(n for n, s in TABLE_OPTIMIZERS.items() if s.row_sparse)
-
-
 @dataclass
 class Optimizer:
     name: str = "AdamW"

@@ -23,12 +23,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from engram.config import JobConfig
+from engram.config.table_locations import table_location_error
 from engram.config.table_optimizers import table_optimizer_spec
 from engram.models.engram import is_engram_param, is_table_param
 from engram.models.lora import is_lora_param
 from engram.models.table_grad import row_grad_norm_sq, scale_row_grads_
 from engram.runtime.distributed import shard_groups
-from engram.runtime.host_worker import is_host_resident
+from engram.runtime.host_worker import table_location_of
 
 
 def is_trainable(name: str, mode: str) -> bool:
@@ -116,12 +117,10 @@ def build_table_optimizer(
     spec = table_optimizer_spec(name)
     kwargs = {"eps": eps, **({"betas": betas} if spec.takes_betas else {})}
     if not spec.row_sparse:
-        if any(is_host_resident(p) for g in groups for p in g["params"]):
-            raise ValueError(
-                "host-resident Engram tables (engram.table_location = host) need a row-sparse "
-                f"table optimizer, got {name!r} (it touches every row every step): set "
-                "optimizer.table_optimizer to lazy_adam or rowwise_adagrad"
-            )
+        locations = {table_location_of(p) for g in groups for p in g["params"]}
+        errors = [table_location_error(loc, name) for loc in sorted(locations)]
+        if any(errors):
+            raise ValueError(next(e for e in errors if e))
         # AdamW with weight_decay 0 is exactly Adam; decoupled decay if table_weight_decay > 0.
         # Fused where torch has the kernel: one pass over each table instead of ~10 (the default
         # on CPU is the per-op loop: 7x slower on a 400k x 32 table).

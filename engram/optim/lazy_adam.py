@@ -28,11 +28,22 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from engram.models.table_grad import clear_row_grad, coalesce_rows, row_grad
-from engram.runtime.host_worker import HOST_WORKER, is_host_resident, wait_host_work
+from engram.runtime.host_worker import HOST_WORKER, is_host_resident, row_store_of, wait_host_work
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's rows) as a tensor placed like table `p` (a DTensor's local piece)."""
+    if not isinstance(p, DTensor):
+        return local
+    shape = (p.shape[0], *local.shape[1:])
+    stride = local.stride()
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride
+    )
 
 
 class RowSparseOptimizer(torch.optim.Optimizer):
@@ -81,16 +92,76 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         for p, hyper, rg in work:
             self._update(p, hyper, *rg)
 
+    ROW_STATE: dict[str, bool] = {}
+    """The optimizer's state tensors: name -> one value per table parameter (True, shaped like
+    the table) or one per row (False). A row store (engram.table_location = nvme) keeps them
+    next to each row's weight."""
+
     def _update(self, p: torch.Tensor, hyper: dict, rows: torch.Tensor, g: torch.Tensor) -> None:
+        """Update rows `rows` of `p` with their gradient `g`: in `p`'s tensors, or for a table in
+        a row store on its rows read out, updated by the same code, and written back (equal
+        values: the update is element-wise per row)."""
+        state = self.state[p]
+        store = row_store_of(p)
+        if store is None:
+            if not state:
+                self._init_state(p, state, tensors=True)
+            tensors = {"weight": _local(p), **{k: _local(state[k]) for k in self.ROW_STATE}}
+            self._update_rows(tensors, state, hyper, rows, g)
+            return
+        if not state:
+            self._init_state(p, state, tensors=False)
+        compact = store.read_columns(rows) if rows.numel() else {}
+        self._update_rows(compact, state, hyper, torch.arange(rows.numel()), g)
+        if rows.numel():
+            store.write_columns(rows, compact)
+        store.release_all()  # the step's lookups and update are done with its pinned rows
+
+    def _init_state(self, p: torch.Tensor, state: dict, tensors: bool) -> None:
+        """The state of a table's first update: its ROW_STATE tensors, or without `tensors`
+        (a row store holds them) memoryless stand-ins of their shape, so that whoever lists the
+        state's names (DCP's flattened state dict) finds them; state_dict reads the store."""
+        for name, per_param in self.ROW_STATE.items():
+            state[name] = self._rows_state(p, row_shape=not per_param, hollow=not tensors)
+
+    def _update_rows(
+        self, t: dict, state: dict, hyper: dict, rows: torch.Tensor, g: torch.Tensor
+    ) -> None:
+        """The update of rows `rows` of t["weight"] and the ROW_STATE tensors in `t`."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
         wait_host_work()  # host updates still queued write the state
-        return super().state_dict()
+        out = super().state_dict()
+        # A table in a row store: its state columns, read out, as the tensors a host table holds
+        # (DCP saves and reshards them alike; the store's files are not the checkpoint).
+        for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
+            store = row_store_of(p)
+            if store is not None and i in out["state"]:
+                columns = {k: _like(p, store.snapshot(k)) for k in self.ROW_STATE}
+                out["state"][i] = {**out["state"][i], **columns}
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         wait_host_work()
+        state_dict = {**state_dict, "state": dict(state_dict["state"])}
+        # the saved parameters' keys (ints, or FQNs from DCP) pair with ours in group order, as
+        # in torch's own load_state_dict
+        saved = [k for g in state_dict["param_groups"] for k in g["params"]]
+        ours = [p for g in self.param_groups for p in g["params"]]
+        for key, p in zip(saved, ours, strict=False):  # a mismatch: torch says so below
+            store = row_store_of(p)
+            if store is not None and key in state_dict["state"]:
+                entry = dict(state_dict["state"][key])
+                store.load(
+                    {k: _local(entry.pop(k)).to("cpu") for k in self.ROW_STATE if k in entry}
+                )
+                state_dict["state"][key] = entry
         super().load_state_dict(state_dict)
+        for p in ours:
+            if row_store_of(p) is not None and self.state.get(p):
+                self._init_state(p, (stand_ins := {}), tensors=False)
+                self.state[p] |= {k: stand_ins[k] for k in self.ROW_STATE}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -105,7 +176,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         rg = RowSparseOptimizer._all_row_grads(p)
         if rg is None:
             return None
-        device = _local(p).device
+        device = "cpu" if row_store_of(p) is not None else _local(p).device
         return rg[0].to(device), rg[1].to(device)
 
     @staticmethod
@@ -120,8 +191,12 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             return pairs[0]
         return coalesce_rows(torch.cat([r for r, _ in pairs]), torch.cat([v for _, v in pairs]))
 
-    def _rows_state(self, p: torch.Tensor, row_shape: bool) -> torch.Tensor:
-        """Zero state for `p`: like p (row_shape False) or one fp32 value per row (True)."""
+    def _rows_state(self, p: torch.Tensor, row_shape: bool, hollow: bool = False) -> torch.Tensor:
+        """Zero state for `p`: like p (row_shape False) or one fp32 value per row (True);
+        `hollow`: a zero-stride view of one fp32 zero of that shape (no memory)."""
+        if hollow:
+            shape = _local(p).shape[:1] if row_shape else _local(p).shape
+            return _like(p, torch.zeros(1).expand(*shape))
         if not row_shape:
             return torch.zeros_like(p, memory_format=torch.preserve_format)
         local = torch.zeros(_local(p).shape[0], dtype=torch.float32, device=_local(p).device)
@@ -158,20 +233,22 @@ class LazyAdam(RowSparseOptimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
 
-    def _update(self, p: torch.Tensor, hyper: dict, rows: torch.Tensor, g: torch.Tensor) -> None:
+    ROW_STATE = {"exp_avg": True, "exp_avg_sq": True}
+
+    def _init_state(self, p: torch.Tensor, state: dict, tensors: bool) -> None:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        super()._init_state(p, state, tensors)
+
+    def _update_rows(
+        self, t: dict, state: dict, hyper: dict, rows: torch.Tensor, g: torch.Tensor
+    ) -> None:
         lr, (beta1, beta2) = float(hyper["lr"]), hyper["betas"]
         eps, weight_decay = hyper["eps"], hyper["weight_decay"]
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = self._rows_state(p, row_shape=False)
-            state["exp_avg_sq"] = self._rows_state(p, row_shape=False)
         state["step"] += 1  # every rank, also one that owns no touched row
         step = int(state["step"].item())
         if rows.numel() == 0:
             return
-        param = _local(p)
-        exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+        param, exp_avg, exp_avg_sq = t["weight"], t["exp_avg"], t["exp_avg_sq"]
         if weight_decay != 0:
             self._decay_rows(param, rows, 1 - lr * weight_decay)
         # torch.optim._functional.sparse_adam on (rows, values), same values: rows are
@@ -206,14 +283,15 @@ class RowwiseAdagrad(RowSparseOptimizer):
     ) -> None:
         super().__init__(params, {"lr": lr, "eps": eps, "weight_decay": weight_decay})
 
-    def _update(self, p: torch.Tensor, hyper: dict, rows: torch.Tensor, g: torch.Tensor) -> None:
+    ROW_STATE = {"sum": False}
+
+    def _update_rows(
+        self, t: dict, state: dict, hyper: dict, rows: torch.Tensor, g: torch.Tensor
+    ) -> None:
         lr, eps, weight_decay = float(hyper["lr"]), hyper["eps"], hyper["weight_decay"]
-        state = self.state[p]
-        if not state:
-            state["sum"] = self._rows_state(p, row_shape=True)
         if rows.numel() == 0:
             return
-        param, acc = _local(p), _local(state["sum"])
+        param, acc = t["weight"], t["sum"]
         if weight_decay != 0:
             self._decay_rows(param, rows, 1 - lr * weight_decay)
         new_acc = acc.index_select(0, rows).add_(g.pow(2).mean(dim=1))

@@ -11,7 +11,8 @@ Which parameters are host-resident travels on the parameter itself, as the attri
 `_HOST_RESIDENT` (a table's class swap runs no constructor, and the optimizers see only
 parameters): `mark_host_resident` is its only writer (the host table, when it is sharded and
 when `to_empty` materialises its shard, parallelisms/engram_tables/host.py) and
-`is_host_resident` its only reader (the row-sparse optimizers, engram/optim/).
+`is_host_resident` / `table_location_of` its readers (the row-sparse optimizers and their
+builder, engram/optim/).
 """
 
 from __future__ import annotations
@@ -23,18 +24,40 @@ from typing import Any
 
 import torch
 
-# The marker's attribute name on a parameter; read and written only by the two functions below.
+# The marker's attribute name on a parameter; read and written only by the functions below.
 _HOST_RESIDENT = "_engram_host_resident"
 
 
-def mark_host_resident(param: torch.Tensor) -> None:
-    """Mark a table parameter whose local shard lives in host memory."""
-    setattr(param, _HOST_RESIDENT, True)
+def mark_host_resident(param: torch.Tensor, location: str = "host") -> None:
+    """Mark a table parameter whose local shard lives outside device memory, and where
+    (engram.table_location: "host")."""
+    setattr(param, _HOST_RESIDENT, location)
 
 
 def is_host_resident(param: torch.Tensor) -> bool:
     """Whether `mark_host_resident` marked this parameter."""
     return bool(getattr(param, _HOST_RESIDENT, False))
+
+
+def table_location_of(param: torch.Tensor) -> str:
+    """The engram.table_location of a table parameter ("device" unless marked)."""
+    return getattr(param, _HOST_RESIDENT, None) or "device"
+
+
+# A table parameter whose rows (and optimizer state) live in a row store, not in its tensors
+# (engram.table_location = nvme): the store travels on the parameter like the marker above.
+_ROW_STORE = "_engram_row_store"
+
+
+def attach_row_store(param: torch.Tensor, store: Any) -> None:
+    """Give a table parameter the row store that holds its rows and row-sparse optimizer state
+    (parallelisms/engram_tables/nvme_store.py); the row-sparse optimizers update through it."""
+    setattr(param, _ROW_STORE, store)
+
+
+def row_store_of(param: torch.Tensor) -> Any | None:
+    """The row store `attach_row_store` gave this parameter, or None (its tensors hold it)."""
+    return getattr(param, _ROW_STORE, None)
 
 
 class HostWorker:

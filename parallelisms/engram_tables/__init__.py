@@ -7,21 +7,25 @@ What belongs here is how a table is placed and looked up, nothing of the model o
 - `routing.py`: what both lookups share: the torch.chunk row split, ids to their owners,
   rows back in order, row gradients to their owners (the all-to-all halves).
 - `lookup.py`: the device lookup (`sharded_embedding_lookup`, `ShardedEngramTable`).
-- `host.py`: host-resident shards (`HostShardedEngramTable`): host gathers on the host worker,
-  prefetch driven by the batch's hash ids (`prefetch_host_tables`), page-locked staging.
+- `row_store.py`: the row-store interface under a shard (read / write rows, prefetch, pin /
+  release, snapshot) and its backends per engram.table_location (device, host: host gathers on
+  the host worker into page-locked staging).
+- `host.py`: host-resident shards (`HostShardedEngramTable`): lookups through the host row
+  store, prefetch driven by the batch's hash ids (`prefetch_host_tables`).
+- `nvme_store.py`, `nvme.py`: the NVMe backend (page files with O_DIRECT, a thread pool and a
+  host cache with pins) and the NVMe-resident table over it (`NvmeShardedEngramTable`).
 - `sharding.py`: `apply_engram_table_sharding`, the step of parallelize_model that turns every
   table into one of the two.
 - `host_memory.py`: the start-time refusal when a node's host memory cannot hold host tables.
 
-Imports run one way: routing <- lookup <- host <- sharding, host <- host_memory. The names below
+Imports run one way: routing <- lookup <- host <- nvme <- sharding, row_store <- host <-
+host_memory, row_store <- nvme_store <- nvme. The names below
 are the package's public API.
 """
 
 from parallelisms.engram_tables.host import (
-    STAGING_CHUNK_BYTES,
     HostShardedEngramTable,
     host_table_modules,
-    pin_staging,
     prefetch_host_tables,
 )
 from parallelisms.engram_tables.host_memory import (
@@ -30,11 +34,27 @@ from parallelisms.engram_tables.host_memory import (
     mem_available_bytes,
 )
 from parallelisms.engram_tables.lookup import ShardedEngramTable, sharded_embedding_lookup
+from parallelisms.engram_tables.nvme import NvmeSettings, NvmeShardedEngramTable
+from parallelisms.engram_tables.nvme_store import NvmeRowStore
 from parallelisms.engram_tables.routing import LookupSettings, local_row_range, row_chunk
-from parallelisms.engram_tables.sharding import apply_engram_table_sharding
+from parallelisms.engram_tables.row_store import (
+    STAGING_CHUNK_BYTES,
+    DeviceRowStore,
+    HostRowStore,
+    RowStore,
+    pin_staging,
+)
+from parallelisms.engram_tables.sharding import LOCATION_BACKENDS, apply_engram_table_sharding
 
 __all__ = [
+    "LOCATION_BACKENDS",
+    "NvmeRowStore",
+    "NvmeSettings",
+    "NvmeShardedEngramTable",
     "STAGING_CHUNK_BYTES",
+    "DeviceRowStore",
+    "HostRowStore",
+    "RowStore",
     "HostShardedEngramTable",
     "LookupSettings",
     "ShardedEngramTable",

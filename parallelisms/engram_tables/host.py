@@ -18,8 +18,8 @@ batch's micro-batches at the start of the step and queues their gathers, so the 
 their rows staged. Activation checkpointing does not re-run a lookup: the recompute replays the
 rows of the original forward (no collective, no gather).
 
-Accelerator specifics (not run on hardware here): staging buffers are page-locked so the
-copy to the device is asynchronous; see `pin_staging`.
+The shard is read through its row store (row_store.py, the host backend: gathers on the host
+worker; accelerator specifics there: page-locked staging, side-stream copies).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from engram.models.table_grad import accumulate_row_grad, coalesce_rows
-from engram.runtime.host_worker import HOST_WORKER, mark_host_resident, wait_host_work
+from engram.runtime.host_worker import mark_host_resident, wait_host_work
 from parallelisms.engram_tables.lookup import ShardedEngramTable
 from parallelisms.engram_tables.routing import (
     LookupRoute,
@@ -45,74 +45,9 @@ from parallelisms.engram_tables.routing import (
     route_ids,
     save_route,
 )
+from parallelisms.engram_tables.row_store import HostRowStore, on_device
 
-__all__ = [
-    "STAGING_CHUNK_BYTES",
-    "HostShardedEngramTable",
-    "host_table_modules",
-    "pin_staging",
-    "prefetch_host_tables",
-]
-
-# Page-locked staging chunks are a power of two (the caching pinned allocators round every
-# request up to one, so a power of two wastes nothing) and under 128 MB (Ascend registers host
-# memory with the runtime in pieces below 128 MB).
-STAGING_CHUNK_BYTES = 64 * 2**20
-
-
-def pin_staging(rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host staging buffer for `rows` rows: page-locked for an accelerator `device` (so the
-    copy to it can be asynchronous), plain on CPU. Sized to a power of two bytes <= 64 MiB: the
-    allocator rounds nothing up and each page-locked piece stays under Ascend's 128 MB
-    registration limit; larger gathers go through it in pieces (see _gather)."""
-    pinned = device.type != "cpu"  # torch's pinned allocator of the accelerator (CUDA / NPU)
-    row_bytes = dim * torch.empty((), dtype=dtype).element_size()
-    nbytes = min(STAGING_CHUNK_BYTES, 1 << max(0, (rows * row_bytes - 1).bit_length()))
-    return torch.empty(max(1, nbytes // row_bytes), dim, dtype=dtype, pin_memory=pinned)
-
-
-_SIDE_STREAMS: dict[torch.device, object] = {}
-
-
-def _side_stream(device: torch.device):
-    """(torch.cuda / torch.npu, this device's copy stream)."""
-    mod = getattr(torch, device.type)
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = mod.Stream(device=device)
-    return mod, _SIDE_STREAMS[device]
-
-
-@torch.no_grad()  # grad mode is per thread: the host worker needs its own
-def _gather(host: torch.Tensor, local_idx: torch.Tensor, device: torch.device):
-    """(host[local_idx] on `device`, its copy's event or None). Runs on the host worker: a
-    host-side gather (Ascend kernels cannot read host memory) into page-locked staging, copied
-    to the device on a side stream; the lookup waits on the event (_on_device)."""
-    idx = local_idx.to("cpu")
-    if device.type == "cpu":  # no copy to make: the gathered rows are the device's rows
-        return host.index_select(0, idx), None
-    n, dim = idx.numel(), host.shape[1]
-    staging = pin_staging(n, dim, host.dtype, device)
-    mod, stream = _side_stream(device)
-    with mod.stream(stream):
-        out = torch.empty((n, dim), dtype=host.dtype, device=device)
-        for lo in range(0, n, staging.shape[0]):
-            hi = min(n, lo + staging.shape[0])
-            torch.index_select(host, 0, idx[lo:hi], out=staging[: hi - lo])
-            out[lo:hi].copy_(staging[: hi - lo], non_blocking=True)
-            stream.synchronize()  # the next piece reuses the staging buffer
-        event = mod.Event()
-        event.record(stream)
-    return out, event
-
-
-def _on_device(gathered) -> torch.Tensor:
-    """The gathered rows, usable on the current stream (after the side stream's copy)."""
-    rows, event = gathered
-    if event is not None:
-        current = getattr(torch, rows.device.type).current_stream(rows.device)
-        current.wait_event(event)
-        rows.record_stream(current)  # allocated on the side stream, used on this one
-    return rows
+__all__ = ["HostShardedEngramTable", "host_table_modules", "prefetch_host_tables"]
 
 
 @dataclass
@@ -197,9 +132,12 @@ class HostShardedEngramTable(ShardedEngramTable):
         """Route `ids` now (collective) and queue the host gather of the owner's rows; the next
         lookup of these ids uses them. Every rank must prefetch the same number of lookups."""
         route = self._route(ids)
-        host = self.weight.to_local().detach()  # read on the worker, behind queued updates
-        future = HOST_WORKER.submit(_gather, host, route.local_idx, ids.device)
+        future = self.row_store().prefetch(route.local_idx, ids.device)  # behind queued updates
         self._engram_prefetched.append(_Staged(ids, route, future))
+
+    def row_store(self) -> HostRowStore:
+        """The shard's row store (the host backend: parallelisms/engram_tables/row_store.py)."""
+        return HostRowStore(self.weight.to_local().detach())
 
     def _route(self, ids: torch.Tensor) -> LookupRoute:
         check_ids(ids, self.weight.shape[0])
@@ -221,7 +159,7 @@ class HostShardedEngramTable(ShardedEngramTable):
                 )
             route, rows_back = self._engram_replay[key]
         else:
-            route, rows = self._staged_rows(ids, host)
+            route, rows = self._staged_rows(ids)
             wire = self.lookup.wire_dtype or host.dtype
             rows_back = exchange(
                 rows.to(wire), route.n_send, route.send_splits, route.recv_splits,
@@ -237,7 +175,7 @@ class HostShardedEngramTable(ShardedEngramTable):
             out = _HostLookup.apply(self.weight.to_local(), rows_back, route, self, key)
         return out.view(*ids.shape, host.shape[1])
 
-    def _staged_rows(self, ids: torch.Tensor, host: torch.Tensor):
+    def _staged_rows(self, ids: torch.Tensor):
         """(route, owner's rows on the device) from the prefetch queue, else routed and
         gathered now (behind every queued update)."""
         if self._engram_prefetched:
@@ -247,10 +185,10 @@ class HostShardedEngramTable(ShardedEngramTable):
                     "host Engram table: the lookup's ids differ from the next prefetched ids; "
                     "prefetch_host_tables must see the micro-batches in the order they run"
                 )
-            return staged.route, _on_device(staged.rows.result())
+            return staged.route, on_device(staged.rows.result())
         route = self._route(ids)
-        gathered = HOST_WORKER.submit(_gather, host, route.local_idx, ids.device).result()
-        return route, _on_device(gathered)
+        future = self.row_store().prefetch(route.local_idx, ids.device, pin=False)
+        return route, on_device(future.result())
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", host-resident"

@@ -8,7 +8,9 @@ import os
 from torch import nn
 
 from engram.config.table_optimizers import table_memory_bytes
-from parallelisms.engram_tables.host import STAGING_CHUNK_BYTES, host_table_modules
+from parallelisms.engram_tables.host import host_table_modules
+from parallelisms.engram_tables.nvme import NvmeShardedEngramTable
+from parallelisms.engram_tables.row_store import STAGING_CHUNK_BYTES
 
 __all__ = ["check_host_memory", "host_table_bytes", "mem_available_bytes"]
 
@@ -16,9 +18,13 @@ __all__ = ["check_host_memory", "host_table_bytes", "mem_available_bytes"]
 def host_table_bytes(model: nn.Module, table_optimizer: str) -> int:
     """Host bytes of this rank's host tables: shard + optimizer state (the table optimizer's
     spec, engram/config/table_optimizers.py) + one staging buffer per table
-    (<= STAGING_CHUNK_BYTES)."""
+    (<= STAGING_CHUNK_BYTES); an NVMe table's host cache + staging (its shard is on disk, but
+    the init writes it once through host memory: not counted)."""
     total = 0
     for table in host_table_modules(model):
+        if isinstance(table, NvmeShardedEngramTable):  # its rows are on disk: only its cache
+            total += table._engram_nvme.cache_bytes_per_table + STAGING_CHUNK_BYTES
+            continue
         local = table.weight.to_local()  # meta before to_empty: shapes only
         parts = table_memory_bytes(
             table_optimizer, local.shape[0], local.shape[1], local.element_size()

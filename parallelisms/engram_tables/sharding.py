@@ -1,30 +1,47 @@
 """apply_engram_table_sharding: the table sharding step of parallelize_model. Each Engram table
 becomes a Shard(0) DTensor over the "engram" mesh and its class gains the device lookup
-(lookup.py) or the host-resident one (host.py), by engram.table_location."""
+(lookup.py), the host-resident one (host.py) or the NVMe-resident one (nvme.py), by
+engram.table_location."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from engram.config.table_locations import TABLE_LOCATIONS, table_location_spec
 from parallelisms.engram_tables.host import HostShardedEngramTable
 from parallelisms.engram_tables.lookup import ShardedEngramTable
+from parallelisms.engram_tables.nvme import NvmeSettings, NvmeShardedEngramTable
+from parallelisms.engram_tables.nvme_store import NvmeRowStore
 from parallelisms.engram_tables.routing import LookupSettings, local_row_range
+from parallelisms.engram_tables.row_store import DeviceRowStore, HostRowStore, RowStore
 
-__all__ = ["apply_engram_table_sharding"]
+__all__ = ["LOCATION_BACKENDS", "apply_engram_table_sharding"]
+
+# One table class and row store per engram.table_location (engram/config/table_locations.py).
+LOCATION_BACKENDS: dict[str, tuple[type, type[RowStore]]] = {
+    "device": (ShardedEngramTable, DeviceRowStore),
+    "host": (HostShardedEngramTable, HostRowStore),
+    "nvme": (NvmeShardedEngramTable, NvmeRowStore),
+}
+if tuple(LOCATION_BACKENDS) != TABLE_LOCATIONS:
+    raise ImportError(
+        f"table backends {tuple(LOCATION_BACKENDS)} differ from engram/config/table_locations.py "
+        f"{TABLE_LOCATIONS}: add a location and its backend together"
+    )
 
 _SHARDED_CLASSES: dict[tuple[type, str], type] = {}
 
 
 def _sharded_class(cls: type, location: str) -> type:
     if (cls, location) not in _SHARDED_CLASSES:
-        mixin, prefix = (
-            (HostShardedEngramTable, "HostSharded") if location == "host"
-            else (ShardedEngramTable, "Sharded")
-        )  # fmt: skip
-        _SHARDED_CLASSES[(cls, location)] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+        mixin = LOCATION_BACKENDS[location][0]
+        name = mixin.__name__.replace("EngramTable", "") + cls.__name__
+        _SHARDED_CLASSES[(cls, location)] = type(name, (mixin, cls), {})
     return _SHARDED_CLASSES[(cls, location)]
 
 
@@ -44,6 +61,7 @@ def apply_engram_table_sharding(
     table_types: tuple[type, ...] | None = None,
     wire_dtype: torch.dtype | None = None,
     location: str = "device",
+    nvme: NvmeSettings | None = None,
 ) -> list[nn.Parameter]:
     """Row-shard every Engram table of `model` over the 1-D `mesh`; return the table params.
 
@@ -58,15 +76,17 @@ def apply_engram_table_sharding(
     it its own optimizer group. `table_types` defaults to engram.models.engram.EngramTable.
     `wire_dtype`: dtype of the rows and row gradients in the all-to-all (None: the table's).
     `location`: "device" | "host" (engram.table_location): a host table keeps its shard in host
-    memory and looks up through a host gather (host.py); it needs a
-    row-sparse table optimizer (lazy_adam / rowwise_adagrad).
+    memory and looks up through a host gather (host.py); which table optimizers a location
+    supports is engram/config/table_locations.py. "nvme": the shard and its optimizer state in
+    page files with a host cache (nvme.py), as `nvme` says (its cache_bytes_per_table is the
+    rank's budget, split here over the tables).
     """
-    if location not in ("device", "host"):
-        raise ValueError(f"table location must be 'device' or 'host', got {location!r}")
-    if location == "host" and not row_sparse:
+    if location == "nvme" and nvme is None:
+        raise ValueError("table_location = nvme needs its NvmeSettings (dirs, host cache)")
+    if table_location_spec(location).row_sparse_only and not row_sparse:
         raise ValueError(
-            "host-resident Engram tables need row_sparse=True (a row-sparse table optimizer: "
-            "lazy_adam or rowwise_adagrad)"
+            f"Engram tables at table_location = {location} need row_sparse=True (a row-sparse "
+            f"table optimizer: {' or '.join(table_location_spec(location).optimizers())})"
         )
     if mesh.ndim != 1:
         raise ValueError(
@@ -94,4 +114,11 @@ def apply_engram_table_sharding(
         module.__class__ = _sharded_class(type(module), location)
         module.set_lookup(settings)
         params.append(module.weight)
+    if location == "nvme":
+        tables = [m for m in model.modules() if isinstance(m, NvmeShardedEngramTable)]
+        share = dataclasses.replace(
+            nvme, cache_bytes_per_table=nvme.cache_bytes_per_table // len(tables)
+        )
+        for table in tables:
+            table.set_nvme(share)
     return params

@@ -1,0 +1,172 @@
+"""NVMe-resident Engram table shards (engram.table_location = "nvme").
+
+The host table's lookup (host.py: route on the device, gather on the FIFO host worker, rows
+all-to-all back) over an NVMe row store (nvme_store.py) instead of a host tensor: each rank's
+shard rows and their row-sparse optimizer state live in page files under engram.nvme_dirs, with
+a host cache of engram.nvme_host_cache_gib in front (split over the rank's NVMe tables).
+
+- Prefetch (the batch's hash ids, at the start of a step, as for host tables) pins the rows a
+  lookup needs in the cache on the worker; the row-sparse optimizer updates them there
+  (engram/optim/lazy_adam.py reads and writes the store's columns) and releases the step's pins;
+  evictions write pages back. Every worker job runs in program order, so a read sees every
+  earlier update: bitwise like device tables.
+- The weight parameter keeps its shape and placement but no rows: once the rows are in the store
+  (the first lookup, state dict or load after init, `spill`) its local piece is a zero-stride
+  view of one element (the same parameter object: the optimizer holds it).
+  Until then it is a host tensor, so the layout-independent init writes it as for host tables
+  (it holds the whole shard once, at init).
+- Checkpoints: the module's state dict reads the weight from the store and the optimizer's reads
+  its state columns (`snapshot`), as tensors placed like a host table's, so DCP saves, loads and
+  reshards them alike; loading writes them back into the store. The page files are scratch and
+  are deleted when the process ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from engram.config.table_optimizers import table_optimizer_spec
+from engram.runtime.host_worker import (
+    HOST_WORKER,
+    attach_row_store,
+    mark_host_resident,
+    wait_host_work,
+)
+from parallelisms.engram_tables.host import HostShardedEngramTable
+from parallelisms.engram_tables.nvme_store import NvmeRowStore
+
+__all__ = ["NvmeSettings", "NvmeShardedEngramTable"]
+
+_TABLE_NUMBERS = itertools.count()
+
+
+@dataclass(frozen=True)
+class NvmeSettings:
+    """Where NVMe tables keep their pages and how much host cache each table gets."""
+
+    dirs: tuple[str, ...]
+    cache_bytes_per_table: int
+    table_optimizer: str
+    """Its state columns go into the store next to each row (ROW_STATE of its class)."""
+    direct_io: bool = True
+
+
+def _row_state(table_optimizer: str) -> dict[str, bool]:
+    import importlib
+
+    module, cls = table_optimizer_spec(table_optimizer).class_path.split(":")
+    return dict(getattr(getattr(importlib.import_module(module), cls), "ROW_STATE", {}))
+
+
+class NvmeShardedEngramTable(HostShardedEngramTable):
+    """A row-sharded table whose shard lives in an NVMe row store (see the module docstring)."""
+
+    _engram_nvme: NvmeSettings
+    _engram_store: NvmeRowStore | None
+
+    def set_nvme(self, settings: NvmeSettings) -> None:
+        """The NVMe settings (once, at sharding time, after set_lookup)."""
+        self._engram_nvme = settings
+        self._engram_store = None
+        mark_host_resident(self.weight, "nvme")
+        self._register_state_dict_hook(_weight_from_store)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        super()._apply(fn, recurse)
+        mark_host_resident(self.weight, "nvme")
+        return self
+
+    def spill(self) -> NvmeRowStore:
+        """The store, created on first use from the (initialised) host shard, whose rows it
+        takes: the weight's local piece becomes a meta tensor."""
+        if self._engram_store is not None:
+            return self._engram_store
+        w, s = self.weight, self._engram_nvme
+        local = w.to_local().detach()
+        if local.is_meta:
+            raise RuntimeError("NVMe Engram table: materialise it (to_empty) before its first use")
+        if local.dtype != torch.float32:
+            raise ValueError(f"NVMe Engram tables keep fp32 rows, got a {local.dtype} table")
+        state = _row_state(s.table_optimizer)
+        columns = {"weight": local.shape[1]} | {
+            k: (local.shape[1] if per_param else 0) for k, per_param in state.items()
+        }
+        store = NvmeRowStore(
+            local.shape[0], columns, list(s.dirs), s.cache_bytes_per_table,
+            name=f"engram_table{next(_TABLE_NUMBERS)}.pid{os.getpid()}", direct=s.direct_io,
+        )  # fmt: skip
+        atexit.register(_remove, store)
+        wait_host_work()
+        store.load({"weight": local.float()})
+        # The parameter stays the optimizer's (same object); its local piece keeps its shape
+        # and gives up its memory: a zero-stride view of one element.
+        hollow = torch.empty(1, dtype=local.dtype).untyped_storage()
+        with torch.no_grad():
+            w._local_tensor.set_(hollow, 0, local.shape, (0, 0))
+        attach_row_store(w, store)
+        self._engram_store = store
+        return store
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, *rest):
+        """The loaded weight's rows go into the store (the parameter holds none)."""
+        key = prefix + "weight"
+        if key not in state_dict:
+            return super()._load_from_state_dict(
+                state_dict, prefix, local_metadata, strict, missing, *rest
+            )
+        store = self.spill()
+        wait_host_work()
+        value = state_dict[key]
+        local = value.to_local() if isinstance(value, DTensor) else value
+        store.load({"weight": local.detach().to("cpu", torch.float32)})
+        rest_of_state = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(rest_of_state, prefix, local_metadata, strict, missing, *rest)
+        if key in missing:
+            missing.remove(key)
+
+    def row_store(self) -> NvmeRowStore:  # type: ignore[override]
+        return self.spill()
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        store = self.spill()
+        if not self._engram_prefetched:  # a step's first prefetch: the last step's pins end
+            HOST_WORKER.submit(store.release_all)  # (also after a step skipped by the guard)
+        super().prefetch(ids)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.spill()
+        return super().forward(ids)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr().replace("host-resident", "NVMe-resident")
+
+
+def _weight_from_store(module, state_dict, prefix, local_metadata):
+    """State-dict hook: the weight's rows read from the store (after queued updates)."""
+    key = prefix + "weight"
+    if key in state_dict:
+        store = module.spill()
+        wait_host_work()
+        w = module.weight
+        rows = store.snapshot()
+        state_dict[key] = DTensor.from_local(
+            rows, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride()
+        )
+    return state_dict
+
+
+def _remove(store: NvmeRowStore) -> None:
+    """The page files are scratch: remove them when the process ends."""
+    paths = list(store.paths)
+    store.close()
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

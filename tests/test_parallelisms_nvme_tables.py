@@ -1,0 +1,224 @@
+"""NVMe-resident Engram tables (engram.table_location = "nvme", parallelisms/engram_tables/nvme.py
+over nvme_store.py): the row store alone (pages, cache, pins, write-back, O_DIRECT) and training
+bitwise equal to device tables (losses, grad norms, every table row) over 6 steps at 1 and 2
+gloo ranks for both row-sparse optimizers, with a host cache many times smaller than the table,
+on the local disk (pytest's tmp dir), so pages are evicted and read back mid-run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from launcher import run_distributed
+from test_parallelisms_host_tables import _raw, _same
+
+from engram.config import ConfigError, config_from_dict
+from parallelisms.engram_tables.nvme_store import NvmeRowStore, page_layout
+
+# Big enough that a step's rows are a small share of the pages: 800k rows x 16 (51 MB of fp32
+# weights per table, 3x with lazy_adam's moments) against a host cache of 5 MiB / ranks (a
+# rank's shard is still 10x its cache; a step's rows, at most 4 MiB / ranks of pages, fit).
+VOCAB = [200003, 199999]
+CACHE_MIB = 5
+STEPS = 6
+
+
+def test_page_layout():
+    assert page_layout(192) == (4096, 21)  # 16-wide rows + two moments: 21 records a page
+    assert page_layout(68) == (4096, 60)
+    assert page_layout(5000) == (8192, 1)  # a record never crosses a page
+
+
+def _direct_io_works(folder) -> bool:
+    import os
+
+    try:
+        os.close(os.open(folder / "probe", os.O_RDWR | os.O_CREAT | os.O_DIRECT))
+    except OSError:
+        return False
+    return True
+
+
+def test_row_store_roundtrip_eviction_and_pins(tmp_path):
+    rows, dim = 5000, 8
+    store = NvmeRowStore(
+        rows, {"weight": dim, "exp_avg": dim, "sum": 0}, [str(tmp_path / "a"), str(tmp_path / "b")],
+        cache_bytes=4 * 4096,
+    )  # fmt: skip
+    assert store.direct == _direct_io_works(tmp_path)  # else buffered, with the reason logged
+    w, m, s = torch.randn(rows, dim), torch.randn(rows, dim), torch.rand(rows)
+    store.load({"weight": w, "exp_avg": m, "sum": s})
+    assert store.writes > 0 and store.cached_bytes <= 4 * 4096  # evicted pages went to disk
+    idx = torch.tensor([4999, 3, 2500, 7])
+    got = store.read_columns(idx)
+    assert torch.equal(got["weight"], w[idx]) and torch.equal(got["exp_avg"], m[idx])
+    assert torch.equal(got["sum"], s[idx])
+    s[idx] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    store.write_columns(idx, {"sum": s[idx]})
+    store.pin(torch.tensor([0, 1]))  # page 0, held while everything else streams through
+    for r in range(0, rows, 97):
+        store.read_rows(torch.tensor([r]))
+    assert 0 in store._where
+    with pytest.raises(RuntimeError, match="nvme_host_cache_gib"):
+        store.pin(torch.arange(0, rows, store.rows_per_page))  # a "step" larger than the cache
+    store.release_all()
+    assert torch.equal(store.snapshot(), w) and torch.equal(store.snapshot("sum"), s)
+    assert torch.equal(store.snapshot("exp_avg"), m)
+    store.close()
+
+
+def test_nvme_needs_dirs_and_a_row_sparse_optimizer():
+    with pytest.raises(ConfigError, match="nvme_dirs"):
+        config_from_dict(
+            {"engram": {"table_location": "nvme"}, "optimizer": {"table_optimizer": "lazy_adam"}}
+        )
+    with pytest.raises(ConfigError, match="lazy_adam or rowwise_adagrad"):
+        config_from_dict({"engram": {"table_location": "nvme", "nvme_dirs": ["/tmp"]}})
+
+
+def _train(rank: int, world: int, raw: dict) -> dict:
+    import recipes.train as recipe
+    from parallelisms.engram_tables import NvmeShardedEngramTable
+
+    result = recipe.train(config_from_dict(raw))
+    tables, stores = {}, []
+    for part in result.model_parts:
+        state = part.state_dict()  # an NVMe table's rows come from its store
+        for n, v in state.items():
+            if ".table." in n:
+                tables[n] = v.full_tensor().detach().clone()
+        for m in part.modules():
+            if isinstance(m, NvmeShardedEngramTable):
+                s = m._engram_store
+                stores.append(
+                    {"reads": s.reads, "writes": s.writes, "cache": s.cache_pages * s.page_bytes,
+                     "pins": s.pins_taken,
+                     "table": s.rows * s.columns["weight"] * 4}
+                )  # fmt: skip
+    return {"losses": result.losses, "norms": result.grad_norms, "tables": tables, "stores": stores}
+
+
+def _run(tmp, name, world, location, opt):
+    extra = {"engram": {"vocab_size_per_ngram": VOCAB}}
+    if location == "nvme":
+        extra["engram"] |= {"nvme_dirs": [f"{tmp}/nvme_a", f"{tmp}/nvme_b"],
+                            "nvme_host_cache_gib": CACHE_MIB / world / 1024}  # fmt: skip
+    raw = _raw(str(tmp), name, world, location, opt, extra)
+    raw["training"]["steps"] = STEPS
+    return raw
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt", ["lazy_adam", "rowwise_adagrad"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_nvme_equals_device(tmp_path, world, opt):
+    runs = {
+        loc: run_distributed(_train, world, _run(tmp_path, f"{opt}{world}", world, loc, opt))
+        for loc in ("device", "nvme")
+    }
+    for rank, (n, d) in enumerate(zip(runs["nvme"], runs["device"], strict=True)):
+        where = f"{opt} world {world} rank {rank}"
+        assert len(n["losses"]) == STEPS
+        assert _same(n["losses"], d["losses"]), f"{where}: {n['losses']} != {d['losses']}"
+        assert _same(n["norms"], d["norms"]), f"{where}: {n['norms']} != {d['norms']}"
+        assert n["tables"].keys() == d["tables"].keys() and n["tables"]
+        for k, t in d["tables"].items():
+            assert np.array_equal(n["tables"][k], t), f"{where}: table {k} differs"
+        assert n["stores"] and not d["stores"]
+        for s in n["stores"]:
+            assert s["table"] >= 8 * s["cache"], s  # the host cache is far smaller than the table
+            assert s["writes"] > 0 and s["reads"] > 0, s  # evicted, written back and read again
+            assert s["pins"] == STEPS, s  # every step's rows came pinned by a prefetch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first", ["nvme", "device"])
+def test_nvme_checkpoint_resumes_bitwise(tmp_path, first):
+    """Steps 1-6 with `first`, saved at 3 (DCP, the rows and moments read from the store),
+    resumed at steps 4-6 with NVMe tables in fresh page files: equal to 6 device-table steps
+    (2 ranks)."""
+
+    def ckpt(location: str, load_step: int) -> dict:
+        raw = _run(tmp_path, "ckpt", 2, location, "lazy_adam")
+        raw["job"]["run_name"] = "resume"
+        raw["checkpoint"] = {"enable": True, "interval": 3, "keep_latest_k": 0,
+                             "load_step": load_step}  # fmt: skip
+        return raw
+
+    saved = run_distributed(_train, 2, ckpt(first, -1))  # 6 steps, saved at 3 and 6
+    ref = (
+        saved
+        if first == "device"
+        else run_distributed(_train, 2, _run(tmp_path / "ref", "ref", 2, "device", "lazy_adam"))
+    )
+    resumed = run_distributed(_train, 2, ckpt("nvme", 3))
+    for r, got in zip(ref, resumed, strict=True):
+        assert _same(got["losses"], r["losses"][3:]), (got["losses"], r["losses"])
+        for n, t in r["tables"].items():
+            assert np.array_equal(got["tables"][n], t), n
+
+
+def test_planner_refuses_nvme_by_name():
+    """The planner does not model the NVMe tier yet: it says so instead of estimating it as
+    device or host tables."""
+    from planner.registry import check_modelled
+
+    cfg = config_from_dict(
+        {"engram": {"table_location": "nvme", "nvme_dirs": ["/tmp/x"]},
+         "optimizer": {"table_optimizer": "lazy_adam"}}
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="engram.table_location = 'nvme'"):
+        check_modelled(cfg)
+
+
+@pytest.mark.slow
+def test_nvme_equals_device_fsdp2_tp2_and_pp2(tmp_path):
+    """FSDP2 x TP2 (4 ranks) and PP2 (1F1B, Engram on both stages): bitwise like device tables.
+    There the lookups read their rows when they run (no prefetch, so no pins)."""
+    layouts = {
+        "fsdp2tp2": (4, {"parallelism": {"dp_shard": 2, "tp": 2}}),
+        "pp2": (2, {"parallelism": {"dp_shard": 1, "pp": 2},
+                    "pipeline": {"schedule": "1F1B", "microbatches": 2},
+                    "engram": {"layer_ids": [0, 2]}}),
+    }  # fmt: skip
+    for label, (world, extra) in layouts.items():
+        runs = {}
+        for loc in ("device", "nvme"):
+            raw = _run(tmp_path, label, world, loc, "lazy_adam")
+            for section, values in extra.items():
+                raw[section] = {**raw.get(section, {}), **values}
+            raw["training"]["local_batch_size"] = 8 // raw["parallelism"]["dp_shard"]
+            if loc == "nvme" and label == "pp2":  # a stage owns its whole table (10x 5 MiB) and
+                raw["engram"]["nvme_host_cache_gib"] = CACHE_MIB / 1024  # updates 2 micro-batches
+            runs[loc] = run_distributed(_train, world, raw)
+        for rank, (n, d) in enumerate(zip(runs["nvme"], runs["device"], strict=True)):
+            where = f"{label} rank {rank}"
+            assert _same(n["losses"], d["losses"]), f"{where}: {n['losses']} != {d['losses']}"
+            assert _same(n["norms"], d["norms"]), where
+            for k, t in d["tables"].items():
+                assert np.array_equal(n["tables"][k], t), f"{where}: table {k} differs"
+            assert n["stores"] and all(s["pins"] == 0 and s["reads"] > 0 for s in n["stores"])
+
+
+def test_buffered_fallback_when_o_direct_is_refused(tmp_path, monkeypatch, caplog):
+    """A file system that refuses O_DIRECT (tmpfs: EINVAL) gets buffered I/O, the reason logged,
+    and the same rows."""
+    import errno
+    import os
+
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with caplog.at_level("WARNING"):
+        store = NvmeRowStore(300, {"weight": 4}, [str(tmp_path)], cache_bytes=4096)
+    assert not store.direct
+    assert "buffered I/O" in caplog.text and "refuses O_DIRECT" in caplog.text
+    w = torch.randn(300, 4)
+    store.load({"weight": w})
+    assert torch.equal(store.snapshot(), w) and store.writes > 0
+    store.close()
