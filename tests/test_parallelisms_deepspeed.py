@@ -658,7 +658,7 @@ def test_every_setting_is_classified_for_deepspeed():
     refused with a reason, or irrelevant here), as planner/registry.py does for the planner:
     recipes/train_deepspeed.py never ignores one by default."""
     from engram.config import JobConfig
-    from parallelisms import deepspeed_settings as ds
+    from runner import deepspeed_settings as ds
 
     names = set(ds.settings(JobConfig()))
     classes = [set(ds.HONOURED), set(ds.REFUSED), set(ds.IRRELEVANT)]
