@@ -11,6 +11,7 @@ import sys
 from engram.config import ConfigError, load_config
 from planner.compare import Row, compare
 from planner.estimate import estimate
+from planner.nvme import add_tier_flags, tier_assumptions
 from planner.report import compare_markdown, to_markdown
 from planner.results import MemoryEstimate
 from planner.step_model import MACHINES
@@ -62,6 +63,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="with --compare: engram.table_location values to try per layout, e.g. device,host "
         "(default: the config's)",
     )
+    add_tier_flags(p)  # NVMe tables and table checkpoints: hardware and reuse assumptions
     p.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     p.add_argument(
         "--compare",
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> MemoryEstimate | list[Row]:
         ranks_per_node=opts.node_size,
         host_memory_gib=opts.host_memory_gib,
         host_link_gbs=opts.host_link_gbs,
+        tier=tier_assumptions(opts),
     )
     print(json.dumps(est.to_dict(), indent=2) if opts.json else to_markdown(est))
     return est
