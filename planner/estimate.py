@@ -29,7 +29,7 @@ from planner.measure import (
     recipe_defers_grad_sync,
     tokenizer_vocab_size,
 )
-from planner.nvme import TierAssumptions, nvme_tier
+from planner.nvme import nvme_tier
 from planner.placement import all_ranks_summary, stage_ranks_summary
 from planner.registry import check_modelled
 from planner.results import (
@@ -42,6 +42,7 @@ from planner.results import (
 )
 from planner.table_checkpoint import table_checkpoint
 from planner.tables import replicated_tables
+from planner.tier_results import TierAssumptions
 
 # The default budget per device type: the usable memory the device reports to PyTorch (about
 # 61 GiB of a "64 GB" Atlas A2 / A3), not the nameplate; engram/runtime/device_specs.py has the

@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from parallelisms.fsdp import DTYPES
-
-if TYPE_CHECKING:
-    from planner.nvme import NvmeTier
-    from planner.table_checkpoint import TableCheckpoint
+from planner.tier_results import NvmeTier, TableCheckpoint
 
 GIB = 1024**3
 

@@ -10,35 +10,12 @@ each saved row carries an int64 id. Time: bytes per node / --checkpoint_write_gb
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from engram.config import JobConfig
-from planner.nvme import TierAssumptions, record_bytes, step_rows
+from planner.nvme import record_bytes, step_rows
 from planner.results import GIB, RankMemory
+from planner.tier_results import TableCheckpoint, TierAssumptions
 
 ROW_ID_BYTES = 8
-
-
-@dataclass
-class TableCheckpoint:
-    """Per node (ranks_per_node x the largest reported rank), one save."""
-
-    interval_steps: int
-    full_bytes: int
-    incremental_bytes: int
-    touched_rows_per_table: int
-    """Rows of one table per rank touched over the interval."""
-    write_gbs: float
-    host_bytes: int
-    """Host memory per node (0: not stated)."""
-
-    @property
-    def full_seconds(self) -> float:
-        return self.full_bytes / (self.write_gbs * 1e9)
-
-    @property
-    def incremental_seconds(self) -> float:
-        return self.incremental_bytes / (self.write_gbs * 1e9)
 
 
 def touched_rows(per_step: int, interval: int, reuse_window: float, local_rows: int) -> int:

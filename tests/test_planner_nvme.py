@@ -14,10 +14,11 @@ from engram.config import config_from_dict, load_config
 from engram.hashing.ngram import engram_table_rows
 from engram.runtime.device_specs import usable_memory_gib
 from planner.estimate import estimate
-from planner.nvme import TierAssumptions, nvme_tier, page_file_bytes, record_bytes
+from planner.nvme import nvme_tier, page_file_bytes, record_bytes
 from planner.registry import check_modelled
 from planner.results import GIB, RankMemory
 from planner.table_checkpoint import table_checkpoint
+from planner.tier_results import TierAssumptions
 
 # Small hardware so the numbers are easy to count: 2 drives of 1 TB per node.
 HW = TierAssumptions(
