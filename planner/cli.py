@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> MemoryEstimate | list[Row]:
             ranks_per_node=opts.node_size,
             host_memory_gib=opts.host_memory_gib,
             host_link_gbs=opts.host_link_gbs,
+            tier=tier_assumptions(opts),
         )
         print(compare_markdown(cfg, opts.world_size, rows, opts.node_size, machine, opts.margin))
         return rows

@@ -157,7 +157,7 @@ def _nvme_problems(t: NvmeTier, n_tables: int) -> list[str]:
         )
     if t.io_seconds_per_step > t.assumptions.step_time_s:
         out.append(
-            f"NVMe I/O: {t.io_seconds_per_step:.1f} s of page reads and writes per step > the "
+            f"NVMe I/O: {t.io_seconds_per_step:.3g} s of page reads and writes per step > the "
             f"{t.assumptions.step_time_s} s step (--step_time_s): add drives (--nvme_drives_per_node) "
             "or raise engram.nvme_host_cache_gib"
         )

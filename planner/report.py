@@ -324,6 +324,8 @@ def compare_markdown(
                 f"host tables {_g(r.estimate.host_table_bytes_per_node)} GiB per node > "
                 f"{_g(r.estimate.host_memory_bytes)}"
             )
+        if r.estimate.nvme and r.estimate.nvme.problems:
+            note += [p.split(":")[0] for p in r.estimate.nvme.problems]
         out.append(
             f"| {r.layout} | {r.micro} | {r.bubble:.0%} | {_g(worst.peak_bytes)} | "
             f"{_g(worst.headroom_bytes)} | {'yes' if r.estimate.fits else 'NO'} | "

@@ -209,3 +209,21 @@ def test_1t_table_configs_plan_on_64_npus(path, location):
     else:
         assert est.host_table_bytes_per_node <= 1024 * GIB
         assert f"{est.host_table_bytes_per_node / GIB:.1f} GiB of 1024" in header
+
+
+def test_cli_flags_reach_the_plan(capfd):
+    """The hardware flags are the plan's assumptions; an I/O refusal reaches the report."""
+    from planner.cli import main
+
+    argv = [
+        "--world_size", "2", "--job.config_file", "train_configs/debug_model.toml",
+        "--engram.table_location=nvme", "--engram.nvme_dirs=[\"/tmp/x\"]",
+        "--optimizer.table_optimizer=lazy_adam", "--nvme_drives_per_node", "1",
+        "--nvme_read_kiops", "0.001", "--step_time_s", "2",
+    ]  # fmt: skip
+    est = run_isolated(main, argv)
+    assert est.nvme.assumptions.nvme_drives_per_node == 1
+    assert est.nvme.assumptions.step_time_s == 2.0
+    assert not est.fits and est.nvme.problems[0].startswith("NVMe I/O")
+    out = capfd.readouterr().out
+    assert "NVMe tier: **does NOT fit**" in out and "Engram table checkpoint per node" in out
