@@ -315,7 +315,7 @@ def _plan_table_tiers(est: MemoryEstimate, cfg: JobConfig, tier: TierAssumptions
     if est.table_location == "device":
         return
     worst = max(est.ranks, key=lambda m: sum(m.table_rows.values()))
-    args = (cfg, worst, est.world_size, est.pp, est.ranks_per_node, est.host_memory_bytes, tier)
+    args = (cfg, worst, est.ranks_per_node, est.host_memory_bytes, tier)
     if est.table_location == "nvme":
         est.nvme = nvme_tier(*args)
         for m in est.ranks:  # the host holds the cache, not the shard

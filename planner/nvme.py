@@ -73,14 +73,14 @@ def page_file_bytes(rows: int, record: int) -> int:
     return -(-rows // per_page) * page
 
 
-def step_rows(cfg: JobConfig, world: int, pp: int, a: TierAssumptions, local_rows: int) -> int:
+def step_rows(cfg: JobConfig, a: TierAssumptions, local_rows: int) -> int:
     """Distinct rows of one table a step touches on its owner rank: the measured figure, at most
-    the step's lookup ids per owner (global tokens x hash heads over the stage's ranks) and the
-    shard's rows."""
-    t = cfg.training
-    tokens = world // pp * t.local_batch_size * t.seq_len * t.grad_accum_steps
-    ids = tokens * cfg.engram.num_heads // (world // pp)
-    return min(a.unique_rows_per_step, ids, local_rows)
+    the step's lookup ids per owner and the shard's rows. Lookup ids per owner: global tokens x
+    hash heads spread over the stage's ranks, = per-rank tokens x heads / (tp x cp) (a tp x cp
+    group shares its sequences)."""
+    t, par = cfg.training, cfg.parallelism
+    ids = t.local_batch_size * t.seq_len * t.grad_accum_steps * cfg.engram.num_heads
+    return min(a.unique_rows_per_step, ids // (max(1, par.tp) * max(1, par.cp)), local_rows)
 
 
 def _io_seconds(pages: int, page_bytes: int, drives: int, kiops: float, gbs: float) -> float:
@@ -97,9 +97,8 @@ def _pages_moved(a: TierAssumptions, rows: int, page: int, cache: int, n: int) -
 
 
 def nvme_tier(
-    cfg: JobConfig, mem: RankMemory, world: int, pp: int, ranks_per_node: int, host_bytes: int,
-    a: TierAssumptions,
-) -> NvmeTier:  # fmt: skip
+    cfg: JobConfig, mem: RankMemory, ranks_per_node: int, host_bytes: int, a: TierAssumptions
+) -> NvmeTier:
     """The NVMe terms of the rank `mem` (its tables' local rows), times `ranks_per_node`."""
     dim = cfg.engram.head_dim
     record = record_bytes(cfg.optimizer.table_optimizer, dim)
@@ -107,7 +106,7 @@ def nvme_tier(
     local = list(mem.table_rows.values())
     n = len(local)
     cache = int(cfg.engram.nvme_host_cache_gib * GIB)
-    rows = max((step_rows(cfg, world, pp, a, r) for r in local), default=0)
+    rows = max((step_rows(cfg, a, r) for r in local), default=0)
     read = _pages_moved(a, rows, page, cache, n) * ranks_per_node
     io_s = _io_seconds(read, page, a.nvme_drives_per_node, a.nvme_read_kiops, a.nvme_read_gbs)
     io_s += _io_seconds(read, page, a.nvme_drives_per_node, a.nvme_write_kiops, a.nvme_write_gbs)

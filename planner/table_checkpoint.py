@@ -24,16 +24,13 @@ def touched_rows(per_step: int, interval: int, reuse_window: float, local_rows: 
 
 
 def table_checkpoint(
-    cfg: JobConfig, mem: RankMemory, world: int, pp: int, ranks_per_node: int, host_bytes: int,
-    a: TierAssumptions,
-) -> TableCheckpoint:  # fmt: skip
+    cfg: JobConfig, mem: RankMemory, ranks_per_node: int, host_bytes: int, a: TierAssumptions
+) -> TableCheckpoint:
     """The table checkpoint terms of the rank `mem`, times `ranks_per_node`."""
     record = record_bytes(cfg.optimizer.table_optimizer, cfg.engram.head_dim)
     interval = max(1, cfg.checkpoint.interval)
     local = list(mem.table_rows.values())
-    touched = [
-        touched_rows(step_rows(cfg, world, pp, a, r), interval, a.reuse_window, r) for r in local
-    ]
+    touched = [touched_rows(step_rows(cfg, a, r), interval, a.reuse_window, r) for r in local]
     return TableCheckpoint(
         interval_steps=interval,
         full_bytes=ranks_per_node * sum(local) * record,

@@ -74,8 +74,8 @@ def _rank() -> RankMemory:
 
 
 def _tier(cfg=None, host_bytes: int = 0, hw: TierAssumptions = HW):
-    # world 8 (pp 1), 4 ranks per node
-    return nvme_tier(cfg or _cfg(), _rank(), 8, 1, 4, host_bytes, hw)
+    # 4 ranks per node
+    return nvme_tier(cfg or _cfg(), _rank(), 4, host_bytes, hw)
 
 
 def test_records_and_pages_as_the_store_packs_them():
@@ -96,7 +96,7 @@ def test_nvme_terms_against_counts_by_hand():
     assert t.drive_bytes == 2 * 10**12
     # host per node: 4 x (1 GiB cache + 2 tables x 64 MiB staging)
     assert t.host_bytes_needed == 4 * (GIB + 2 * 64 * 2**20) == 4_831_838_208
-    # step rows: 8 ranks x 2 x 1024 tokens x 16 heads / 8 owners = 32,768 ids >= 10,000 measured
+    # step rows: 2 x 1024 tokens per rank x 16 heads / (tp 1 x cp 1) = 32,768 ids >= 10,000
     assert t.step_rows_per_table == 10_000
     # the 1 GiB cache gives each table 512 MiB >= 2 steps x 10,000 pages x 4 KiB: reuse counts.
     # reads: 4 ranks x 2 tables x 10,000 x (1 - 0.5) = 40,000 pages per node, as many writes
@@ -118,7 +118,7 @@ def test_reuse_needs_two_steps_of_cache():
 
 
 def test_table_checkpoint_against_counts_by_hand():
-    c = table_checkpoint(_cfg(), _rank(), 8, 1, 4, 0, HW)
+    c = table_checkpoint(_cfg(), _rank(), 4, 0, HW)
     # full: 4 ranks x 2 x 1,000,003 rows x 768 B
     assert c.full_bytes == 4 * 2 * ROWS * 768 == 6_144_018_432
     # touched over 100 steps: 10,000 x (1 + 99 x (1 - 0.75)) = 257,500 rows per table and rank
@@ -131,7 +131,7 @@ def test_table_checkpoint_against_counts_by_hand():
     long = dataclasses.replace(
         _cfg(), checkpoint=dataclasses.replace(_cfg().checkpoint, interval=10**6)
     )
-    assert table_checkpoint(long, _rank(), 8, 1, 4, 0, HW).touched_rows_per_table == ROWS
+    assert table_checkpoint(long, _rank(), 4, 0, HW).touched_rows_per_table == ROWS
 
 
 def test_rowwise_adagrad_pages():
@@ -227,3 +227,15 @@ def test_cli_flags_reach_the_plan(capfd):
     assert not est.fits and est.nvme.problems[0].startswith("NVMe I/O")
     out = capfd.readouterr().out
     assert "NVMe tier: **does NOT fit**" in out and "Engram table checkpoint per node" in out
+
+
+def test_step_rows_are_capped_by_the_lookup_ids():
+    """Without the measured cap: 2 x 1024 tokens x 16 heads = 32,768 ids per owner; a tp 2
+    group shares its sequences, so half."""
+    from planner.nvme import step_rows
+
+    many = dataclasses.replace(HW, unique_rows_per_step=10**6)
+    assert step_rows(_cfg(), many, ROWS) == 32_768
+    tp2 = dataclasses.replace(_cfg(), parallelism=dataclasses.replace(_cfg().parallelism, tp=2))
+    assert step_rows(tp2, many, ROWS) == 16_384
+    assert step_rows(_cfg(), many, 1000) == 1000  # at most the shard
