@@ -12,6 +12,7 @@ from engram.config import ConfigError, load_config
 from engram.runtime.device_specs import DEVICE_MODELS, device_memory_gib
 from planner.compare import Row, compare
 from planner.estimate import estimate
+from planner.nvme import add_tier_flags, tier_assumptions
 from planner.report import compare_markdown, to_markdown
 from planner.results import MemoryEstimate
 from planner.step_model import MACHINES
@@ -86,6 +87,7 @@ def _host_table_flags(p: argparse.ArgumentParser) -> None:
         help="with --compare: engram.table_location values to try per layout, e.g. device,host "
         "(default: the config's)",
     )
+    add_tier_flags(p)  # NVMe tables and table checkpoints: hardware and reuse assumptions
 
 
 def _compare_flags(p: argparse.ArgumentParser) -> None:
@@ -208,6 +210,7 @@ def main(argv: list[str] | None = None) -> MemoryEstimate | list[Row]:
             ranks_per_node=opts.node_size,
             host_memory_gib=opts.host_memory_gib,
             host_link_gbs=opts.host_link_gbs,
+            tier=tier_assumptions(opts),
         )
         print(compare_markdown(cfg, opts.world_size, rows, opts.node_size, machine, opts.margin))
         return rows
@@ -222,6 +225,7 @@ def main(argv: list[str] | None = None) -> MemoryEstimate | list[Row]:
         ranks_per_node=opts.node_size,
         host_memory_gib=opts.host_memory_gib,
         host_link_gbs=opts.host_link_gbs,
+        tier=tier_assumptions(opts),
     )
     print(json.dumps(est.to_dict(), indent=2) if opts.json else to_markdown(est))
     return est

@@ -28,6 +28,7 @@ from planner.measure import (
     recipe_defers_grad_sync,
     tokenizer_vocab_size,
 )
+from planner.nvme import nvme_tier
 from planner.placement import all_ranks_summary, stage_ranks_summary
 from planner.registry import check_modelled
 from planner.results import (
@@ -39,7 +40,9 @@ from planner.results import (
     RankActivations,
     RankMemory,
 )
+from planner.table_checkpoint import table_checkpoint
 from planner.tables import replicated_tables
+from planner.tier_results import TierAssumptions
 
 # The default budget per device type: the usable memory the device reports to PyTorch (about
 # 61 GiB of a "64 GB" Atlas A2 / A3), not the nameplate; engram/runtime/device_specs.py has the
@@ -275,6 +278,7 @@ def estimate(
     ranks_per_node: int = 8,
     host_memory_gib: float | None = None,
     host_link_gbs: float = 25.0,
+    tier: TierAssumptions | None = None,
 ) -> MemoryEstimate:
     """Build the config's model for each rank in `ranks` under a fake process group of
     `world_size` and return exact per-rank bytes plus the labelled estimates.
@@ -283,7 +287,8 @@ def estimate(
     instead of recipes/train.py's no-sync gradient accumulation. Host tables
     (engram.table_location = host): `ranks_per_node` ranks share a node's `host_memory_gib`
     (default: engram.host_memory_gib; 0 / unset: not checked) and copy rows over a host link of
-    `host_link_gbs` GB/s per device (an assumption, printed)."""
+    `host_link_gbs` GB/s per device (an assumption, printed). NVMe tables and table checkpoints
+    are planned with the hardware and reuse figures of `tier` (default TierAssumptions())."""
     ranks = _checked_ranks(world_size, ranks)
     check_modelled(cfg)
     if device_memory_gib is None:
@@ -305,7 +310,7 @@ def estimate(
         _settle_peak(mem, fragmentation, reserve, device_bytes)
     n_global = sum(p.numel() for p in whole.parameters())
     n_tables = sum(b.table.weight.numel() for b in whole.engram_blocks().values())
-    return MemoryEstimate(
+    est = MemoryEstimate(
         config_file=cfg.job.config_file,
         model=f"{cfg.model.name}/{cfg.model.flavor}",
         world_size=world_size,
@@ -338,6 +343,8 @@ def estimate(
         **_layout_fields(cfg, dims, n_micro),
         **_host_table_fields(cfg, world_size, ranks_per_node, host_memory_gib, host_link_gbs),
     )
+    _plan_table_tiers(est, cfg, tier or TierAssumptions())
+    return est
 
 
 def _layout_fields(cfg: JobConfig, dims: ParallelDims, n_micro: int) -> dict:
@@ -374,3 +381,16 @@ def _host_table_fields(
         ),
         host_link_gbs=host_link_gbs,
     )
+
+
+def _plan_table_tiers(est: MemoryEstimate, cfg: JobConfig, tier: TierAssumptions) -> None:
+    """NVMe tier and table checkpoint terms of the largest reported rank, per node."""
+    if est.table_location == "device":
+        return
+    worst = max(est.ranks, key=lambda m: sum(m.table_rows.values()))
+    args = (cfg, worst, est.ranks_per_node, est.host_memory_bytes, tier)
+    if est.table_location == "nvme":
+        est.nvme = nvme_tier(*args)
+        for m in est.ranks:  # the host holds the cache, not the shard
+            m.host_table_bytes = est.nvme.host_bytes_needed // est.ranks_per_node
+    est.table_checkpoint = table_checkpoint(*args)

@@ -127,7 +127,8 @@ def measure_rank(
         optimizer_step_temp_bytes=max(dense_grad * on_device, table_grad),
         host_bytes=host,
     )
-    if table_location == "host":  # shards + row-sparse state in host memory, plus staging
+    if table_location != "device":  # shards + row-sparse state off the device, plus staging
+        # (nvme: planner/nvme.py replaces this with the host cache; the rows live on the drives)
         mem.host_table_bytes = (
             mem.table_param_bytes + table_opt + STAGING_CHUNK_BYTES * len(tables_trainable)
         )

@@ -59,7 +59,11 @@ MODELLED = {  # setting -> where the planner models it
     "training.loss_chunks": "activations.loss_bytes (one chunk of logits, engram/train/loss.py)",
     "optimizer.name": "measure (AdamW: two fp32 moments)",
     "optimizer.table_optimizer": "tables (engram/config/table_optimizers.py)",
-    "engram.table_location": "measure (host_table_bytes), estimate (rows on device, host link)",
+    "engram.table_location": "measure (host_table_bytes), estimate (rows on device, host link), "
+    "nvme (drives, host cache, I/O per step), table_checkpoint (bytes per save)",
+    "engram.nvme_host_cache_gib": "nvme (host memory per node, pinned pages, reuse)",
+    "engram.nvme_dirs": "nvme (the drives are --nvme_drives_per_node, an assumption)",
+    "checkpoint.interval": "table_checkpoint (rows touched since the previous save)",
     "engram.host_memory_gib": "results (host_fits: host tables per node)",
     **dict.fromkeys(
         (
@@ -112,8 +116,7 @@ MODELLED_VALUES = {  # setting -> the values the planner models (others are refu
     "training.mode": ("full", "engram_only", "lora"),
     # Without loss parallel the logits are all-gathered; the planner divides them by tp.
     "parallelism.tp_loss_parallel": (True,),
-    # NVMe tables (page files + host cache) are not modelled yet: the planner refuses them.
-    "engram.table_location": ("device", "host"),
+    "engram.table_location": ("device", "host", "nvme"),
 }
 
 NO_MEMORY_EFFECT = frozenset(
@@ -123,8 +126,6 @@ NO_MEMORY_EFFECT = frozenset(
         "job.cpu_affinity",  # which host CPUs the rank's threads run on
         *("comm.init_timeout_s", "comm.train_timeout_s"),  # how long a collective may wait
         "compile.allow_on_npu",  # an opt-in; compile itself is estimated as eager
-        # read only with engram.table_location = nvme, which MODELLED_VALUES refuses
-        *("engram.nvme_dirs", "engram.nvme_host_cache_gib"),
         "lora.alpha",  # a scale factor
         "lora.init_a",  # the adapters' initial values, not their size
         "model.hf_checkpoint",  # loaded into the same parameters
@@ -137,7 +138,7 @@ NO_MEMORY_EFFECT = frozenset(
         *("optimizer.engram_lr_mult", "optimizer.table_lr_mult", "optimizer.table_weight_decay"),
         "optimizer.table_lazy",  # read into table_optimizer, then false
         *("lr_scheduler.warmup_steps", "lr_scheduler.decay_type", "lr_scheduler.min_lr_ratio"),
-        *("checkpoint.folder", "checkpoint.interval", "checkpoint.keep_latest_k"),
+        *("checkpoint.folder", "checkpoint.keep_latest_k"),
         *("checkpoint.load_step", "checkpoint.on_damaged"),
         *("metrics.log_freq", "metrics.enable_tensorboard", "metrics.tb_folder"),
         "metrics.peak_tflops",  # the MFU denominator in the log

@@ -7,8 +7,10 @@ import itertools
 
 from engram.config import JobConfig
 from planner.compare import Row, pick
+from planner.nvme import nvme_markdown
 from planner.results import GIB, MemoryEstimate
 from planner.step_model import Machine
+from planner.table_checkpoint import table_checkpoint_markdown
 from planner.tables import table_memory_markdown
 
 
@@ -271,6 +273,8 @@ def _verdict(est: MemoryEstimate) -> list[str]:
             f"{_gib(est.host_table_bytes_per_node)} GiB of {have}: "
             f"**{'fits' if est.host_fits else 'does NOT fit'}**.",
         ]
+    lines += nvme_markdown(est.nvme)
+    lines += table_checkpoint_markdown(est.table_checkpoint, est.table_location)
     lines += ["", f"Fits: **{'yes' if est.fits else 'NO'}**."]
     if est.recipe_defers_grad_sync and not est.no_sync_accumulation:
         lines += [
@@ -393,6 +397,8 @@ def compare_markdown(
                 f"host tables {_g(r.estimate.host_table_bytes_per_node)} GiB per node > "
                 f"{_g(r.estimate.host_memory_bytes)}"
             )
+        if r.estimate.nvme and r.estimate.nvme.problems:
+            note += [p.split(":")[0] for p in r.estimate.nvme.problems]
         out.append(
             f"| {r.layout} | {r.micro} | {r.bubble:.0%} | {_g(worst.peak_bytes)} | "
             f"{_g(worst.headroom_bytes)} | {'yes' if r.estimate.fits else 'NO'} | "

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from parallelisms.fsdp import DTYPES
+from planner.tier_results import NvmeTier, TableCheckpoint
 
 GIB = 1024**3
 
@@ -249,6 +250,10 @@ class MemoryEstimate:
     """Assumed host <-> device GB/s per device (--host_link_gbs)."""
     cp: int = 1
     cp_method: str = "ulysses"
+    nvme: NvmeTier | None = None
+    """engram.table_location = nvme: the drives, host cache and I/O per node, else None."""
+    table_checkpoint: TableCheckpoint | None = None
+    """Engram tables off the device: planner.table_checkpoint.TableCheckpoint, else None."""
 
     @property
     def host_table_bytes_per_node(self) -> int:
@@ -263,7 +268,7 @@ class MemoryEstimate:
     @property
     def fits(self) -> bool:
         device = all(r.peak_bytes <= self.device_memory_bytes for r in self.ranks)
-        return device and self.host_fits
+        return device and self.host_fits and not (self.nvme and self.nvme.problems)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

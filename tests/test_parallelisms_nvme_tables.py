@@ -158,17 +158,16 @@ def test_nvme_checkpoint_resumes_bitwise(tmp_path, first):
             assert np.array_equal(got["tables"][n], t), n
 
 
-def test_planner_refuses_nvme_by_name():
-    """The planner does not model the NVMe tier yet: it says so instead of estimating it as
-    device or host tables."""
+def test_planner_models_nvme():
+    """The planner models the NVMe tier (planner/nvme.py; its terms are tested in
+    tests/test_planner_nvme.py): check_modelled accepts it."""
     from planner.registry import check_modelled
 
     cfg = config_from_dict(
         {"engram": {"table_location": "nvme", "nvme_dirs": ["/tmp/x"]},
          "optimizer": {"table_optimizer": "lazy_adam"}}
     )  # fmt: skip
-    with pytest.raises(ConfigError, match="engram.table_location = 'nvme'"):
-        check_modelled(cfg)
+    check_modelled(cfg)
 
 
 @pytest.mark.slow
