@@ -43,7 +43,7 @@ STEP_TMP_RE = re.compile(r"^step-(\d+)\.tmp$")
 # Every file name this checkpointer (or DCP's FileSystemWriter) creates inside a step folder.
 OWN_FILE_RE = re.compile(
     r"^(__\d+_\d+\.distcp|\.metadata|meta\.json|fingerprint\.json|manifest\.json(\.tmp)?"
-    r"|[A-Za-z0-9_]+\.rank\d+\.json)$"
+    r"|[A-Za-z0-9_]+\.rank\d+\.json|table_delta\.rank\d+\.pt)$"
 )
 META_FILE = "meta.json"
 FINGERPRINT_FILE = "fingerprint.json"
@@ -347,6 +347,15 @@ def load_model_checkpoint(
     `keep` (engram.optim.builder.saved_params): a trainable-only checkpoint holds only those entries; the
     rest keeps what `model` holds (engram.hf.load.load_frozen_backbone, read first)."""
     check_fingerprint(path, fingerprint)
+    chain = read_manifest(path).get("table_chain")  # engram/checkpoint/table_delta.py
+    if chain and len(chain["steps"]) > 1:
+        base = chain["steps"][0]
+        raise CheckpointError(
+            f"checkpoint {path} holds its Engram tables as deltas on step-{base} "
+            "(checkpoint.table_full_every > 1), which one-process reading does not replay: "
+            f"read the base step-{base} or another full checkpoint, or resume training from "
+            "this step with checkpoint.table_full_every = 1 and save once"
+        )
     with warnings.catch_warnings():  # one process on purpose: DCP's warning says just that
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp_load({"model": ModelState(model, keep=keep)}, path, no_dist=True)

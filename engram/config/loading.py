@@ -126,6 +126,19 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> JobConfig:
         "checkpoint.trainable_only = true with training.mode = 'full' would save nothing of the "
         "backbone it trains: set training.mode to lora or engram_only, or trainable_only = false",
     )
+    check(
+        cfg.checkpoint.table_full_every == 1
+        or (cfg.engram.enabled and cfg.engram.table_location != "device"),
+        f"checkpoint.table_full_every = {cfg.checkpoint.table_full_every} (incremental table "
+        "checkpoints) applies to host and NVMe tables only (their row-sparse optimizer records "
+        "the rows it updates); this run has "
+        + (
+            f'engram.table_location = "{cfg.engram.table_location}"'
+            if cfg.engram.enabled
+            else "no Engram tables"
+        )
+        + ": set checkpoint.table_full_every = 1",
+    )
     return cfg
 
 
