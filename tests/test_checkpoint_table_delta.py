@@ -11,6 +11,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from launcher import run_distributed
 from test_parallelisms_host_tables import _raw, _same, _train
 from test_parallelisms_nvme_tables import _train as _nvme_train
@@ -54,7 +55,12 @@ def test_resume_from_delta_is_bitwise_and_prune_keeps_the_chain(tmp_path):
     rows = sum(t.shape[0] for t in whole[0]["tables"].values())
     dim = next(iter(whole[0]["tables"].values())).shape[1]
     full = rows * dim * 4 * 3  # fp32 rows + lazy Adam's two moments
-    print(f"table delta of step 2: {delta} B = {delta / full:.4f} of a full table save ({full} B)")
+    files = (folder / "step-2").glob("table_delta.rank*.pt")
+    touched = sum(v.numel() for f in files for k, v in torch.load(f).items() if k.endswith("/rows"))
+    print(
+        f"step 2 touched {touched} of {rows} rows ({touched / rows:.2%}); its table delta: "
+        f"{delta} B = {delta / full:.4f} of a full table save ({full} B)"
+    )
     assert delta / full < 0.03
     resumed = run_distributed(_train, 1, _job(tmp_path, "inc", 1, 6, 3, load_step=3, keep=1))
     _assert_equal(resumed, whole, 3, "resume from delta step 3")
