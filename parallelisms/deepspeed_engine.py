@@ -126,6 +126,9 @@ def check_layout(cfg: JobConfig) -> None:
         (cfg.engram.enabled and cfg.engram.table_location != "device",
          f'engram.table_location = "{cfg.engram.table_location}"', "host tables' prefetch and host-update waits are "
          "wired into recipes/train.py only; use it, or table_location = \"device\""),
+        (cfg.checkpoint.table_full_every > 1,
+         f"checkpoint.table_full_every = {cfg.checkpoint.table_full_every}", "incremental table "
+         "checkpoints are wired into recipes/train.py's checkpointer only; set it to 1"),
         (cfg.training.loss_chunks > 1, f"training.loss_chunks = {cfg.training.loss_chunks}",
          "the chunked loss applies the output head outside the model's forward, where ZeRO-3 "
          "has not gathered it; set it to 1 or use recipes/train.py"),

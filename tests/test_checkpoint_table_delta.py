@@ -22,8 +22,10 @@ from engram.config import ConfigError, config_from_dict
 VOCAB = [25013, 24989]
 
 
-def _job(tmp, name: str, world: int, steps: int, full_every: int, load_step: int = -1, keep=0):
-    raw = _raw(str(tmp), name, world, "host", "lazy_adam",
+def _job(
+    tmp, name: str, world: int, steps: int, full_every: int, load_step=-1, keep=0, where="host"
+):
+    raw = _raw(str(tmp), name, world, where, "lazy_adam",
                {"engram": {"vocab_size_per_ngram": VOCAB}})  # fmt: skip
     raw["training"]["steps"] = steps
     raw["checkpoint"] = {"enable": True, "interval": 1, "keep_latest_k": keep,
@@ -31,8 +33,8 @@ def _job(tmp, name: str, world: int, steps: int, full_every: int, load_step: int
     return raw
 
 
-def _steps(tmp, name: str) -> list[str]:
-    folder = tmp / f"{name}_host" / "checkpoint"
+def _steps(tmp, name: str, where: str = "host") -> list[str]:
+    folder = tmp / f"{name}_{where}" / "checkpoint"
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("step-"))
 
 
@@ -45,12 +47,13 @@ def _assert_equal(got: list[dict], want: list[dict], first: int, label: str) -> 
 
 
 @pytest.mark.slow
-def test_resume_from_delta_is_bitwise_and_prune_keeps_the_chain(tmp_path):
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_resume_from_delta_is_bitwise_and_prune_keeps_the_chain(tmp_path, where):
     """1 rank, 6 steps saved at every step with a base every 3 saves (1 base, 2-3 deltas, 4
     base, ...). Resumed from step 3 (base 1 + deltas 2, 3): steps 4-6 equal the uninterrupted
     run. The resumed run keeps 1 checkpoint: step 6 needs 4 (base) and 5, so 4-6 stay."""
-    whole = run_distributed(_train, 1, _job(tmp_path, "inc", 1, 6, 3))
-    folder = tmp_path / "inc_host" / "checkpoint"
+    whole = run_distributed(_train, 1, _job(tmp_path, "inc", 1, 6, 3, where=where))
+    folder = tmp_path / f"inc_{where}" / "checkpoint"
     delta = sum(f.stat().st_size for f in (folder / "step-2").glob("table_delta.rank*.pt"))
     rows = sum(t.shape[0] for t in whole[0]["tables"].values())
     dim = next(iter(whole[0]["tables"].values())).shape[1]
@@ -62,9 +65,11 @@ def test_resume_from_delta_is_bitwise_and_prune_keeps_the_chain(tmp_path):
         f"{delta} B = {delta / full:.4f} of a full table save ({full} B)"
     )
     assert delta / full < 0.03
-    resumed = run_distributed(_train, 1, _job(tmp_path, "inc", 1, 6, 3, load_step=3, keep=1))
-    _assert_equal(resumed, whole, 3, "resume from delta step 3")
-    assert _steps(tmp_path, "inc") == ["step-4", "step-5", "step-6"]
+    resumed = run_distributed(
+        _train, 1, _job(tmp_path, "inc", 1, 6, 3, load_step=3, keep=1, where=where)
+    )
+    _assert_equal(resumed, whole, 3, f"{where}: resume from delta step 3")
+    assert _steps(tmp_path, "inc", where) == ["step-4", "step-5", "step-6"]
 
 
 @pytest.mark.slow
@@ -87,9 +92,16 @@ def test_delta_resumes_at_another_world_size_and_missing_delta_is_refused(tmp_pa
         run_distributed(_train, 1, _job(tmp_path, "inc2", 1, 5, 3, load_step=3))
 
 
-def test_table_full_every_needs_host_or_nvme_tables():
-    with pytest.raises(ConfigError, match="host and NVMe tables only"):
-        config_from_dict({"checkpoint": {"table_full_every": 2}})
+def test_table_full_every_needs_a_row_sparse_table_optimizer():
+    with pytest.raises(ConfigError, match="needs Engram tables with a row-sparse"):
+        config_from_dict({"checkpoint": {"table_full_every": 2}})  # dense adam tables
+    from parallelisms.deepspeed_engine import check_layout
+
+    cfg = config_from_dict(
+        {"checkpoint": {"table_full_every": 2}, "optimizer": {"table_optimizer": "lazy_adam"}}
+    )
+    with pytest.raises(ConfigError, match="table_full_every = 2 is not supported by recipes"):
+        check_layout(cfg)
     with pytest.raises(ConfigError, match="must be >= 1"):
         config_from_dict({"checkpoint": {"table_full_every": 0}})
 

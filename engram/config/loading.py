@@ -19,6 +19,7 @@ from typing import Any
 from engram.config.checks import ConfigError, check
 from engram.config.model import Lora
 from engram.config.schema import JobConfig
+from engram.config.table_optimizers import table_optimizer_spec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -128,16 +129,11 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> JobConfig:
     )
     check(
         cfg.checkpoint.table_full_every == 1
-        or (cfg.engram.enabled and cfg.engram.table_location != "device"),
+        or (cfg.engram.enabled and table_optimizer_spec(cfg.optimizer.table_optimizer).row_sparse),
         f"checkpoint.table_full_every = {cfg.checkpoint.table_full_every} (incremental table "
-        "checkpoints) applies to host and NVMe tables only (their row-sparse optimizer records "
-        "the rows it updates); this run has "
-        + (
-            f'engram.table_location = "{cfg.engram.table_location}"'
-            if cfg.engram.enabled
-            else "no Engram tables"
-        )
-        + ": set checkpoint.table_full_every = 1",
+        "checkpoints) needs Engram tables with a row-sparse table optimizer (it records the rows "
+        'it updates): set optimizer.table_optimizer = "lazy_adam" or "rowwise_adagrad", '
+        "or checkpoint.table_full_every = 1",
     )
     return cfg
 

@@ -263,7 +263,8 @@ class Checkpoint:
     the frozen backbone (training.mode lora / engram_only): a resume rebuilds the backbone from
     model.hf_checkpoint (the same folder) or, without one, from job.seed."""
     table_full_every: int = 1
-    """Incremental Engram table checkpoints (host and NVMe tables): every k-th save writes every
+    """Incremental Engram table checkpoints (a row-sparse table optimizer, any table_location;
+    not the DeepSpeed variant): every k-th save writes every
     table row and its optimizer state (a base), the saves between write only the rows the
     optimizer updated since the previous save, with global row ids (a delta); a resume replays
     the base and the deltas (engram/checkpoint/table_delta.py). 1: every save is full."""
