@@ -45,12 +45,17 @@ def _assert_equal(got: list[dict], want: list[dict], first: int, label: str) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["host", "device"])
-def test_resume_from_delta_is_bitwise_and_prune_keeps_the_chain(tmp_path, where):
+@pytest.mark.parametrize(
+    "where, mode", [("host", "disabled"), ("device", "disabled"), ("host", "async")]
+)
+def test_resume_from_delta_is_bitwise_and_prune_keeps_the_chain(tmp_path, where, mode):
     """1 rank, 6 steps saved at every step with a base every 3 saves (1 base, 2-3 deltas, 4
     base, ...). Resumed from step 3 (base 1 + deltas 2, 3): steps 4-6 equal the uninterrupted
-    run. The resumed run keeps 1 checkpoint: step 6 needs 4 (base) and 5, so 4-6 stay."""
-    whole = run_distributed(_train, 1, _job(tmp_path, "inc", 1, 6, 3, where=where))
+    run. The resumed run keeps 1 checkpoint: step 6 needs 4 (base) and 5, so 4-6 stay. `mode`:
+    checkpoint.async_mode of the first run (a delta's DCP part written in the background)."""
+    raw = _job(tmp_path, "inc", 1, 6, 3, where=where)
+    raw["checkpoint"]["async_mode"] = mode
+    whole = run_distributed(_train, 1, raw)
     folder = tmp_path / f"inc_{where}" / "checkpoint"
     delta = sum(f.stat().st_size for f in (folder / "step-2").glob("table_delta.rank*.pt"))
     rows = sum(t.shape[0] for t in whole[0]["tables"].values())
@@ -116,3 +121,32 @@ def test_nvme_tables_resume_from_delta_bitwise(tmp_path):
     whole = run_distributed(_nvme_train, 1, job(-1))  # its tables: read from the store
     resumed = run_distributed(_nvme_train, 1, job(2))
     _assert_equal(resumed, whole, 2, "nvme resume from delta step 2")
+
+
+def test_chain_problems_name_a_missing_or_replaced_step(tmp_path):
+    """The chain check alone (no launch): a missing step folder and a step saved again since
+    (another manifest) are named with the base to resume from."""
+    from engram.checkpoint.folder import file_checksum
+    from engram.checkpoint.table_delta import chain_problems, chain_record
+
+    def step_dir(s: int):
+        return tmp_path / f"step-{s}"
+
+    for s in (4, 5):
+        step_dir(s).mkdir()
+        (step_dir(s) / "manifest.json").write_text(f'{{"step": {s}}}')
+
+    def crc(folder):
+        try:
+            return file_checksum(folder / "manifest.json")
+        except OSError:
+            return None
+
+    manifest = {"table_chain": chain_record([4, 5, 6], lambda s: crc(step_dir(s)))}
+    assert chain_problems(step_dir(6), manifest, step_dir, crc, lambda f: []) == []
+    (step_dir(5) / "manifest.json").write_text('{"step": 5, "saved": "again"}')
+    (problem,) = chain_problems(step_dir(6), manifest, step_dir, crc, lambda f: [])
+    assert "step-5 (a delta) was replaced since" in problem and "load_step = 4" in problem
+    (step_dir(4) / "manifest.json").unlink()
+    problems = chain_problems(step_dir(6), manifest, step_dir, crc, lambda f: [])
+    assert "needs step-4 (its base), whose folder" in problems[0]
