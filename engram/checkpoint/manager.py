@@ -134,10 +134,10 @@ class CheckpointManager:
         self._async_group: Any = None
         self._last_size = 0
         self.tables = tables
-        if cfg.table_full_every > 1 and not tables:
+        if cfg.table_full_every > 1 and tables is None:
             raise CheckpointError(
-                f"checkpoint.table_full_every = {cfg.table_full_every} but this run has no "
-                "row-sparse Engram tables to save incrementally: set it to 1"
+                f"checkpoint.table_full_every = {cfg.table_full_every} needs the model and "
+                "optimizer states (their row-sparse Engram tables): set it to 1"
             )
         self.incremental = cfg.table_full_every > 1
         if self.incremental:
@@ -566,7 +566,7 @@ class CheckpointManager:
         then the step's own DCP part (everything but the tables)."""
         chain = chain_of(read_manifest(path), step)
         if len(chain) > 1:
-            if not self.tables:
+            if self.tables is None:  # (a pipeline stage may hold no table: it has none)
                 raise CheckpointError(
                     f"checkpoint {path} holds its tables as deltas on step-{chain[0]} but this "
                     "run has no row-sparse Engram tables to replay them into"
@@ -578,7 +578,7 @@ class CheckpointManager:
             dcp_load(self.tables.without_tables(self._dcp_state()), path)
         else:
             dcp_load(self._dcp_state(), path)
-        if self.tables:
+        if self.tables is not None:
             self.tables.reset()
         self._chain = chain
 

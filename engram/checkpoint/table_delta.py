@@ -126,9 +126,6 @@ class TableDeltas:
         }
         self.touched: TouchedRows | None = None
 
-    def __bool__(self) -> bool:
-        return bool(self.tables)
-
     def track(self) -> None:
         """Record every row the optimizers update from now on."""
         self.touched = TouchedRows()
@@ -167,6 +164,7 @@ class TableDeltas:
         """Replay the delta files of checkpoint `folder` (saved by `saved_world` ranks): each
         table keeps the rows of its own shard."""
         wait_host_work()
+        seen: set[str] = set()
         for k in range(saved_world):
             file = folder / DELTA_FILE.format(k)
             try:
@@ -177,11 +175,9 @@ class TableDeltas:
                     "or an older checkpoint (checkpoint.load_step)"
                 ) from None
             for t in self.tables:
-                if f"{t.fqn}/rows" not in delta:
-                    raise CheckpointError(
-                        f"table delta {file} has no rows of table {t.fqn}: it was written by "
-                        "another model. Resume from a base step (checkpoint.load_step)"
-                    )
+                if f"{t.fqn}/rows" not in delta:  # a rank of another pipeline stage
+                    continue
+                seen.add(t.fqn)
                 rows = delta[f"{t.fqn}/rows"]
                 lo = t.offset()
                 mine = (rows >= lo) & (rows < lo + t.rows())
@@ -193,6 +189,12 @@ class TableDeltas:
                     if (c := key.partition("/")[2]) != "rows" and key.startswith(f"{t.fqn}/")
                 }
                 t.write(rows[mine] - lo, columns)
+        missing = [t.fqn for t in self.tables if t.fqn not in seen]
+        if missing:
+            raise CheckpointError(
+                f"the table deltas of {folder} hold no rows of tables {missing[:3]}: they were "
+                "written by another model. Resume from a base step (checkpoint.load_step)"
+            )
 
 
 def chain_of(manifest: dict[str, Any], step: int) -> list[int]:
