@@ -174,3 +174,14 @@ def test_pipeline_stages_resume_from_delta_bitwise(tmp_path, layers):
         assert g["tables"].keys() == w["tables"].keys()
         for n, t in w["tables"].items():
             assert np.array_equal(g["tables"][n], t), f"PP {layers}: table {n} differs"
+
+
+def test_one_process_reading_refuses_a_delta_step(tmp_path):
+    """Generation / export read one checkpoint without replaying deltas: a delta step is
+    refused by name (its tables would otherwise keep their initial values)."""
+    from engram.checkpoint import CheckpointError
+    from engram.checkpoint.folder import load_model_checkpoint, write_manifest
+
+    write_manifest(tmp_path, {"files": {}, "table_chain": {"steps": [4, 5]}})
+    with pytest.raises(CheckpointError, match="deltas on step-4.*read the base step-4"):
+        load_model_checkpoint(None, tmp_path, {})

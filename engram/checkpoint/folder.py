@@ -346,7 +346,6 @@ def load_model_checkpoint(
     this job's config_fingerprint; any difference is refused, as on a training resume.
     `keep` (engram.optim.builder.saved_params): a trainable-only checkpoint holds only those entries; the
     rest keeps what `model` holds (engram.hf.load.load_frozen_backbone, read first)."""
-    check_fingerprint(path, fingerprint)
     chain = read_manifest(path).get("table_chain")  # engram/checkpoint/table_delta.py
     if chain and len(chain["steps"]) > 1:
         base = chain["steps"][0]
@@ -356,6 +355,7 @@ def load_model_checkpoint(
             f"read the base step-{base} or another full checkpoint, or resume training from "
             "this step with checkpoint.table_full_every = 1 and save once"
         )
+    check_fingerprint(path, fingerprint)
     with warnings.catch_warnings():  # one process on purpose: DCP's warning says just that
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp_load({"model": ModelState(model, keep=keep)}, path, no_dist=True)
