@@ -34,6 +34,7 @@ from engram.checkpoint.collectives import all_gather_objects, get_rank, get_worl
 from engram.checkpoint.dcp_io import dcp_load
 from engram.checkpoint.errors import CheckpointError
 from engram.checkpoint.state import ModelState
+from engram.checkpoint.table_delta import chain_of, chain_problems, replay_table_weights
 
 logger = logging.getLogger("engram")
 
@@ -346,16 +347,35 @@ def load_model_checkpoint(
     this job's config_fingerprint; any difference is refused, as on a training resume.
     `keep` (engram.optim.builder.saved_params): a trainable-only checkpoint holds only those entries; the
     rest keeps what `model` holds (engram.hf.load.load_frozen_backbone, read first)."""
-    chain = read_manifest(path).get("table_chain")  # engram/checkpoint/table_delta.py
-    if chain and len(chain["steps"]) > 1:
-        base = chain["steps"][0]
-        raise CheckpointError(
-            f"checkpoint {path} holds its Engram tables as deltas on step-{base} "
-            "(checkpoint.table_full_every > 1), which one-process reading does not replay: "
-            f"read the base step-{base} or another full checkpoint, or resume training from "
-            "this step with checkpoint.table_full_every = 1 and save once"
-        )
     check_fingerprint(path, fingerprint)
+    manifest = read_manifest(path)
+    steps = chain_of(manifest, int(manifest.get("step", 0)))
     with warnings.catch_warnings():  # one process on purpose: DCP's warning says just that
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_load({"model": ModelState(model, keep=keep)}, path, no_dist=True)
+        if len(steps) < 2:
+            dcp_load({"model": ModelState(model, keep=keep)}, path, no_dist=True)
+            return
+        # Tables as deltas (checkpoint.table_full_every): the base, its deltas replayed, then
+        # the step's own part (everything but the tables), each step checked first.
+        problems = chain_problems(
+            path, manifest, lambda s: path.with_name(f"step-{s}"), manifest_crc,
+            lambda folder: verify_checkpoint(folder, collective=False),
+        )  # fmt: skip
+        if problems:
+            raise CheckpointError("\n".join(problems))
+        folders = [path.with_name(f"step-{s}") for s in steps]
+        dcp_load({"model": ModelState(model, keep=keep)}, folders[0], no_dist=True)
+        tables = replay_table_weights(model, folders[1:])
+
+        def rest(name: str) -> bool:
+            return name not in tables and (keep is None or keep(name))
+
+        dcp_load({"model": ModelState(model, keep=rest)}, path, no_dist=True)
+
+
+def manifest_crc(folder: Path) -> str | None:
+    """CRC-32 of checkpoint `folder`'s manifest; None if it cannot be read."""
+    try:
+        return file_checksum(folder / MANIFEST_FILE)
+    except OSError:
+        return None

@@ -51,6 +51,7 @@ from engram.checkpoint.folder import (
     file_checksum,
     fingerprint_mismatches,
     fsync_dir,
+    manifest_crc,
     manifest_entry,
     read_manifest,
     remove_checkpoint,
@@ -550,13 +551,6 @@ class CheckpointManager:
 
     def _chain_problems(self, path: Path) -> list[str]:
         """Problems of the steps a table delta at `path` needs (collective, like verify)."""
-
-        def manifest_crc(folder: Path) -> str | None:
-            try:
-                return file_checksum(folder / MANIFEST_FILE)
-            except OSError:
-                return None
-
         return chain_problems(
             path, read_manifest(path), self.step_dir, manifest_crc, verify_checkpoint
         )

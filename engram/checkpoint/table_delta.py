@@ -14,7 +14,8 @@ which folders it needs and that none was replaced since (a step re-saved by a re
 another manifest). A resume from a delta loads the base's DCP checkpoint (resharded as any),
 replays the deltas in order (each rank reads every rank's delta file and keeps the rows it owns:
 any world size), then loads the step's own DCP checkpoint of everything else: bitwise the state
-of the save. keep_latest_k keeps every step a kept checkpoint's chain needs.
+of the save. keep_latest_k keeps every step a kept checkpoint's chain needs. One process
+(generation, export: folder.load_model_checkpoint) replays the table weights the same way.
 """
 
 from __future__ import annotations
@@ -195,6 +196,23 @@ class TableDeltas:
                 f"the table deltas of {folder} hold no rows of tables {missing[:3]}: they were "
                 "written by another model. Resume from a base step (checkpoint.load_step)"
             )
+
+
+@torch.no_grad()
+def replay_table_weights(model: nn.Module, folders: Sequence[Path]) -> set[str]:
+    """One process, an unsharded `model` (generation, export): write the table rows of the
+    delta checkpoints `folders` (in order) into its parameters; returns the tables' names."""
+    tables: set[str] = set()
+    for folder in folders:
+        for file in sorted(folder.glob("table_delta.rank*.pt")):
+            delta = torch.load(file, weights_only=True, mmap=True)
+            for key, rows in delta.items():
+                if key.endswith("/rows"):
+                    fqn = key[: -len("/rows")]
+                    weight = model.get_parameter(fqn)
+                    weight.index_copy_(0, rows, delta[f"{fqn}/weight"].to(weight.dtype))
+                    tables.add(fqn)
+    return tables
 
 
 def chain_of(manifest: dict[str, Any], step: int) -> list[int]:
