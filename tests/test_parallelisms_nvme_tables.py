@@ -169,3 +169,56 @@ def test_planner_refuses_nvme_by_name():
     )  # fmt: skip
     with pytest.raises(ConfigError, match="engram.table_location = 'nvme'"):
         check_modelled(cfg)
+
+
+@pytest.mark.slow
+def test_nvme_equals_device_fsdp2_tp2_and_pp2(tmp_path):
+    """FSDP2 x TP2 (4 ranks) and PP2 (1F1B, Engram on both stages): bitwise like device tables.
+    There the lookups read their rows when they run (no prefetch, so no pins)."""
+    layouts = {
+        "fsdp2tp2": (4, {"parallelism": {"dp_shard": 2, "tp": 2}}),
+        "pp2": (2, {"parallelism": {"dp_shard": 1, "pp": 2},
+                    "pipeline": {"schedule": "1F1B", "microbatches": 2},
+                    "engram": {"layer_ids": [0, 2]}}),
+    }  # fmt: skip
+    for label, (world, extra) in layouts.items():
+        runs = {}
+        for loc in ("device", "nvme"):
+            raw = _run(tmp_path, label, world, loc, "lazy_adam")
+            for section, values in extra.items():
+                raw[section] = {**raw.get(section, {}), **values}
+            raw["training"]["local_batch_size"] = 8 // raw["parallelism"]["dp_shard"]
+            if loc == "nvme" and label == "pp2":  # a stage owns its whole table (10x 5 MiB) and
+                raw["engram"]["nvme_host_cache_gib"] = CACHE_MIB / 1024  # updates 2 micro-batches
+            runs[loc] = run_distributed(_train, world, raw)
+        for rank, (n, d) in enumerate(zip(runs["nvme"], runs["device"], strict=True)):
+            where = f"{label} rank {rank}"
+            assert _same(n["losses"], d["losses"]), f"{where}: {n['losses']} != {d['losses']}"
+            assert _same(n["norms"], d["norms"]), where
+            for k, t in d["tables"].items():
+                assert np.array_equal(n["tables"][k], t), f"{where}: table {k} differs"
+            assert n["stores"] and all(s["pins"] == 0 and s["reads"] > 0 for s in n["stores"])
+
+
+def test_buffered_fallback_when_o_direct_is_refused(tmp_path, monkeypatch, caplog):
+    """A file system that refuses O_DIRECT (tmpfs: EINVAL) gets buffered I/O, the reason logged,
+    and the same rows."""
+    import errno
+    import os
+
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with caplog.at_level("WARNING"):
+        store = NvmeRowStore(300, {"weight": 4}, [str(tmp_path)], cache_bytes=4096)
+    assert not store.direct
+    assert "buffered I/O" in caplog.text and "refuses O_DIRECT" in caplog.text
+    w = torch.randn(300, 4)
+    store.load({"weight": w})
+    assert torch.equal(store.snapshot(), w) and store.writes > 0
+    store.close()
