@@ -140,6 +140,7 @@ NO_MEMORY_EFFECT = frozenset(
         *("lr_scheduler.warmup_steps", "lr_scheduler.decay_type", "lr_scheduler.min_lr_ratio"),
         *("checkpoint.folder", "checkpoint.keep_latest_k"),
         *("checkpoint.load_step", "checkpoint.on_damaged"),
+        "checkpoint.table_full_every",  # what a save writes to disk, not what a device holds
         *("metrics.log_freq", "metrics.enable_tensorboard", "metrics.tb_folder"),
         "metrics.peak_tflops",  # the MFU denominator in the log
         # host memory only

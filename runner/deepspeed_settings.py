@@ -81,6 +81,8 @@ REFUSED = {
     'into recipes/train.py only; use it, or table_location = "device"',
     "training.loss_chunks": "the chunked loss applies the output head outside the model's "
     "forward, where ZeRO-3 has not gathered it; set it to 1 or use recipes/train.py",
+    "checkpoint.table_full_every": "the engine saves every weight in full at every step; "
+    "incremental table checkpoints are wired into recipes/train.py only; set it to 1 or use it",
     "checkpoint.trainable_only": "the engine's checkpoint holds every weight (DeepSpeed saves the "
     "whole module); set it to false, or train with recipes/train.py to save only the trained "
     "weights",

@@ -11,6 +11,8 @@ One file per job, lowest first (a file imports only files above it in this list)
   planners that refuse pickles, `dcp_load`.
 - `state.py`: the Stateful wrappers a checkpoint saves (`ModelState`, `OptimizerState`,
   `TrainState`, `RNGState`).
+- `table_delta.py`: incremental Engram table checkpoints (checkpoint.table_full_every): a
+  delta's per-rank files of touched rows, its DCP part without the tables, the chain record.
 - `folder.py`: the step-folder format: names, manifest (write, read, verify, add to), pruning
   one step, fingerprint comparison, and reading one checkpoint in one process
   (`find_checkpoint`, `load_model_checkpoint`: generation and export).

@@ -34,6 +34,7 @@ from engram.checkpoint.collectives import all_gather_objects, get_rank, get_worl
 from engram.checkpoint.dcp_io import dcp_load
 from engram.checkpoint.errors import CheckpointError
 from engram.checkpoint.state import ModelState
+from engram.checkpoint.table_delta import chain_of, chain_problems, replay_table_weights
 
 logger = logging.getLogger("engram")
 
@@ -43,7 +44,7 @@ STEP_TMP_RE = re.compile(r"^step-(\d+)\.tmp$")
 # Every file name this checkpointer (or DCP's FileSystemWriter) creates inside a step folder.
 OWN_FILE_RE = re.compile(
     r"^(__\d+_\d+\.distcp|\.metadata|meta\.json|fingerprint\.json|manifest\.json(\.tmp)?"
-    r"|[A-Za-z0-9_]+\.rank\d+\.json)$"
+    r"|[A-Za-z0-9_]+\.rank\d+\.json|table_delta\.rank\d+\.pt)$"
 )
 META_FILE = "meta.json"
 FINGERPRINT_FILE = "fingerprint.json"
@@ -347,6 +348,34 @@ def load_model_checkpoint(
     `keep` (engram.optim.builder.saved_params): a trainable-only checkpoint holds only those entries; the
     rest keeps what `model` holds (engram.hf.load.load_frozen_backbone, read first)."""
     check_fingerprint(path, fingerprint)
+    manifest = read_manifest(path)
+    steps = chain_of(manifest, int(manifest.get("step", 0)))
     with warnings.catch_warnings():  # one process on purpose: DCP's warning says just that
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_load({"model": ModelState(model, keep=keep)}, path, no_dist=True)
+        if len(steps) < 2:
+            dcp_load({"model": ModelState(model, keep=keep)}, path, no_dist=True)
+            return
+        # Tables as deltas (checkpoint.table_full_every): the base, its deltas replayed, then
+        # the step's own part (everything but the tables), each step checked first.
+        problems = chain_problems(
+            path, manifest, lambda s: path.with_name(f"step-{s}"), manifest_crc,
+            lambda folder: verify_checkpoint(folder, collective=False),
+        )  # fmt: skip
+        if problems:
+            raise CheckpointError("\n".join(problems))
+        folders = [path.with_name(f"step-{s}") for s in steps]
+        dcp_load({"model": ModelState(model, keep=keep)}, folders[0], no_dist=True)
+        tables = replay_table_weights(model, folders[1:])
+
+        def rest(name: str) -> bool:
+            return name not in tables and (keep is None or keep(name))
+
+        dcp_load({"model": ModelState(model, keep=rest)}, path, no_dist=True)
+
+
+def manifest_crc(folder: Path) -> str | None:
+    """CRC-32 of checkpoint `folder`'s manifest; None if it cannot be read."""
+    try:
+        return file_checksum(folder / MANIFEST_FILE)
+    except OSError:
+        return None

@@ -43,13 +43,17 @@ from engram.checkpoint.errors import CheckpointError
 from engram.checkpoint.folder import (
     FINGERPRINT_FILE,
     FORMAT,
+    MANIFEST_FILE,
     META_FILE,
     OWN_FILE_RE,
     STEP_TMP_RE,
     collective_checksums,
+    file_checksum,
     fingerprint_mismatches,
     fsync_dir,
+    manifest_crc,
     manifest_entry,
+    read_manifest,
     remove_checkpoint,
     step_folders,
     verify_checkpoint,
@@ -58,6 +62,13 @@ from engram.checkpoint.folder import (
 )
 from engram.checkpoint.save_errors import describe_save_error
 from engram.checkpoint.state import ModelState, RNGState
+from engram.checkpoint.table_delta import (
+    CHAIN_KEY,
+    TableDeltas,
+    chain_of,
+    chain_problems,
+    chain_record,
+)
 from engram.config import Checkpoint
 
 logger = logging.getLogger("engram")
@@ -74,7 +85,9 @@ class CheckpointManager:
     when `save_rng` is set. `folder_states` maps names to objects that write and read their own
     files (`save(folder)` / `load(folder)`, collective) in sub-folder `<name>/` of the step folder
     (a DeepSpeed engine's checkpoint): listed in the same manifest and committed with the DCP
-    shards. Every method is collective: call it on all ranks.
+    shards. `tables` (the row-sparse Engram tables): with checkpoint.table_full_every > 1 the
+    saves between full ones write only their touched rows (engram/checkpoint/table_delta.py).
+    Every method is collective: call it on all ranks.
     """
 
     def __init__(
@@ -87,6 +100,7 @@ class CheckpointManager:
         save_rng: bool = True,
         data_meta: dict[str, int] | None = None,
         folder_states: dict[str, Any] | None = None,
+        tables: TableDeltas | None = None,
     ):
         self.cfg = cfg
         # How the run consumes data ({"global_batch_samples": ..., "seq_len": ...}): stored in
@@ -120,6 +134,18 @@ class CheckpointManager:
         self._pending: tuple[int, Path, Path, Any, float] | None = None
         self._async_group: Any = None
         self._last_size = 0
+        self.tables = tables
+        if cfg.table_full_every > 1 and tables is None:
+            raise CheckpointError(
+                f"checkpoint.table_full_every = {cfg.table_full_every} needs the model and "
+                "optimizer states (their row-sparse Engram tables): set it to 1"
+            )
+        self.incremental = cfg.table_full_every > 1
+        if self.incremental:
+            tables.track()
+        # The table chain (base step first) of the last save or load, and of the save under way.
+        self._chain: list[int] | None = None
+        self._saving_chain: list[int] | None = None
 
     # -- paths
 
@@ -209,6 +235,7 @@ class CheckpointManager:
             raise
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
             raise self._save_failed(step, tmp, e) from e
+        self._chain = self._saving_chain
         if self.rank == 0:
             logger.info(
                 "saved checkpoint %s (%.1f MiB) in %.1f s",
@@ -243,6 +270,7 @@ class CheckpointManager:
                 self._last_size / 2**20,
                 time.perf_counter() - begin,
             )
+        self._chain = self._saving_chain
         self.last_saved_step = step
 
     def _save_into(self, step: int, tmp: Path, final: Path, blocking: bool = True) -> bool:
@@ -258,15 +286,23 @@ class CheckpointManager:
                 error = describe_save_error(self.folder, step, tmp, e)
         raise_if_any_rank_failed(error)
         future = None
+        delta = (
+            self.incremental
+            and self._chain is not None
+            and len(self._chain) < self.cfg.table_full_every
+        )
+        self._saving_chain = [*self._chain, step] if delta else [step]
+        self._chain = None  # until this save is committed: a failed one makes the next full
+        dcp_state = self.tables.without_tables(self._dcp_state()) if delta else self._dcp_state()
         if blocking:
-            dcp.save(self._dcp_state(), checkpoint_id=str(tmp), planner=TensorsOnlySavePlanner())
+            dcp.save(dcp_state, checkpoint_id=str(tmp), planner=TensorsOnlySavePlanner())
         else:
             if self._async_group is None and dist.is_initialized():
                 # Its own gloo group: the background thread's collectives must not interleave
                 # with the training loop's on the default group.
                 self._async_group = dist.new_group(backend="gloo")
             response = dcp.async_save(
-                self._dcp_state(),
+                dcp_state,
                 checkpoint_id=str(tmp),
                 process_group=self._async_group,
                 planner=TensorsOnlySavePlanner(),
@@ -276,6 +312,10 @@ class CheckpointManager:
             obj.save(tmp / name)
         error = None
         try:
+            if delta:
+                self.tables.write_delta(tmp, self.rank)
+            elif self.incremental:
+                self.tables.reset()
             for name in self._json_names():
                 state = self._json_state(name).state_dict()
                 write_json(tmp / f"{name}.rank{self.rank}.json", state)
@@ -341,7 +381,12 @@ class CheckpointManager:
         for name in (FINGERPRINT_FILE, META_FILE):
             files[name] = manifest_entry(tmp / name)
         self._last_size = sum(f["size"] for f in files.values())
-        write_manifest(tmp, {"format": FORMAT, "step": step, "files": files})
+        manifest = {"format": FORMAT, "step": step, "files": files}
+        if self.incremental:
+            manifest[CHAIN_KEY] = chain_record(
+                self._saving_chain, lambda s: file_checksum(self.step_dir(s) / MANIFEST_FILE)
+            )
+        write_manifest(tmp, manifest)
         if final.exists():
             problems = verify_checkpoint(final, collective=False)
             if problems:
@@ -375,7 +420,13 @@ class CheckpointManager:
         k = self.cfg.keep_latest_k
         if k <= 0:
             return
-        for step in self.complete_steps()[:-k]:
+        complete = self.complete_steps()
+        needed = set(complete[-k:])
+        for step in complete[-k:]:  # and every step their tables' chains need
+            needed |= set(chain_of(read_manifest(self.step_dir(step)), step))
+        for step in complete:
+            if step in needed:
+                continue
             remove_checkpoint(self.step_dir(step))
             logger.info("pruned checkpoint %s (keep_latest_k=%d)", self.step_dir(step), k)
 
@@ -455,7 +506,7 @@ class CheckpointManager:
         damaged: list[str] = []
         for step in choice:
             path = self.step_dir(step)
-            problems = verify_checkpoint(path)
+            problems = verify_checkpoint(path) or self._chain_problems(path)
             if not problems:
                 break
             damaged.append(f"{path}:\n    " + "\n    ".join(problems))
@@ -487,8 +538,10 @@ class CheckpointManager:
         for name, obj in self.folder_states.items():  # first: they refuse what they cannot load
             obj.load(path / name)
         try:
-            dcp_load(self._dcp_state(), path)
+            self._load_dcp(path, step)
         except (Exception, CheckpointException) as e:  # name the checkpoint, not just DCP
+            if isinstance(e, CheckpointError):
+                raise
             raise CheckpointError(
                 f"checkpoint {path} passed its manifest check but DCP could not load it into "
                 f"this run: {type(e).__name__}: {e}"
@@ -498,6 +551,33 @@ class CheckpointManager:
         logger.info("loaded checkpoint %s in %.1f s", path, time.perf_counter() - begin)
         self.loaded_step = step
         return step
+
+    def _chain_problems(self, path: Path) -> list[str]:
+        """Problems of the steps a table delta at `path` needs (collective, like verify)."""
+        return chain_problems(
+            path, read_manifest(path), self.step_dir, manifest_crc, verify_checkpoint
+        )
+
+    def _load_dcp(self, path: Path, step: int) -> None:
+        """The DCP state of `path`: for a table delta, the base's, then the deltas replayed,
+        then the step's own DCP part (everything but the tables)."""
+        chain = chain_of(read_manifest(path), step)
+        if len(chain) > 1:
+            if self.tables is None:  # (a pipeline stage may hold no table: it has none)
+                raise CheckpointError(
+                    f"checkpoint {path} holds its tables as deltas on step-{chain[0]} but this "
+                    "run has no row-sparse Engram tables to replay them into"
+                )
+            dcp_load(self._dcp_state(), self.step_dir(chain[0]))
+            for s in chain[1:]:
+                saved = json.loads((self.step_dir(s) / META_FILE).read_text())["world_size"]
+                self.tables.apply(self.step_dir(s), int(saved))
+            dcp_load(self.tables.without_tables(self._dcp_state()), path)
+        else:
+            dcp_load(self._dcp_state(), path)
+        if self.tables is not None:
+            self.tables.reset()
+        self._chain = chain
 
     def _load_json_states(self, path: Path, meta: dict[str, Any]) -> None:
         saved_world = int(meta["world_size"])

@@ -19,6 +19,7 @@ from typing import Any
 from engram.config.checks import ConfigError, check
 from engram.config.model import Lora
 from engram.config.schema import JobConfig
+from engram.config.table_optimizers import table_optimizer_spec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -125,6 +126,14 @@ def _build(raw: dict[str, dict[str, Any]], source: str) -> JobConfig:
         not cfg.checkpoint.trainable_only or cfg.training.mode != "full",
         "checkpoint.trainable_only = true with training.mode = 'full' would save nothing of the "
         "backbone it trains: set training.mode to lora or engram_only, or trainable_only = false",
+    )
+    check(
+        cfg.checkpoint.table_full_every == 1
+        or (cfg.engram.enabled and table_optimizer_spec(cfg.optimizer.table_optimizer).row_sparse),
+        f"checkpoint.table_full_every = {cfg.checkpoint.table_full_every} (incremental table "
+        "checkpoints) needs Engram tables with a row-sparse table optimizer (it records the rows "
+        'it updates): set optimizer.table_optimizer = "lazy_adam" or "rowwise_adagrad", '
+        "or checkpoint.table_full_every = 1",
     )
     return cfg
 

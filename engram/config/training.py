@@ -262,9 +262,16 @@ class Checkpoint:
     """Save only the trainable parameters (LoRA adapters, Engram) and their optimizer state, not
     the frozen backbone (training.mode lora / engram_only): a resume rebuilds the backbone from
     model.hf_checkpoint (the same folder) or, without one, from job.seed."""
+    table_full_every: int = 1
+    """Incremental Engram table checkpoints (a row-sparse table optimizer, any table_location;
+    not the DeepSpeed variant): every k-th save writes every
+    table row and its optimizer state (a base), the saves between write only the rows the
+    optimizer updated since the previous save, with global row ids (a delta); a resume replays
+    the base and the deltas (engram/checkpoint/table_delta.py). 1: every save is full."""
 
     def __post_init__(self) -> None:
         check(self.interval >= 1, "checkpoint.interval must be >= 1")
+        check(self.table_full_every >= 1, "checkpoint.table_full_every must be >= 1")
         check(self.keep_latest_k >= 0, "checkpoint.keep_latest_k must be >= 0")
         check(self.load_step >= -1, "checkpoint.load_step must be >= -1")
         check(

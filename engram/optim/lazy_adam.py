@@ -28,6 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from engram.models.table_grad import clear_row_grad, coalesce_rows, row_grad
+from engram.optim.touched_rows import TouchedRows
 from engram.runtime.host_worker import HOST_WORKER, is_host_resident, row_store_of, wait_host_work
 
 
@@ -81,6 +82,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 rg = self._row_grad(p)
                 if rg is not None:
                     work.append((p, hyper, rg))
+                    if self.touched is not None:  # incremental table checkpoints
+                        self.touched.add(p, rg[0])
         if any(is_host_resident(p) for p, _, _ in work):
             HOST_WORKER.submit(self._update_all, work)
         else:
@@ -91,6 +94,10 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     def _update_all(self, work: list) -> None:
         for p, hyper, rg in work:
             self._update(p, hyper, *rg)
+
+    touched: TouchedRows | None = None
+    """Set by the checkpointer when it saves incremental table checkpoints: every step records
+    the rows it updates there (engram/optim/touched_rows.py)."""
 
     ROW_STATE: dict[str, bool] = {}
     """The optimizer's state tensors: name -> one value per table parameter (True, shaped like

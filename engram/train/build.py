@@ -18,6 +18,8 @@ from torch import nn
 
 from engram.checkpoint import CheckpointManager
 from engram.checkpoint.fingerprint import config_fingerprint
+from engram.checkpoint.state import ModelState, OptimizerState
+from engram.checkpoint.table_delta import TableDeltas
 from engram.config import JobConfig
 from engram.data.loader import DataLoader, build_dataloader
 from engram.data.tokenizer import Tokenizer, load_tokenizer
@@ -124,4 +126,13 @@ def build_checkpointer(
             "seq_len": cfg.training.seq_len,
         },
         folder_states=folder_states,
+        tables=_table_deltas(states),
     )
+
+
+def _table_deltas(states: dict[str, Any]) -> TableDeltas | None:
+    """The row-sparse tables of the model and optimizer states (incremental table saves)."""
+    model, optimizer = states.get("model"), states.get("optimizer")
+    if not isinstance(model, ModelState) or not isinstance(optimizer, OptimizerState):
+        return None
+    return TableDeltas(model.parts, [o for _, opts in optimizer.pairs for o in opts])
