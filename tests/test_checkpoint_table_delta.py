@@ -114,7 +114,7 @@ def test_delta_resumes_at_another_world_size_and_missing_delta_is_refused(tmp_pa
 def test_table_full_every_needs_a_row_sparse_table_optimizer():
     with pytest.raises(ConfigError, match="needs Engram tables with a row-sparse"):
         config_from_dict({"checkpoint": {"table_full_every": 2}})  # dense adam tables
-    from parallelisms.deepspeed_engine import check_layout
+    from runner.deepspeed_engine import check_layout
 
     cfg = config_from_dict(
         {"checkpoint": {"table_full_every": 2}, "optimizer": {"table_optimizer": "lazy_adam"}}
