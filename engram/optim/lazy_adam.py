@@ -29,22 +29,12 @@ from torch.distributed.tensor import DTensor
 
 from engram.models.table_grad import clear_row_grad, coalesce_rows, row_grad
 from engram.optim.touched_rows import TouchedRows
+from engram.runtime.distributed import placed_like
 from engram.runtime.host_worker import HOST_WORKER, is_host_resident, row_store_of, wait_host_work
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` (this rank's rows) as a tensor placed like table `p` (a DTensor's local piece)."""
-    if not isinstance(p, DTensor):
-        return local
-    shape = (p.shape[0], *local.shape[1:])
-    stride = local.stride()
-    return DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride
-    )
 
 
 class RowSparseOptimizer(torch.optim.Optimizer):
@@ -145,7 +135,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
             store = row_store_of(p)
             if store is not None and i in out["state"]:
-                columns = {k: _like(p, store.snapshot(k)) for k in self.ROW_STATE}
+                columns = {k: placed_like(p, store.snapshot(k)) for k in self.ROW_STATE}
                 out["state"][i] = {**out["state"][i], **columns}
         return out
 
@@ -201,17 +191,12 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     def _rows_state(self, p: torch.Tensor, row_shape: bool, hollow: bool = False) -> torch.Tensor:
         """Zero state for `p`: like p (row_shape False) or one fp32 value per row (True);
         `hollow`: a zero-stride view of one fp32 zero of that shape (no memory)."""
-        if hollow:
-            shape = _local(p).shape[:1] if row_shape else _local(p).shape
-            return _like(p, torch.zeros(1).expand(*shape))
-        if not row_shape:
+        if not (row_shape or hollow):
             return torch.zeros_like(p, memory_format=torch.preserve_format)
-        local = torch.zeros(_local(p).shape[0], dtype=torch.float32, device=_local(p).device)
-        if not isinstance(p, DTensor):
-            return local
-        return DTensor.from_local(
-            local, p.device_mesh, p.placements, run_check=False, shape=(p.shape[0],), stride=(1,)
-        )
+        shape = _local(p).shape[:1] if row_shape else _local(p).shape
+        if hollow:
+            return placed_like(p, torch.zeros(1).expand(*shape))
+        return placed_like(p, torch.zeros(shape, dtype=torch.float32, device=_local(p).device))
 
     @staticmethod
     def _decay_rows(param: torch.Tensor, rows: torch.Tensor, factor: float) -> None:

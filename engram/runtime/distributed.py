@@ -109,3 +109,14 @@ def shard_groups(t: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
         elif not isinstance(pl, Replicate):
             raise ValueError(f"cannot take the norm of a tensor with placements {t.placements}")
     return tuple(groups)
+
+
+def placed_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's rows of a row-sharded table) as a tensor placed like table `p`: a
+    DTensor on p's mesh and placements, its global rows p's (a plain tensor stays as it is)."""
+    if not isinstance(p, DTensor):
+        return local
+    shape = (p.shape[0], *local.shape[1:])
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=shape, stride=local.stride()
+    )

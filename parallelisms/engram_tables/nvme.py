@@ -32,6 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from engram.config.table_optimizers import table_optimizer_spec
+from engram.runtime.distributed import placed_like
 from engram.runtime.host_worker import (
     HOST_WORKER,
     attach_row_store,
@@ -153,11 +154,7 @@ def _weight_from_store(module, state_dict, prefix, local_metadata):
     if key in state_dict:
         store = module.spill()
         wait_host_work()
-        w = module.weight
-        rows = store.snapshot()
-        state_dict[key] = DTensor.from_local(
-            rows, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride()
-        )
+        state_dict[key] = placed_like(module.weight, store.snapshot())
     return state_dict
 
 
