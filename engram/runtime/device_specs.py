@@ -279,6 +279,7 @@ class Peak:
     tflops: float
     source: str  # "config" | "table" | "measured"
     detail: str
+    gemm_dtype: torch.dtype | None = None  # a measured peak's GEMM dtype (to time it again)
 
     def describe(self) -> str:
         return f"peak {self.tflops:,.1f} TFLOP/s per device ({self.source}: {self.detail})"
@@ -298,4 +299,5 @@ def resolve_peak(
     dtype = cpu_dtype if device_type == "cpu" else torch.bfloat16
     measured = measure_gemm_tflops(device, dtype)
     why = "cpu" if device_type == "cpu" else f"{device_name!r} is not in device_specs.PEAK_SPECS"
-    return Peak(measured, "measured", f"{why}: {str(dtype).removeprefix('torch.')} GEMM now")
+    detail = f"{why}: {str(dtype).removeprefix('torch.')} GEMM now"
+    return Peak(measured, "measured", detail, dtype)

@@ -100,10 +100,10 @@ class Throughput:
     def _remeasure_peak(self, tflops: float) -> None:
         """The window ran above the measured peak: time the GEMM again now, under the load the
         step just saw, and keep the higher figure."""
-        dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        dtype = self.peak.gemm_dtype  # the GEMM resolve_peak timed at start
         again = device_specs.measure_gemm_tflops(self.device, dtype)
         if again > self.peak.tflops:
-            self.peak = Peak(again, "measured", f"{self.peak.detail}, re-measured")
+            self.peak = Peak(again, "measured", f"{self.peak.detail}, re-measured", dtype)
         logger.info(
             f"the step ran at {tflops:.3g} TFLOP/s, above the GEMM peak measured at start: "
             f"re-measured, MFU now against {self.peak.describe()}"
