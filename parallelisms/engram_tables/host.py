@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from engram.models.table_grad import accumulate_row_grad, coalesce_rows
+from engram.runtime.distributed import placed_like
 from engram.runtime.host_worker import mark_host_resident, wait_host_work
 from parallelisms.engram_tables.lookup import ShardedEngramTable
 from parallelisms.engram_tables.routing import (
@@ -120,11 +120,8 @@ class HostShardedEngramTable(ShardedEngramTable):
         w = self.weight
         local = w.to_local()
         if local.is_meta:
-            host = torch.empty_like(local, device="cpu")
-            dt = DTensor.from_local(
-                host, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride()
-            )
-            self.weight = nn.Parameter(dt, requires_grad=w.requires_grad)  # as Module._apply
+            host = placed_like(w, torch.empty_like(local, device="cpu"))
+            self.weight = nn.Parameter(host, requires_grad=w.requires_grad)  # as Module._apply
             mark_host_resident(self.weight)
         return self
 
