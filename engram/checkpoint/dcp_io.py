@@ -131,11 +131,16 @@ class TensorsOnlySavePlanner(DefaultSavePlanner):
             )
 
 
-def dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
+def dcp_load(
+    state: dict[str, Any],
+    path: Path,
+    no_dist: bool = False,
+    planner: TensorsOnlyLoadPlanner | None = None,
+) -> None:
     """dcp.load of checkpoint folder `path` without running pickled code from it."""
     dcp.load(
         state,
         storage_reader=RestrictedFileSystemReader(path),
-        planner=TensorsOnlyLoadPlanner(),
+        planner=planner or TensorsOnlyLoadPlanner(),
         no_dist=no_dist,
     )

@@ -62,6 +62,7 @@ from engram.checkpoint.folder import (
 )
 from engram.checkpoint.save_errors import describe_save_error
 from engram.checkpoint.state import ModelState, RNGState
+from engram.checkpoint.streamed_dcp import StreamedLoadPlanner, StreamedSavePlanner, StreamedWriter
 from engram.checkpoint.table_delta import (
     CHAIN_KEY,
     TableDeltas,
@@ -70,6 +71,7 @@ from engram.checkpoint.table_delta import (
     chain_record,
 )
 from engram.config import Checkpoint
+from engram.runtime.streamed_columns import streamed_columns
 
 logger = logging.getLogger("engram")
 
@@ -295,8 +297,13 @@ class CheckpointManager:
         self._chain = None  # until this save is committed: a failed one makes the next full
         dcp_state = self.tables.without_tables(self._dcp_state()) if delta else self._dcp_state()
         if blocking:
-            dcp.save(dcp_state, checkpoint_id=str(tmp), planner=TensorsOnlySavePlanner())
+            # NVMe tables' columns stream from their stores one chunk at a time (streamed_dcp.py)
+            with streamed_columns():
+                dcp.save(dcp_state, storage_writer=StreamedWriter(str(tmp)),
+                         planner=StreamedSavePlanner())  # fmt: skip
         else:
+            # An async save copies the state dict to host memory before it returns (the
+            # training step may change it then): NVMe tables' columns are read out whole.
             if self._async_group is None and dist.is_initialized():
                 # Its own gloo group: the background thread's collectives must not interleave
                 # with the training loop's on the default group.
@@ -568,13 +575,15 @@ class CheckpointManager:
                     f"checkpoint {path} holds its tables as deltas on step-{chain[0]} but this "
                     "run has no row-sparse Engram tables to replay them into"
                 )
-            dcp_load(self._dcp_state(), self.step_dir(chain[0]))
+            with streamed_columns():  # NVMe tables load chunk by chunk (streamed_dcp.py)
+                dcp_load(self._dcp_state(), self.step_dir(chain[0]), planner=StreamedLoadPlanner())
             for s in chain[1:]:
                 saved = json.loads((self.step_dir(s) / META_FILE).read_text())["world_size"]
                 self.tables.apply(self.step_dir(s), int(saved))
             dcp_load(self.tables.without_tables(self._dcp_state()), path)
         else:
-            dcp_load(self._dcp_state(), path)
+            with streamed_columns():
+                dcp_load(self._dcp_state(), path, planner=StreamedLoadPlanner())
         if self.tables is not None:
             self.tables.reset()
         self._chain = chain

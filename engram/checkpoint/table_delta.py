@@ -36,6 +36,7 @@ from engram.models.transformer import WRAPPER_PREFIXES
 from engram.optim.lazy_adam import RowSparseOptimizer
 from engram.optim.touched_rows import TouchedRows
 from engram.runtime.host_worker import row_store_of, wait_host_work
+from engram.runtime.streamed_columns import streamed_columns
 
 DELTA_FILE = "table_delta.rank{}.pt"
 CHAIN_KEY = "table_chain"
@@ -98,16 +99,20 @@ class _Table:
 
 class WithoutTables(Stateful):
     """A state whose state dict leaves out the table keys (a delta's DCP part); loading it
-    keeps the current table values (replayed from base + deltas) and sets the rest."""
+    keeps the current table values (replayed from base + deltas) and sets the rest. Row-store
+    (NVMe) tables' columns are never read out for it: their state dicts hold placeholders
+    (engram/runtime/streamed_columns.py), left out, or handed back to the load unchanged."""
 
     def __init__(self, inner: Any, drop: Callable[[str], bool]) -> None:
         self.inner, self.drop = inner, drop
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.inner.state_dict().items() if not self.drop(k)}
+        with streamed_columns():
+            return {k: v for k, v in self.inner.state_dict().items() if not self.drop(k)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.inner.load_state_dict({**self.inner.state_dict(), **state_dict})
+        with streamed_columns():
+            self.inner.load_state_dict({**self.inner.state_dict(), **state_dict})
 
 
 class TableDeltas:

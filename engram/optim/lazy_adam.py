@@ -31,6 +31,7 @@ from engram.models.table_grad import clear_row_grad, coalesce_rows, row_grad
 from engram.optim.touched_rows import TouchedRows
 from engram.runtime.distributed import placed_like
 from engram.runtime.host_worker import HOST_WORKER, is_host_resident, row_store_of, wait_host_work
+from engram.runtime.streamed_columns import ColumnSource, placeholder, source_of, streaming
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -131,11 +132,15 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         wait_host_work()  # host updates still queued write the state
         out = super().state_dict()
         # A table in a row store: its state columns, read out, as the tensors a host table holds
-        # (DCP saves and reshards them alike; the store's files are not the checkpoint).
+        # (DCP saves and reshards them alike; the store's files are not the checkpoint), or
+        # while a checkpoint streams, placeholders (engram/runtime/streamed_columns.py).
         for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
             store = row_store_of(p)
             if store is not None and i in out["state"]:
-                columns = {k: placed_like(p, store.snapshot(k)) for k in self.ROW_STATE}
+                if streaming():
+                    columns = {k: placeholder(p, ColumnSource(store, k)) for k in self.ROW_STATE}
+                else:
+                    columns = {k: placed_like(p, store.snapshot(k)) for k in self.ROW_STATE}
                 out["state"][i] = {**out["state"][i], **columns}
         return out
 
@@ -150,8 +155,10 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             store = row_store_of(p)
             if store is not None and key in state_dict["state"]:
                 entry = dict(state_dict["state"][key])
+                columns = {k: entry.pop(k) for k in self.ROW_STATE if k in entry}
+                # a placeholder's rows went (or stay) in the store
                 store.load(
-                    {k: _local(entry.pop(k)).to("cpu") for k in self.ROW_STATE if k in entry}
+                    {k: _local(v).to("cpu") for k, v in columns.items() if source_of(v) is None}
                 )
                 state_dict["state"][key] = entry
         super().load_state_dict(state_dict)

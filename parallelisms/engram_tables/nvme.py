@@ -17,7 +17,9 @@ a host cache of engram.nvme_host_cache_gib in front (split over the rank's NVMe 
   (it holds the whole shard once, at init).
 - Checkpoints: the module's state dict reads the weight from the store and the optimizer's reads
   its state columns (`snapshot`), as tensors placed like a host table's, so DCP saves, loads and
-  reshards them alike; loading writes them back into the store. The page files are scratch and
+  reshards them alike; loading writes them back into the store. The checkpointer streams them
+  instead (engram/runtime/streamed_columns.py): placeholders in the state dicts, and DCP moves
+  one row chunk at a time between the store and the files. The page files are scratch and
   are deleted when the process ends.
 """
 
@@ -39,6 +41,7 @@ from engram.runtime.host_worker import (
     mark_host_resident,
     wait_host_work,
 )
+from engram.runtime.streamed_columns import ColumnSource, placeholder, source_of, streaming
 from parallelisms.engram_tables.host import HostShardedEngramTable
 from parallelisms.engram_tables.nvme_store import NvmeRowStore
 
@@ -124,8 +127,9 @@ class NvmeShardedEngramTable(HostShardedEngramTable):
         store = self.spill()
         wait_host_work()
         value = state_dict[key]
-        local = value.to_local() if isinstance(value, DTensor) else value
-        store.load({"weight": local.detach().to("cpu", torch.float32)})
+        if source_of(value) is None:  # a placeholder: its rows went (or stay) in the store
+            local = value.to_local() if isinstance(value, DTensor) else value
+            store.load({"weight": local.detach().to("cpu", torch.float32)})
         rest_of_state = {k: v for k, v in state_dict.items() if k != key}
         super()._load_from_state_dict(rest_of_state, prefix, local_metadata, strict, missing, *rest)
         if key in missing:
@@ -149,10 +153,14 @@ class NvmeShardedEngramTable(HostShardedEngramTable):
 
 
 def _weight_from_store(module, state_dict, prefix, local_metadata):
-    """State-dict hook: the weight's rows read from the store (after queued updates)."""
+    """State-dict hook: the weight's rows read from the store (after queued updates), or
+    while a checkpoint streams, a placeholder that reads them in chunks when written."""
     key = prefix + "weight"
     if key in state_dict:
         store = module.spill()
+        if streaming():
+            state_dict[key] = placeholder(module.weight, ColumnSource(store, "weight"))
+            return state_dict
         wait_host_work()
         state_dict[key] = placed_like(module.weight, store.snapshot())
     return state_dict

@@ -126,6 +126,7 @@ class NvmeRowStore(RowStore):
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="engram-nvme")
         self.reads = self.writes = 0  # pages moved, for tests and benchmarks
         self.pins_taken = 0
+        self.read_out_bytes = self.read_out_peak = 0  # columns read out (checkpoints)
 
     # -- pages ---------------------------------------------------------------------------
     def _file_pos(self, page: int) -> tuple[int, int]:
@@ -268,32 +269,44 @@ class NvmeRowStore(RowStore):
         self._dirty.clear()
 
     def snapshot(self, name: str | None = None) -> torch.Tensor:
-        """Column `name` (default the weight) of every row, read page by page: cached pages
-        from the cache, the others from disk into a scratch slot-sized buffer."""
-        name = name or next(iter(self.columns))
+        """Column `name` (default the weight) of every row (the whole column in host memory:
+        a checkpoint streams it with `read_range` instead, engram/runtime/streamed_columns.py)."""
+        return self.read_range(name or next(iter(self.columns)), 0, self.rows)
+
+    def read_range(self, name: str, r0: int, n: int) -> torch.Tensor:
+        """Column `name` of rows [r0, r0 + n), read page by page without touching the cache's
+        order: cached pages (newer than the disk when dirty) from the cache, the others from
+        disk into a scratch page. Counts the bytes it returns (`read_out_bytes`, the largest
+        one read in `read_out_peak`)."""
         lo, width = self.offsets[name]
-        out = torch.empty(self.rows, width, dtype=torch.float32)
+        out = torch.empty(n, width, dtype=torch.float32)
         scratch = mmap.mmap(-1, self.page_bytes)
         per = self.rows_per_page * self.record_floats
-        for p in range(self.pages):
+        end = r0 + n
+        for p in range(r0 // self.rows_per_page, -(-end // self.rows_per_page)):
             if p in self._where:
                 page = self._slots[self._where[p], :per]
             else:
                 fd, pos = self._file_pos(p)
                 os.preadv(fd, [scratch], pos)
                 page = torch.frombuffer(scratch, dtype=torch.float32)[:per]
-            r0 = p * self.rows_per_page
-            n = min(self.rows_per_page, self.rows - r0)
-            out[r0 : r0 + n] = page.view(self.rows_per_page, -1)[:n, lo : lo + width]
+            a, b = max(r0, p * self.rows_per_page), min(end, (p + 1) * self.rows_per_page)
+            first = a - p * self.rows_per_page
+            out[a - r0 : b - r0] = page.view(self.rows_per_page, -1)[
+                first : first + b - a, lo : lo + width
+            ]
         scratch.close()
+        self.read_out_bytes += out.nbytes
+        self.read_out_peak = max(self.read_out_peak, out.nbytes)
         return out.squeeze(1) if self.columns[name] == 0 else out
 
-    def load(self, values: dict, chunk_rows: int | None = None) -> None:
-        """Write whole columns {name: [rows, width] or [rows]} (a fresh init, a resume), through
-        the cache in chunks of at most half of it."""
+    def load(self, values: dict, chunk_rows: int | None = None, row0: int = 0) -> None:
+        """Write columns {name: [n, width] or [n]} into rows [row0, row0 + n) (a fresh init,
+        a resume; default all rows), through the cache in chunks of at most half of it."""
         chunk = chunk_rows or max(1, self.cache_pages // 2 * self.rows_per_page)
-        for r0 in range(0, self.rows, chunk):
-            idx = torch.arange(r0, min(self.rows, r0 + chunk))
+        n = len(next(iter(values.values()))) if values else 0
+        for r0 in range(0, n, chunk):
+            idx = torch.arange(row0 + r0, row0 + min(n, r0 + chunk))
             self.write_columns(idx, {k: v[r0 : r0 + idx.numel()] for k, v in values.items()})
 
     def close(self) -> None:
