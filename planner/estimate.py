@@ -40,7 +40,7 @@ from planner.results import (
     RankActivations,
     RankMemory,
 )
-from planner.table_checkpoint import table_checkpoint
+from planner.table_checkpoint import table_checkpoint, table_checkpoint_problems
 from planner.tables import replicated_tables
 from planner.tier_results import TierAssumptions
 
@@ -394,3 +394,7 @@ def _plan_table_tiers(est: MemoryEstimate, cfg: JobConfig, tier: TierAssumptions
         for m in est.ranks:  # the host holds the cache, not the shard
             m.host_table_bytes = est.nvme.host_bytes_needed // est.ranks_per_node
     est.table_checkpoint = table_checkpoint(*args)
+    if est.nvme is not None:
+        est.nvme.problems += table_checkpoint_problems(
+            est.table_checkpoint, est.nvme.host_bytes_needed
+        )

@@ -88,7 +88,8 @@ MODELLED = {  # setting -> where the planner models it
     "activation_checkpoint.mode": "activations, comm (recompute)",
     "activation_checkpoint.selective_every": "activations, comm (recompute)",
     "checkpoint.enable": "measure (async staging copy)",
-    "checkpoint.async_mode": "measure (async staging copy)",
+    "checkpoint.async_mode": "measure (async staging copy), table_checkpoint (NVMe tables: "
+    "a streamed or a copied save)",
     **dict.fromkeys(
         (
             "pipeline.schedule",

@@ -70,6 +70,12 @@ class TableCheckpoint:
     write_gbs: float
     host_bytes: int
     """Host memory per node (0: not stated)."""
+    save_host_bytes: int = 0
+    """Table data a full save holds in host memory per node at its peak (NVMe tables: a
+    synchronous save streams one chunk per rank; an asynchronous one reads every shard
+    column whole (its staging copy is counted with the NVMe tier); 0: not modelled, the tables' own memory is counted elsewhere)."""
+    streams: bool = False
+    """Whether a full save streams the tables (NVMe tables, synchronous saves)."""
 
     @property
     def full_seconds(self) -> float:

@@ -17,7 +17,7 @@ from planner.estimate import estimate
 from planner.nvme import nvme_tier, page_file_bytes, record_bytes
 from planner.registry import check_modelled
 from planner.results import GIB, RankMemory
-from planner.table_checkpoint import table_checkpoint
+from planner.table_checkpoint import table_checkpoint, table_checkpoint_problems
 from planner.tier_results import TierAssumptions
 
 # Small hardware so the numbers are easy to count: 2 drives of 1 TB per node.
@@ -134,6 +134,25 @@ def test_table_checkpoint_against_counts_by_hand():
     assert table_checkpoint(long, _rank(), 4, 0, HW).touched_rows_per_table == ROWS
 
 
+def test_full_save_host_memory_against_counts_by_hand():
+    """A synchronous save streams one 64 MiB chunk per rank; an asynchronous one reads every
+    shard column whole, refused by name where that does not fit next to the NVMe tier (whose
+    host memory counts the async staging copy)."""
+    c = table_checkpoint(_cfg(), _rank(), 4, 10 * 10**9, HW)
+    assert c.streams and c.save_host_bytes == 4 * 64 * 2**20 == 268_435_456
+    assert table_checkpoint_problems(c, 9 * 10**9) == []
+    cfg = _cfg()
+    cfg = dataclasses.replace(
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, async_mode="async")
+    )
+    a = table_checkpoint(cfg, _rank(), 4, 20 * 10**9, HW)
+    # 4 ranks x 2 tables x 1,000,003 rows x 768 B
+    assert not a.streams and a.save_host_bytes == 6_144_018_432
+    assert table_checkpoint_problems(a, 13 * 10**9) == []  # 6.14 + 13 <= 20 GB
+    (problem,) = table_checkpoint_problems(a, 14 * 10**9)  # 20.14 > 20 GB
+    assert problem.startswith("checkpoint host memory") and 'async_mode = "disabled"' in problem
+
+
 def test_rowwise_adagrad_pages():
     t = _tier(_cfg("rowwise_adagrad"))
     assert t.drive_bytes_needed == 4 * 2 * 66_667 * 4096
@@ -205,6 +224,10 @@ def test_1t_table_configs_plan_on_64_npus(path, location):
     assert f"peak {peak / GIB:.1f} GiB of {usable_memory_gib('npu'):g} usable" in header
     if location == "nvme":
         assert est.nvme.problems == []
+        # a full save streams: 8 ranks x one 64 MiB chunk, not the 1396 GiB of tables per node
+        assert est.table_checkpoint.streams
+        assert est.table_checkpoint.save_host_bytes == 8 * 64 * 2**20
+        assert est.table_checkpoint.full_bytes > est.host_memory_bytes
         assert f"{est.nvme.drive_bytes_needed / GIB:.0f} GiB per node" in header
     else:
         assert est.host_table_bytes_per_node <= 1024 * GIB
