@@ -20,13 +20,23 @@ CHUNK = 64 << 10  # small chunks: a rank's column (~800 KB) is written in ~13
 def _counted_train(rank: int, world: int, raw: dict) -> dict:
     """Train; per save: the largest column piece a store returned (`snapshot` or `read_range`,
     whichever the code has), the bytes all stores returned, and the save planner's peak of
-    table chunks held at once."""
+    table chunks held at once; the largest write of rows into a store (here: the init)."""
     import engram.checkpoint.manager as manager
+    import engram.models.init as init
     import engram.runtime.streamed_columns as sc
     from engram.checkpoint.streamed_dcp import StreamedWriter
     from parallelisms.engram_tables.nvme_store import NvmeRowStore
 
     sc.CHUNK_BYTES = CHUNK
+    init.CHUNK_NUMEL = CHUNK // 4  # the init's chunks too (its values change alike everywhere)
+    loads: list[int] = []  # bytes of each write of whole rows into a store (init, resume)
+    load = NvmeRowStore.load
+
+    def counted_load(self, values, *args, **kwargs):
+        loads.append(sum(v.nbytes for v in values.values()))
+        return load(self, values, *args, **kwargs)
+
+    NvmeRowStore.load = counted_load
     reads: list[int] = []
     for name in ("snapshot", "read_range"):
         original = getattr(NvmeRowStore, name, None)
@@ -63,6 +73,7 @@ def _counted_train(rank: int, world: int, raw: dict) -> dict:
     result = _nvme_train(rank, world, raw)
     result["saves"] = saves
     result["held"] = held
+    result["loads"] = loads
     result["shard_column"] = max(s["table"] for s in result["stores"]) if result["stores"] else 0
     return result
 
@@ -82,7 +93,8 @@ def test_streamed_saves_hold_a_chunk_and_resume_bitwise(tmp_path):
     """2 ranks, NVMe tables, 4 steps saved at every step with a base every 2 saves (1 and 3
     full, 2 and 4 deltas). A full save reads no column piece above CHUNK_BYTES (whole-column
     snapshots read each rank's whole shard column: ~13x that); a delta save reads no column at
-    all (its touched rows come through the delta file). Resumed from full step 3 with NVMe
+    all (its touched rows come through the delta file); the init writes the store in chunks
+    of the layout-independent init (here 64 KiB), not the shard at once. Resumed from full step 3 with NVMe
     tables by 1 rank: step 4 equals the same resume with device tables; by 2 ranks with device
     tables: equal to the uninterrupted run."""
     whole = run_distributed(_counted_train, 2, _run(tmp_path, 2, 4, 2))
@@ -98,6 +110,8 @@ def test_streamed_saves_hold_a_chunk_and_resume_bitwise(tmp_path):
             else:
                 assert 0 < s["largest"] <= CHUNK, s  # one chunk at a time, not a column
                 assert s["total"] >= 3 * got["shard_column"], s  # weight + 2 moments, all rows
+        # the init wrote the shard into the store chunk by chunk, never whole
+        assert got["loads"] and max(got["loads"]) <= CHUNK < got["shard_column"], got["loads"]
         # every save (full and delta): at most one chunk held at once, none left at the end
         assert len(got["held"]) == 4 and all(0 <= p <= CHUNK and n == 0 for p, n in got["held"])
         assert max(p for p, _ in got["held"]) == CHUNK

@@ -38,6 +38,7 @@ from engram.models.hf_config import CONFIG_FILE, HFConfigError, args_from_hf_con
 from engram.models.init import local_view
 from engram.models.lora import is_lora_param
 from engram.models.transformer import clean_fqn
+from engram.runtime.host_worker import row_store_of
 
 logger = logging.getLogger("engram")
 
@@ -112,7 +113,11 @@ class HFLoadPlan:
                                 slice(o, o + s) for o, s in zip(offset, local.shape, strict=True)
                             )
                             block = f.get_slice(hf_name)[index]
-                        local.copy_(block)  # casts to the parameter dtype and device
+                        store = row_store_of(params[ours])
+                        if store is not None:  # an NVMe table: its rows live in the store
+                            store.load({"weight": block.to(torch.float32)})
+                        else:
+                            local.copy_(block)  # casts to the parameter dtype and device
                         read_bytes += block.numel() * block.element_size()
         return n, read_bytes
 

@@ -22,6 +22,8 @@ from torch.distributed.tensor._utils import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from engram.runtime.host_worker import row_store_of
+
 # Elements per generated chunk (~4 MiB of fp32): big enough to be fast, small enough that a
 # shard never generates much more than it keeps.
 CHUNK_NUMEL = 2**20
@@ -117,8 +119,10 @@ def _fill_chunks(
     shift: float,
 ) -> None:
     """The chunks of the global tensor (seed, key) that overlap this shard: `draw(numel, gen)`
-    per chunk, times `scale` plus `shift`, sliced to the local block."""
+    per chunk, times `scale` plus `shift`, sliced to the local block. A table whose rows live in
+    a row store (NVMe) gets each chunk written there: the shard is never whole in memory."""
     local, shape, offset = local_view(param)
+    store = row_store_of(param)
     if local.numel() == 0 or local.is_meta:  # nothing held here (or not materialised yet)
         return
     global_shape = tuple(param.shape)
@@ -141,7 +145,10 @@ def _fill_chunks(
             piece = piece * scale
         if shift != 0.0:
             piece = piece + shift
-        local[lo - r0 : hi - r0].copy_(piece)
+        if store is not None:
+            store.load({"weight": piece.contiguous()}, row0=lo - r0)
+        else:
+            local[lo - r0 : hi - r0].copy_(piece)
 
 
 @torch.no_grad()

@@ -10,11 +10,12 @@ a host cache of engram.nvme_host_cache_gib in front (split over the rank's NVMe 
   (engram/optim/lazy_adam.py reads and writes the store's columns) and releases the step's pins;
   evictions write pages back. Every worker job runs in program order, so a read sees every
   earlier update: bitwise like device tables.
-- The weight parameter keeps its shape and placement but no rows: once the rows are in the store
-  (the first lookup, state dict or load after init, `spill`) its local piece is a zero-stride
-  view of one element (the same parameter object: the optimizer holds it).
-  Until then it is a host tensor, so the layout-independent init writes it as for host tables
-  (it holds the whole shard once, at init).
+- The weight parameter keeps its shape and placement but no rows: its local piece is a
+  zero-stride view of one element. `to_empty` of the meta-built table creates the store, and
+  the layout-independent init (engram/models/init.py) writes its row chunks straight into it:
+  the shard is never whole in host memory. (A table materialised otherwise keeps a host shard
+  until its first lookup, state dict or load, then `spill` moves the rows into the store, the
+  parameter object staying the optimizer's.)
 - Checkpoints: the module's state dict reads the weight from the store and the optimizer's reads
   its state columns (`snapshot`), as tensors placed like a host table's, so DCP saves, loads and
   reshards them alike; loading writes them back into the store. The checkpointer streams them
@@ -82,19 +83,50 @@ class NvmeShardedEngramTable(HostShardedEngramTable):
         self._register_state_dict_hook(_weight_from_store)
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
+        """to_empty of a meta shard: no host shard, the rows go straight into a fresh store
+        (zeros on disk) and the layout-independent init writes them there chunk by chunk
+        (engram/models/init.py); anything else as for host tables."""
+        w = self.weight
+        local = w.to_local() if isinstance(w, DTensor) else w
+        if local.is_meta and getattr(self, "_engram_store", 1) is None:
+            hollow = _hollow(local.shape, local.dtype)
+            if isinstance(w, DTensor):
+                hollow = DTensor.from_local(hollow, w.device_mesh, w.placements, run_check=False,
+                                            shape=w.shape, stride=w.stride())  # fmt: skip
+            self.weight = torch.nn.Parameter(hollow, requires_grad=w.requires_grad)
+            mark_host_resident(self.weight, "nvme")
+            self._engram_store = self._new_store(local)
+            attach_row_store(self.weight, self._engram_store)
+            return self
         super()._apply(fn, recurse)
         mark_host_resident(self.weight, "nvme")
         return self
 
     def spill(self) -> NvmeRowStore:
         """The store, created on first use from the (initialised) host shard, whose rows it
-        takes: the weight's local piece becomes a meta tensor."""
+        takes: the weight's local piece becomes a meta tensor. (A table materialised by
+        to_empty has its store from the start.)"""
         if self._engram_store is not None:
             return self._engram_store
-        w, s = self.weight, self._engram_nvme
+        w = self.weight
         local = w.to_local().detach()
         if local.is_meta:
             raise RuntimeError("NVMe Engram table: materialise it (to_empty) before its first use")
+        store = self._new_store(local)
+        wait_host_work()
+        store.load({"weight": local.float()})
+        # The parameter stays the optimizer's (same object); its local piece keeps its shape
+        # and gives up its memory: a zero-stride view of one element.
+        with torch.no_grad():
+            w._local_tensor.set_(_hollow(local.shape, local.dtype).untyped_storage(), 0,
+                                 local.shape, (0, 0))  # fmt: skip
+        attach_row_store(w, store)
+        self._engram_store = store
+        return store
+
+    def _new_store(self, local: torch.Tensor) -> NvmeRowStore:
+        """An empty store (every row zero) for a shard shaped like `local`."""
+        s = self._engram_nvme
         if local.dtype != torch.float32:
             raise ValueError(f"NVMe Engram tables keep fp32 rows, got a {local.dtype} table")
         state = _row_state(s.table_optimizer)
@@ -106,15 +138,6 @@ class NvmeShardedEngramTable(HostShardedEngramTable):
             name=f"engram_table{next(_TABLE_NUMBERS)}.pid{os.getpid()}", direct=s.direct_io,
         )  # fmt: skip
         atexit.register(_remove, store)
-        wait_host_work()
-        store.load({"weight": local.float()})
-        # The parameter stays the optimizer's (same object); its local piece keeps its shape
-        # and gives up its memory: a zero-stride view of one element.
-        hollow = torch.empty(1, dtype=local.dtype).untyped_storage()
-        with torch.no_grad():
-            w._local_tensor.set_(hollow, 0, local.shape, (0, 0))
-        attach_row_store(w, store)
-        self._engram_store = store
         return store
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, *rest):
@@ -150,6 +173,12 @@ class NvmeShardedEngramTable(HostShardedEngramTable):
 
     def extra_repr(self) -> str:
         return super().extra_repr().replace("host-resident", "NVMe-resident")
+
+
+def _hollow(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-stride view of one element, shaped like the shard: the weight's local piece once
+    its rows are in the store."""
+    return torch.zeros(1, dtype=dtype).expand(*shape)
 
 
 def _weight_from_store(module, state_dict, prefix, local_metadata):

@@ -20,8 +20,9 @@ reads and updates never wait on the disk mid-step. A pin that cannot fit the cac
 naming the setting to raise. The store is not thread-safe: the tables use it from the one FIFO
 host worker (engram/runtime/host_worker.py).
 
-The files are scratch space: a checkpoint saves `snapshot()` (the rows as tensors, through DCP
-like host tables) and a resume writes them back.
+The files are scratch space: a checkpoint saves the columns as tensors through DCP like host
+tables, read out chunk by chunk (`read_range`, engram/checkpoint/streamed_dcp.py), and a resume
+writes them back (`load` at a row offset).
 """
 
 from __future__ import annotations
