@@ -10,6 +10,8 @@
   the match beside it; MFU's denominator, or a GEMM measured on cpu).
 - `host_worker.py`: the host thread that runs host-resident table work, and the marker
   that says a tensor lives in host memory (`is_host_resident`).
+- `faults.py`: deterministic fault points for tests (`ENGRAM_FAULTS`: kill -9 or an I/O error
+  at the n-th pass of a named point); nothing happens unless the variable is set.
 
 Nothing here knows about models or training; everything else may import it. A new device type
 goes in `device.py`.

@@ -14,13 +14,15 @@ What belongs here is how a table is placed and looked up, nothing of the model o
   store, prefetch driven by the batch's hash ids (`prefetch_host_tables`).
 - `nvme_store.py`, `nvme.py`: the NVMe backend (page files with O_DIRECT, a thread pool and a
   host cache with pins) and the NVMe-resident table over it (`NvmeShardedEngramTable`).
+- `page_files.py`: the NVMe store's page files: created locked and preallocated, files of dead
+  runs swept, page I/O errors that name the fix.
 - `sharding.py`: `apply_engram_table_sharding`, the step of parallelize_model that turns every
   table into one of the two.
 - `host_memory.py`: the start-time refusal when a node's host memory cannot hold host tables.
 
 Imports run one way: routing <- lookup <- host <- nvme <- sharding, row_store <- host <-
-host_memory, row_store <- nvme_store <- nvme. The names below
-are the package's public API.
+host_memory, row_store <- nvme_store <- nvme, page_files <- nvme_store. The names below are the
+package's public API.
 """
 
 from parallelisms.engram_tables.host import (

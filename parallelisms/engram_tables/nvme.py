@@ -21,14 +21,14 @@ a host cache of engram.nvme_host_cache_gib in front (split over the rank's NVMe 
   reshards them alike; loading writes them back into the store. The checkpointer streams them
   instead (engram/runtime/streamed_columns.py): placeholders in the state dicts, and DCP moves
   one row chunk at a time between the store and the files. The page files are scratch and
-  are deleted when the process ends.
+  are deleted when the process ends; files a killed run left are removed by the next run's
+  stores (page_files.py).
 """
 
 from __future__ import annotations
 
 import atexit
 import itertools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -135,7 +135,7 @@ class NvmeShardedEngramTable(HostShardedEngramTable):
         }
         store = NvmeRowStore(
             local.shape[0], columns, list(s.dirs), s.cache_bytes_per_table,
-            name=f"engram_table{next(_TABLE_NUMBERS)}.pid{os.getpid()}", direct=s.direct_io,
+            name=f"engram_table{next(_TABLE_NUMBERS)}", direct=s.direct_io,
         )  # fmt: skip
         atexit.register(_remove, store)
         return store
@@ -196,11 +196,7 @@ def _weight_from_store(module, state_dict, prefix, local_metadata):
 
 
 def _remove(store: NvmeRowStore) -> None:
-    """The page files are scratch: remove them when the process ends."""
-    paths = list(store.paths)
+    """The page files are scratch: remove them when the process ends (a killed process leaves
+    them to the next store's sweep, page_files.py)."""
     store.close()
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    store.remove_files()

@@ -22,12 +22,12 @@ host worker (engram/runtime/host_worker.py).
 
 The files are scratch space: a checkpoint saves the columns as tensors through DCP like host
 tables, read out chunk by chunk (`read_range`, engram/checkpoint/streamed_dcp.py), and a resume
-writes them back (`load` at a row offset).
+writes them back (`load` at a row offset). They are created, locked, preallocated and, when a
+killed run left them, swept by page_files.py; page I/O errors name the fix there.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import mmap
 import os
@@ -36,7 +36,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from engram.runtime import faults
 from engram.runtime.host_worker import HOST_WORKER
+from parallelisms.engram_tables.page_files import create_page_file, page_io_error
 from parallelisms.engram_tables.row_store import RowStore
 
 __all__ = ["PAGE_BYTES", "NvmeRowStore", "page_layout"]
@@ -51,20 +53,6 @@ def page_layout(record_bytes: int) -> tuple[int, int]:
     or one record per page of the next multiple of 4 KiB."""
     page = PAGE_BYTES * max(1, -(-record_bytes // PAGE_BYTES))
     return page, page // record_bytes
-
-
-def _open(path: str, direct: bool) -> tuple[int, str | None]:
-    """(fd, why O_DIRECT is off or None)."""
-    flags = os.O_RDWR | os.O_CREAT
-    if direct and hasattr(os, "O_DIRECT"):
-        try:
-            return os.open(path, flags | os.O_DIRECT, 0o600), None
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            reason = f"{path}: the file system refuses O_DIRECT ({e.strerror})"
-            return os.open(path, flags, 0o600), reason
-    return os.open(path, flags, 0o600), "O_DIRECT not requested" if not direct else "no O_DIRECT"
 
 
 class NvmeRowStore(RowStore):
@@ -102,16 +90,17 @@ class NvmeRowStore(RowStore):
                 "engram.nvme_host_cache_gib"
             )
         self.fds, self.paths, reasons = [], [], set()
-        for i, d in enumerate(dirs):
-            os.makedirs(d, exist_ok=True)
-            path = os.path.join(d, f"{name}.rank{_rank()}.pages")
-            fd, reason = _open(path, direct)
-            per_file = -(-(self.pages - i) // len(dirs))  # pages i, i + len(dirs), ...
-            os.ftruncate(fd, per_file * self.page_bytes)  # unwritten pages read as zeros
-            self.fds.append(fd)
-            self.paths.append(path)
-            if reason:
-                reasons.add(reason)
+        try:
+            for i, d in enumerate(dirs):
+                per_file = -(-(self.pages - i) // len(dirs))  # pages i, i + len(dirs), ...
+                fd, path, reason = create_page_file(d, name, per_file * self.page_bytes, direct)
+                self.fds.append(fd)
+                self.paths.append(path)
+                if reason:
+                    reasons.add(reason)
+        except BaseException:
+            self.remove_files()
+            raise
         self.direct = not reasons
         for reason in sorted(reasons):
             log.warning("NVMe Engram table %s: buffered I/O: %s", name, reason)
@@ -144,7 +133,12 @@ class NvmeRowStore(RowStore):
             move = os.pwritev if write else os.preadv
             for page, slot in part:
                 fd, pos = self._file_pos(page)
-                done = move(fd, [self._view(slot)], pos)
+                try:
+                    done = move(fd, [self._view(slot)], pos)
+                    if write:
+                        faults.point("nvme.page_write")
+                except OSError as e:
+                    raise page_io_error(e, self.paths[page % len(self.fds)], write) from e
                 if done != self.page_bytes:
                     raise OSError(f"short {'write' if write else 'read'} of a page: {done} B")
 
@@ -313,15 +307,20 @@ class NvmeRowStore(RowStore):
     def close(self) -> None:
         self._pool.shutdown()
         for fd in self.fds:
-            os.close(fd)
+            os.close(fd)  # drops the file's lock: a later sweep may remove it
         self.fds = []
+
+    def remove_files(self) -> None:
+        """Close and delete the page files (scratch)."""
+        for fd in self.fds:
+            os.close(fd)
+        for path in self.paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self.fds, self.paths = [], []
 
     @property
     def cached_bytes(self) -> int:
         return len(self._where) * self.page_bytes
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

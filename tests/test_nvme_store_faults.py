@@ -1,0 +1,126 @@
+"""The NVMe row store under failures (parallelisms/engram_tables/page_files.py, nvme_store.py,
+engram/runtime/faults.py): page files left by a kill -9 are swept by the next store without
+touching a live store's; files are preallocated, so a drive that cannot hold them fails at
+start, naming the fix; ENOSPC / EIO mid-write-back is an error that names the fix and surfaces
+on the host worker's next result and wait (the main thread), failing every later job."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engram.runtime import faults
+from engram.runtime.host_worker import HostWorker
+from parallelisms.engram_tables import page_files
+from parallelisms.engram_tables.nvme_store import NvmeRowStore
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _store(dirs, name="t", rows=5000, cache_pages=4) -> NvmeRowStore:
+    return NvmeRowStore(rows, {"weight": 8, "sum": 0}, [str(d) for d in dirs],
+                        cache_bytes=cache_pages * 4096, name=name)  # fmt: skip
+
+
+@pytest.fixture
+def armed():
+    """faults.configure for one test; disarmed after it."""
+    yield faults.configure
+    faults.configure("")
+
+
+def test_fault_spec_parsing_and_filters(monkeypatch, armed):
+    with pytest.raises(ValueError, match="point:n:action"):
+        armed("nvme.page_write:2:explode")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    armed("a:1:eio:0,b:2:eio:1,c:1:eio::1,d:1:enospc")  # a: other rank; c: another attempt
+    for name in ("a", "c", "b", "d", "unarmed"):
+        if name != "d":
+            faults.point(name)  # b's first hit passes
+    with pytest.raises(OSError) as e:
+        faults.point("b")
+    assert e.value.errno == errno.EIO and "ENGRAM_FAULTS: hit 2 of b" in str(e.value)
+    faults.point("b")  # only the n-th hit
+    with pytest.raises(OSError) as e:
+        faults.point("d")
+    assert e.value.errno == errno.ENOSPC
+
+
+def test_dead_runs_page_files_are_swept_live_ones_kept(tmp_path, caplog):
+    """A process that SIGKILLs itself while its store is open leaves its files; the next store
+    in that directory removes them (and logs it), but not a live store's nor other files."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    live = _store(dirs, "live")
+    killed = subprocess.run(
+        [sys.executable, "-c",
+         "import os, signal, sys; sys.path.insert(0, sys.argv[1]);"
+         "from parallelisms.engram_tables.nvme_store import NvmeRowStore as S;"
+         "s = S(5000, {'weight': 8}, sys.argv[2:], 4 * 4096, name='dead');"
+         "print(' '.join(s.paths), flush=True); os.kill(os.getpid(), signal.SIGKILL)",
+         str(ROOT), *map(str, dirs)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    dead = killed.stdout.split()
+    assert len(dead) == 2 and all(os.path.exists(p) for p in dead)
+    assert os.stat(dead[0]).st_blocks * 512 >= 20 * 4096  # 40 pages over 2 files, allocated
+    (tmp_path / "a" / "notes.pages").write_text("not a page file of ours")
+    with caplog.at_level(logging.WARNING, logger=page_files.__name__):
+        fresh = _store(dirs, "fresh")
+    assert not any(os.path.exists(p) for p in dead)
+    assert all(os.path.exists(p) for p in live.paths + fresh.paths)
+    assert (tmp_path / "a" / "notes.pages").exists()
+    assert sum("left by a run that ended" in r.message for r in caplog.records) == 2
+    for s in (live, fresh):
+        s.close()
+        s.remove_files()
+    assert sorted(os.listdir(dirs[0])) == [".engram-pages.lock", "notes.pages"]
+
+
+def test_files_preallocated_and_no_space_at_start_names_the_fix(tmp_path, monkeypatch):
+    store = _store([tmp_path])
+    assert os.stat(store.paths[0]).st_blocks * 512 >= store.pages * store.page_bytes
+    store.close()
+    store.remove_files()
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(page_files.os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"needs \d+ B but its drive has \d+ B free.*nvme_dirs") as e:
+        _store([tmp_path / "x", tmp_path / "y"])
+    assert e.value.errno == errno.ENOSPC
+    assert sorted(os.listdir(tmp_path / "x")) == [".engram-pages.lock"]  # nothing left behind
+
+
+@pytest.mark.parametrize("action, code, fix", [("enospc", errno.ENOSPC, "nvme_dirs"),
+                                               ("eio", errno.EIO, "check the drive")])  # fmt: skip
+def test_write_back_error_names_the_fix_and_surfaces_on_the_main_thread(
+    tmp_path, armed, action, code, fix
+):
+    """The 3rd page written back fails: the host worker job that evicted it raises an error
+    naming the fix, and every later job (a gather after a lost write-back must not read stale
+    rows) and wait() fail too."""
+    store = _store([tmp_path])
+    worker = HostWorker()  # not the process's HOST_WORKER: a failed job poisons its worker
+    armed(f"nvme.page_write:3:{action}")
+    job = worker.submit(store.load, {"weight": torch.randn(5000, 8), "sum": torch.rand(5000)})
+    with pytest.raises(OSError, match=f"writing a page back to {store.paths[0]}.*{fix}") as e:
+        job.result()
+    assert e.value.errno == code and "resume from the last checkpoint" in str(e.value)
+    later = worker.submit(store.read_rows, torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="an earlier host-table job failed"):
+        later.result()
+    with pytest.raises(OSError, match=fix):
+        worker.wait()
+    store.close()
+    store.remove_files()
