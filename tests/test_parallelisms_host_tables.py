@@ -170,19 +170,24 @@ def test_host_equals_device_hsdp_compile_engram_only(tmp_path):
 
 @pytest.mark.slow
 def test_host_equals_device_fsdp2_tp2_and_pp2(tmp_path):
-    """FSDP2 x TP2 and PP2 (lookups gather when they run: no prefetch)."""
-    layouts = {
-        "fsdp2tp2": {"parallelism": {"dp_shard": 2, "tp": 2}},
-        "pp2": {
-            "parallelism": {"dp_shard": 1, "pp": 2},
-            "pipeline": {"schedule": "1F1B", "microbatches": 2},
-            "engram": {"layer_ids": [0, 2]},
-        },
+    """FSDP2 x TP2, PP2 (1F1B) and PP2 x TP2 over 6 steps, prefetch on: every lookup's rows
+    were prefetched (each TP rank its own sequence piece, each stage its tables per schedule
+    micro-batch, parallelisms/table_prefetch.py); the only lookup routed and gathered when it
+    ran is torch's pipeline metadata forward (each stage once, at the first step), which the
+    queues leave alone."""
+    pp = {"pipeline": {"schedule": "1F1B", "microbatches": 2}, "engram": {"layer_ids": [0, 2]}}
+    layouts = {  # label: (ranks, extra, lookups per rank: tables x micro-batches x steps, late)
+        "fsdp2tp2": (4, {"parallelism": {"dp_shard": 2, "tp": 2}}, 6, 0),
+        "pp2": (2, {"parallelism": {"dp_shard": 1, "pp": 2}, **pp}, 12, 1),
+        "pp2tp2": (4, {"parallelism": {"dp_shard": 1, "pp": 2, "tp": 2}, **pp}, 12, 1),
     }
-    for label, extra in layouts.items():
-        host, device = _pair(tmp_path, label, 4 if label == "fsdp2tp2" else 2, "lazy_adam", extra)
+    for label, (world, extra, lookups, late) in layouts.items():
+        extra = {**extra, "training": {"steps": 6}}
+        host, device = _pair(tmp_path, label, world, "lazy_adam", extra)
         _assert_bitwise(host, device, label)
-        assert host[0]["counts"]["prefetch"] == 0 and host[0]["counts"]["gather"] > 0
+        for rank, h in enumerate(host):
+            want = {"route": lookups + late, "gather": lookups + late, "prefetch": lookups}
+            assert h["counts"] == want, f"{label} rank {rank}: {h['counts']}"
 
 
 @pytest.mark.slow
