@@ -172,13 +172,16 @@ def test_host_equals_device_hsdp_compile_engram_only(tmp_path):
 def test_host_equals_device_fsdp2_tp2_and_pp2(tmp_path):
     """FSDP2 x TP2, PP2 (1F1B) and PP2 x TP2 over 6 steps, prefetch on: every lookup's rows
     were prefetched (each TP rank its own sequence piece, each stage its tables per schedule
-    micro-batch, parallelisms/table_prefetch.py); the only lookup routed and gathered when it
-    ran is torch's pipeline metadata forward (each stage once, at the first step), which the
-    queues leave alone."""
+    micro-batch, parallelisms/table_prefetch.py). The only lookups routed and gathered when
+    they run are torch's pipeline metadata forwards, which leave the queues alone (one each time
+    the schedule initialises its stage), and PP2's held-out evaluation: 1 (step 1) + 3 (eval at
+    step 3: a metadata forward, 2 micro-batches) + 1 (step 4 re-initialises for training) + 3
+    (eval at step 6) = 8."""
     pp = {"pipeline": {"schedule": "1F1B", "microbatches": 2}, "engram": {"layer_ids": [0, 2]}}
+    evals = {"eval_every": 3, "eval_batches": 1}
     layouts = {  # label: (ranks, extra, lookups per rank: tables x micro-batches x steps, late)
         "fsdp2tp2": (4, {"parallelism": {"dp_shard": 2, "tp": 2}}, 6, 0),
-        "pp2": (2, {"parallelism": {"dp_shard": 1, "pp": 2}, **pp}, 12, 1),
+        "pp2": (2, {"parallelism": {"dp_shard": 1, "pp": 2}, **pp, "data": evals}, 12, 8),
         "pp2tp2": (4, {"parallelism": {"dp_shard": 1, "pp": 2, "tp": 2}, **pp}, 12, 1),
     }
     for label, (world, extra, lookups, late) in layouts.items():
