@@ -170,14 +170,15 @@ def test_host_equals_device_hsdp_compile_engram_only(tmp_path):
 
 @pytest.mark.slow
 def test_host_equals_device_fsdp2_tp2_and_pp2(tmp_path):
-    """FSDP2 x TP2, PP2 (1F1B) and PP2 x TP2 over 6 steps, prefetch on: every lookup's rows
+    """FSDP2 x TP2, PP2 (1F1B), PP2 x TP2, interleaved PP2 and CP2 x TP2 over 6 steps, prefetch on: every lookup's rows
     were prefetched (each TP rank its own sequence piece, each stage its tables per schedule
     micro-batch, parallelisms/table_prefetch.py). The only lookups routed and gathered when
     they run are torch's pipeline metadata forwards, which leave the queues alone (one each time
     the schedule initialises its stage), and PP2's held-out evaluation: 1 (step 1) + 3 (eval at
     step 3: a metadata forward, 2 micro-batches) + 1 (step 4 re-initialises for training) + 3
     (eval at step 6) = 8. Interleaved1F1B (4 stages, rank 0 holds the tables of layers 0 and 2,
-    rank 1 of layer 1) with every layer checkpointed: a stage's recompute replays its rows."""
+    rank 1 of layer 1) with every layer checkpointed: a stage's recompute replays its rows.
+    CP2 x TP2: each rank looks up its TP piece of its CP chunks."""
     pp = {"pipeline": {"schedule": "1F1B", "microbatches": 2}, "engram": {"layer_ids": [0, 2]}}
     evals = {"eval_every": 3, "eval_batches": 1}
     interleaved = {
@@ -193,9 +194,13 @@ def test_host_equals_device_fsdp2_tp2_and_pp2(tmp_path):
                    [1] * 4),
         "pp2_interleaved_ac": (2, {"parallelism": {"dp_shard": 1, "pp": 2}, **interleaved},
                                [24, 12], [2, 1]),
+        "cp2tp2": (4, {"parallelism": {"dp_shard": 1, "cp": 2, "tp": 2,
+                                       "cp_method": "allgather_kv"},
+                       "training": {"seq_len": 128}, "engram": {"layer_ids": [0, 2]}},
+                   [12] * 4, [0] * 4),
     }  # fmt: skip
     for label, (world, extra, lookups, late) in layouts.items():
-        extra = {**extra, "training": {"steps": 6}}
+        extra = {**extra, "training": {**extra.get("training", {}), "steps": 6}}
         host, device = _pair(tmp_path, label, world, "lazy_adam", extra)
         _assert_bitwise(host, device, label)
         for rank, h in enumerate(host):
