@@ -188,25 +188,26 @@ def test_planner_models_nvme():
 
 @pytest.mark.slow
 def test_nvme_equals_device_fsdp2_tp2_and_pp2(tmp_path):
-    """FSDP2 x TP2 (4 ranks) and PP2 (1F1B, 2 micro-batches, Engram on both stages): bitwise like
-    device tables over 6 steps, with prefetch: every lookup's rows came pinned by a prefetch
-    (each TP rank its own sequence piece, each stage per schedule micro-batch) and stayed
-    pinned until the optimizer's update."""
-    layouts = {  # label: (ranks, extra, prefetches per table and rank)
-        "fsdp2tp2": (4, {"parallelism": {"dp_shard": 2, "tp": 2}}, STEPS),
-        "pp2": (2, {"parallelism": {"dp_shard": 1, "pp": 2},
-                    "pipeline": {"schedule": "1F1B", "microbatches": 2},
-                    "engram": {"layer_ids": [0, 2]}}, 2 * STEPS),
+    """FSDP2 x TP2 (4 ranks), PP2 and PP2 x TP2 (1F1B, 2 micro-batches, Engram on both stages):
+    bitwise like device tables over 6 steps, with prefetch: every lookup's rows came pinned by
+    a prefetch (each TP rank its own sequence piece, each stage per schedule micro-batch) and
+    stayed pinned until the optimizer's update."""
+    pp = {"pipeline": {"schedule": "1F1B", "microbatches": 2}, "engram": {"layer_ids": [0, 2]}}
+    layouts = {  # label: (ranks, extra, prefetches per table and rank, cache MiB per rank)
+        "fsdp2tp2": (4, {"parallelism": {"dp_shard": 2, "tp": 2}}, STEPS, CACHE_MIB / 4),
+        # a stage's table over 1 (2) ranks, 10x (8x) its cache, pins 2 micro-batches' rows
+        "pp2": (2, {"parallelism": {"dp_shard": 1, "pp": 2}, **pp}, 2 * STEPS, CACHE_MIB),
+        "pp2tp2": (4, {"parallelism": {"dp_shard": 1, "pp": 2, "tp": 2}, **pp}, 2 * STEPS, 2.3),
     }  # fmt: skip
-    for label, (world, extra, prefetches) in layouts.items():
+    for label, (world, extra, prefetches, cache_mib) in layouts.items():
         runs = {}
         for loc in ("device", "nvme"):
             raw = _run(tmp_path, label, world, loc, "lazy_adam")
             for section, values in extra.items():
                 raw[section] = {**raw.get(section, {}), **values}
             raw["training"]["local_batch_size"] = 8 // raw["parallelism"]["dp_shard"]
-            if loc == "nvme" and label == "pp2":  # a stage owns its whole table (10x 5 MiB) and
-                raw["engram"]["nvme_host_cache_gib"] = CACHE_MIB / 1024  # pins 2 micro-batches
+            if loc == "nvme":
+                raw["engram"]["nvme_host_cache_gib"] = cache_mib / 1024
             runs[loc] = run_distributed(_train, world, raw)
         for rank, (n, d) in enumerate(zip(runs["nvme"], runs["device"], strict=True)):
             where = f"{label} rank {rank}"
