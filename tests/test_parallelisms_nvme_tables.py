@@ -195,7 +195,7 @@ def test_nvme_equals_device_fsdp2_tp2_and_pp2(tmp_path):
     pp = {"pipeline": {"schedule": "1F1B", "microbatches": 2}, "engram": {"layer_ids": [0, 2]}}
     layouts = {  # label: (ranks, extra, prefetches per table and rank, cache MiB per rank)
         "fsdp2tp2": (4, {"parallelism": {"dp_shard": 2, "tp": 2}}, STEPS, CACHE_MIB / 4),
-        # a stage's table over 1 (2) ranks, 10x (8x) its cache, pins 2 micro-batches' rows
+        # a stage's table over 1 (2) ranks: ~10x its cache; it pins 2 micro-batches' rows
         "pp2": (2, {"parallelism": {"dp_shard": 1, "pp": 2}, **pp}, 2 * STEPS, CACHE_MIB),
         "pp2tp2": (4, {"parallelism": {"dp_shard": 1, "pp": 2, "tp": 2}, **pp}, 2 * STEPS, 2.3),
     }  # fmt: skip
