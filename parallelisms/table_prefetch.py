@@ -20,6 +20,8 @@ lookup sees, by layout:
   stages and backwards, never in a stage's forward order (the split-backward schedules are
   refused with row-sparse tables, parallelisms/pipeline.py). A table belongs to one stage, so
   its queue in micro-batch order is the order of its lookups, whatever the interleaving.
+  torch's metadata forward (each stage once on micro-batch 0 when a schedule initialises its
+  stages) is not one of the step's lookups: parallelisms/pipeline.py runs it off the queues.
 - activation checkpointing: a recompute in backward replays the forward's rows (host.py) and
   looks nothing up, so it needs no prefetch.
 
