@@ -39,6 +39,7 @@ from torch.distributed.pipelining.schedules import (
 from engram.config import ConfigError, JobConfig
 from engram.config import Pipeline as PipelineConfig
 from engram.config.table_optimizers import table_optimizer_spec
+from parallelisms.engram_tables.host import lookups_off_queue
 from parallelisms.parallel_dims import ParallelDims
 
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -205,6 +206,21 @@ def split_stages(
     return plan, local, [prune_to_stage(model, plan, s) for s in local]
 
 
+class _Stage(PipelineStage):
+    """torch's PipelineStage, whose metadata forward is not one of the step's table lookups.
+
+    When a schedule (re)initialises its stages (its first step, and a switch between eval and
+    train) torch runs each stage's forward once more on micro-batch 0, to infer the shapes it
+    sends; host / NVMe tables look that forward's rows up when it runs, off their prefetch
+    queues (parallelisms/table_prefetch.py queues the step's real lookups only). If a torch
+    version infers elsewhere, the first real lookup finds its ids differ from its queue's head
+    and fails naming the prefetch (never rows of other ids)."""
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        with lookups_off_queue():
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+
 def build_schedule(
     parts: list[nn.Module],
     stage_ids: list[int],
@@ -225,9 +241,7 @@ def build_schedule(
         return dims.mesh(names[0]) if len(names) == 1 else dims.mesh("world")[names]
 
     stages = [
-        PipelineStage(
-            part, s, plan.num_stages, device, group=pp_mesh.get_group(), get_mesh=get_mesh
-        )
+        _Stage(part, s, plan.num_stages, device, group=pp_mesh.get_group(), get_mesh=get_mesh)
         for part, s in zip(parts, stage_ids, strict=True)
     ]
     cls = get_schedule_class(cfg.pipeline.schedule)
@@ -258,7 +272,7 @@ def build_eval_schedule(
         return train_schedule
     pp_group = dims.mesh("pp").get_group()
     stages = [
-        PipelineStage(part, s, plan.num_stages, device, group=pp_group)
+        _Stage(part, s, plan.num_stages, device, group=pp_group)
         for part, s in zip(parts, stage_ids, strict=True)
     ]
     schedule = type(train_schedule)(

@@ -201,6 +201,13 @@ class SequenceShardedEngram(nn.Module):
     _tp_mesh: DeviceMesh
     _tp_sequence_parallel: bool
 
+    def local_ids(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        """This TP rank's tokens of the full-sequence [B, T, H]: its T / tp positions (what its
+        table looks up; host-table prefetch asks the same, parallelisms/table_prefetch.py)."""
+        mesh = self._tp_mesh
+        t = hash_ids.shape[1] // mesh.size()
+        return hash_ids.narrow(1, mesh.get_local_rank() * t, t)
+
     def forward(self, hidden: torch.Tensor, hash_ids: torch.Tensor, cache=None) -> torch.Tensor:
         if cache is not None:
             raise ValueError("incremental decoding (a decode cache) runs on an unsharded model")
@@ -213,7 +220,7 @@ class SequenceShardedEngram(nn.Module):
                 f"Engram under TP expects full-sequence hash_ids (T = {t * mesh.size()}), got "
                 f"shape {tuple(hash_ids.shape)}"
             )
-        ids = hash_ids.narrow(1, mesh.get_local_rank() * t, t)
+        ids = self.local_ids(hash_ids)
         group = mesh.get_group()
         # Dense parameters (not the table, which has its own all-to-all) see only this rank's
         # tokens: sum their gradients over TP.

@@ -6,7 +6,9 @@ schedules; a call takes the step's micro-batches as the loader gave them (whole 
 device) and runs, in this order:
 
     the context-parallel cut (split_batch: this rank's chunks; the whole batch at cp = 1)
-    host-table prefetch (the rows of every micro-batch, before the first forward)
+    host-table prefetch (the rows of every lookup of the step, before the first forward:
+        under TP each rank's sequence piece, under PP its stages' tables per schedule
+        micro-batch, parallelisms/table_prefetch.py)
     forward / backward per micro-batch (under PP: one schedule step each), gradient accumulation
     clip (one global norm), the data-parallel mean of the loss
     the non-finite guard (before any update), the update or its skip, the schedules
@@ -39,9 +41,9 @@ from engram.train.step import (
     step_optimizers,
 )
 from parallelisms.context_parallel import split_batch
-from parallelisms.engram_tables import prefetch_host_tables
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.table_prefetch import prefetch_host_tables
 
 Batch = dict[str, torch.Tensor]
 
@@ -78,20 +80,16 @@ class TrainStep:
         self.dp_group = dp_group or dims.mesh("dp_cp").get_group()
         self.trainable = [p for part in model_parts for p in part.parameters() if p.requires_grad]
         self.pp_group = dims.mesh("pp").get_group() if dims.pp_enabled else None
-        # Host / NVMe tables see hash_ids[:, :, slot] only without TP / PP; there their lookups
-        # gather late.
-        self.prefetch = (
-            cfg.engram.enabled
-            and cfg.engram.table_location != "device"
-            and not (dims.tp_enabled or dims.pp_enabled)
-        )
+        # Host / NVMe tables: every lookup's rows are prefetched, under any layout
+        # (parallelisms/table_prefetch.py says which ids each lookup sees).
+        self.prefetch = cfg.engram.enabled and cfg.engram.table_location != "device"
 
     def __call__(self, batches: list[Batch], step: int) -> StepResult:
         """One optimizer step on this step's micro-batches (whole samples, on the device)."""
         batches = [self.cut(batch) for batch in batches]
         if self.prefetch:  # behind the previous step's host update (engram_tables/host.py)
-            for batch in batches:
-                prefetch_host_tables(self.model_parts[0], batch["hash_ids"])
+            pieces = self.pp.microbatches if self.pp is not None else 1
+            prefetch_host_tables(self.model_parts, [b["hash_ids"] for b in batches], pieces)
         loss_sum = self.forward_backward(batches)
         grad_norm = self.clip()
         loss = dp_mean(loss_sum / self.accum, self.dp_group)

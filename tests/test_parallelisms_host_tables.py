@@ -170,19 +170,43 @@ def test_host_equals_device_hsdp_compile_engram_only(tmp_path):
 
 @pytest.mark.slow
 def test_host_equals_device_fsdp2_tp2_and_pp2(tmp_path):
-    """FSDP2 x TP2 and PP2 (lookups gather when they run: no prefetch)."""
-    layouts = {
-        "fsdp2tp2": {"parallelism": {"dp_shard": 2, "tp": 2}},
-        "pp2": {
-            "parallelism": {"dp_shard": 1, "pp": 2},
-            "pipeline": {"schedule": "1F1B", "microbatches": 2},
-            "engram": {"layer_ids": [0, 2]},
-        },
+    """FSDP2 x TP2, PP2 (1F1B), PP2 x TP2, interleaved PP2 and CP2 x TP2 over 6 steps, prefetch on: every lookup's rows
+    were prefetched (each TP rank its own sequence piece, each stage its tables per schedule
+    micro-batch, parallelisms/table_prefetch.py). The only lookups routed and gathered when
+    they run are torch's pipeline metadata forwards, which leave the queues alone (one each time
+    the schedule initialises its stage), and PP2's held-out evaluation: 1 (step 1) + 3 (eval at
+    step 3: a metadata forward, 2 micro-batches) + 1 (step 4 re-initialises for training) + 3
+    (eval at step 6) = 8. Interleaved1F1B (4 stages, rank 0 holds the tables of layers 0 and 2,
+    rank 1 of layer 1) with every layer checkpointed: a stage's recompute replays its rows.
+    CP2 x TP2: each rank looks up its TP piece of its CP chunks."""
+    pp = {"pipeline": {"schedule": "1F1B", "microbatches": 2}, "engram": {"layer_ids": [0, 2]}}
+    evals = {"eval_every": 3, "eval_batches": 1}
+    interleaved = {
+        "pipeline": {"schedule": "Interleaved1F1B", "virtual_stages": 2, "microbatches": 2},
+        "engram": {"layer_ids": [0, 1, 2]},
+        "activation_checkpoint": {"mode": "full"},
     }
-    for label, extra in layouts.items():
-        host, device = _pair(tmp_path, label, 4 if label == "fsdp2tp2" else 2, "lazy_adam", extra)
+    layouts = {  # label: (ranks, extra, per rank: lookups (tables x micro-batches x steps), late)
+        "fsdp2tp2": (4, {"parallelism": {"dp_shard": 2, "tp": 2}}, [6] * 4, [0] * 4),
+        "pp2": (2, {"parallelism": {"dp_shard": 1, "pp": 2}, **pp, "data": evals}, [12] * 2,
+                [8] * 2),
+        "pp2tp2": (4, {"parallelism": {"dp_shard": 1, "pp": 2, "tp": 2}, **pp}, [12] * 4,
+                   [1] * 4),
+        "pp2_interleaved_ac": (2, {"parallelism": {"dp_shard": 1, "pp": 2}, **interleaved},
+                               [24, 12], [2, 1]),
+        "cp2tp2": (4, {"parallelism": {"dp_shard": 1, "cp": 2, "tp": 2,
+                                       "cp_method": "allgather_kv"},
+                       "training": {"seq_len": 128}, "engram": {"layer_ids": [0, 2]}},
+                   [12] * 4, [0] * 4),
+    }  # fmt: skip
+    for label, (world, extra, lookups, late) in layouts.items():
+        extra = {**extra, "training": {**extra.get("training", {}), "steps": 6}}
+        host, device = _pair(tmp_path, label, world, "lazy_adam", extra)
         _assert_bitwise(host, device, label)
-        assert host[0]["counts"]["prefetch"] == 0 and host[0]["counts"]["gather"] > 0
+        for rank, h in enumerate(host):
+            n, m = lookups[rank], late[rank]
+            want = {"route": n + m, "gather": n + m, "prefetch": n}
+            assert h["counts"] == want, f"{label} rank {rank}: {h['counts']}"
 
 
 @pytest.mark.slow
@@ -253,6 +277,49 @@ def _shard_worker(rank: int, world: int) -> dict:
     except ValueError as e:
         out["adam"] = str(e)
     return out
+
+
+def _queue_worker(rank: int, world: int) -> dict:
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from engram.models.engram import EngramTable
+    from parallelisms.engram_tables import apply_engram_table_sharding
+    from parallelisms.engram_tables.host import lookups_off_queue
+
+    with torch.device("meta"):
+        model = nn.ModuleList([EngramTable(101, 4)])
+    mesh = init_device_mesh("cpu", (world,))
+    apply_engram_table_sharding(model, mesh, grad_scale=1.0, row_sparse=True, location="host")
+    model.to_empty(device=torch.device("cpu"))
+    table = model[0]
+    with torch.no_grad():
+        table.weight.to_local().copy_(torch.arange(101 * 4.0).view(101, 4))
+    a, b = torch.tensor([[1, 7], [3, 1]]), torch.tensor([[2, 5], [9, 0]])
+    out: dict = {}
+    table.prefetch(a)
+    with lookups_off_queue():  # a forward that is not one of the step's lookups
+        out["off_queue"] = table(b)
+    out["queued"] = len(table._engram_prefetched)
+    out["prefetched"] = table(a)
+    table.prefetch(a)
+    try:
+        table(b)
+    except RuntimeError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_prefetched_lookup_refuses_other_ids():
+    """A lookup takes its rows from the head of its table's prefetch queue only for the ids
+    queued there (else it fails naming the prefetch, never using rows of other ids); a lookup
+    inside lookups_off_queue (torch's pipeline metadata forward) leaves the queue alone."""
+    (got,) = run_distributed(_queue_worker, 1)
+    rows = np.arange(101 * 4.0, dtype=np.float32).reshape(101, 4)
+    assert np.array_equal(got["off_queue"], rows[[[2, 5], [9, 0]]]) and got["queued"] == 1
+    assert np.array_equal(got["prefetched"], rows[[[1, 7], [3, 1]]])
+    assert "differ from the next prefetched ids" in got["error"]
+    assert "parallelisms/table_prefetch.py" in got["error"]
 
 
 @pytest.mark.slow

@@ -78,8 +78,20 @@ def test_nvme_needs_dirs_and_a_row_sparse_optimizer():
 
 def _train(rank: int, world: int, raw: dict) -> dict:
     import recipes.train as recipe
+    from engram.optim.lazy_adam import RowSparseOptimizer
+    from engram.runtime.host_worker import row_store_of
     from parallelisms.engram_tables import NvmeShardedEngramTable
 
+    update = RowSparseOptimizer._update
+    unpinned = [0]  # updates of rows whose pages no prefetch pinned
+
+    def checked(self, p, hyper, rows, g):
+        store = row_store_of(p)
+        if store is not None and rows.numel():
+            unpinned[0] += any(page not in store._pins for page in store._pages(rows))
+        update(self, p, hyper, rows, g)
+
+    RowSparseOptimizer._update = checked
     result = recipe.train(config_from_dict(raw))
     tables, stores = {}, []
     for part in result.model_parts:
@@ -95,7 +107,10 @@ def _train(rank: int, world: int, raw: dict) -> dict:
                      "pins": s.pins_taken,
                      "table": s.rows * s.columns["weight"] * 4}
                 )  # fmt: skip
-    return {"losses": result.losses, "norms": result.grad_norms, "tables": tables, "stores": stores}
+    return {
+        "losses": result.losses, "norms": result.grad_norms, "tables": tables, "stores": stores,
+        "unpinned": unpinned[0],
+    }  # fmt: skip
 
 
 def _run(tmp, name, world, location, opt):
@@ -129,6 +144,7 @@ def test_nvme_equals_device(tmp_path, world, opt):
             assert s["table"] >= 8 * s["cache"], s  # the host cache is far smaller than the table
             assert s["writes"] > 0 and s["reads"] > 0, s  # evicted, written back and read again
             assert s["pins"] == STEPS, s  # every step's rows came pinned by a prefetch
+        assert n["unpinned"] == 0, where  # and stayed pinned until their update
 
 
 @pytest.mark.slow
@@ -172,23 +188,26 @@ def test_planner_models_nvme():
 
 @pytest.mark.slow
 def test_nvme_equals_device_fsdp2_tp2_and_pp2(tmp_path):
-    """FSDP2 x TP2 (4 ranks) and PP2 (1F1B, Engram on both stages): bitwise like device tables.
-    There the lookups read their rows when they run (no prefetch, so no pins)."""
-    layouts = {
-        "fsdp2tp2": (4, {"parallelism": {"dp_shard": 2, "tp": 2}}),
-        "pp2": (2, {"parallelism": {"dp_shard": 1, "pp": 2},
-                    "pipeline": {"schedule": "1F1B", "microbatches": 2},
-                    "engram": {"layer_ids": [0, 2]}}),
+    """FSDP2 x TP2 (4 ranks), PP2 and PP2 x TP2 (1F1B, 2 micro-batches, Engram on both stages):
+    bitwise like device tables over 6 steps, with prefetch: every lookup's rows came pinned by
+    a prefetch (each TP rank its own sequence piece, each stage per schedule micro-batch) and
+    stayed pinned until the optimizer's update."""
+    pp = {"pipeline": {"schedule": "1F1B", "microbatches": 2}, "engram": {"layer_ids": [0, 2]}}
+    layouts = {  # label: (ranks, extra, prefetches per table and rank, cache MiB per rank)
+        "fsdp2tp2": (4, {"parallelism": {"dp_shard": 2, "tp": 2}}, STEPS, CACHE_MIB / 4),
+        # a stage's table over 1 (2) ranks: ~10x its cache; it pins 2 micro-batches' rows
+        "pp2": (2, {"parallelism": {"dp_shard": 1, "pp": 2}, **pp}, 2 * STEPS, CACHE_MIB),
+        "pp2tp2": (4, {"parallelism": {"dp_shard": 1, "pp": 2, "tp": 2}, **pp}, 2 * STEPS, 2.3),
     }  # fmt: skip
-    for label, (world, extra) in layouts.items():
+    for label, (world, extra, prefetches, cache_mib) in layouts.items():
         runs = {}
         for loc in ("device", "nvme"):
             raw = _run(tmp_path, label, world, loc, "lazy_adam")
             for section, values in extra.items():
                 raw[section] = {**raw.get(section, {}), **values}
             raw["training"]["local_batch_size"] = 8 // raw["parallelism"]["dp_shard"]
-            if loc == "nvme" and label == "pp2":  # a stage owns its whole table (10x 5 MiB) and
-                raw["engram"]["nvme_host_cache_gib"] = CACHE_MIB / 1024  # updates 2 micro-batches
+            if loc == "nvme":
+                raw["engram"]["nvme_host_cache_gib"] = cache_mib / 1024
             runs[loc] = run_distributed(_train, world, raw)
         for rank, (n, d) in enumerate(zip(runs["nvme"], runs["device"], strict=True)):
             where = f"{label} rank {rank}"
@@ -196,7 +215,11 @@ def test_nvme_equals_device_fsdp2_tp2_and_pp2(tmp_path):
             assert _same(n["norms"], d["norms"]), where
             for k, t in d["tables"].items():
                 assert np.array_equal(n["tables"][k], t), f"{where}: table {k} differs"
-            assert n["stores"] and all(s["pins"] == 0 and s["reads"] > 0 for s in n["stores"])
+            assert n["stores"], where
+            for s in n["stores"]:
+                assert s["pins"] == prefetches and s["reads"] > 0, f"{where}: {s}"
+                assert s["table"] >= 8 * s["cache"], s
+            assert n["unpinned"] == 0, where
 
 
 def test_buffered_fallback_when_o_direct_is_refused(tmp_path, monkeypatch, caplog):

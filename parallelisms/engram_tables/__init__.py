@@ -11,7 +11,8 @@ What belongs here is how a table is placed and looked up, nothing of the model o
   release, snapshot) and its backends per engram.table_location (device, host: host gathers on
   the host worker into page-locked staging).
 - `host.py`: host-resident shards (`HostShardedEngramTable`): lookups through the host row
-  store, prefetch driven by the batch's hash ids (`prefetch_host_tables`).
+  store, prefetched lookups queued per table (which ids a step's lookups see under each layout:
+  parallelisms/table_prefetch.py).
 - `nvme_store.py`, `nvme.py`: the NVMe backend (page files with O_DIRECT, a thread pool and a
   host cache with pins) and the NVMe-resident table over it (`NvmeShardedEngramTable`).
 - `page_files.py`: the NVMe store's page files: created locked and preallocated, files of dead
@@ -25,11 +26,7 @@ host_memory, row_store <- nvme_store <- nvme, page_files <- nvme_store. The name
 package's public API.
 """
 
-from parallelisms.engram_tables.host import (
-    HostShardedEngramTable,
-    host_table_modules,
-    prefetch_host_tables,
-)
+from parallelisms.engram_tables.host import HostShardedEngramTable, host_table_modules
 from parallelisms.engram_tables.host_memory import (
     check_host_memory,
     host_table_bytes,
@@ -67,7 +64,6 @@ __all__ = [
     "local_row_range",
     "mem_available_bytes",
     "pin_staging",
-    "prefetch_host_tables",
     "row_chunk",
     "sharded_embedding_lookup",
 ]

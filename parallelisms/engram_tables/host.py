@@ -13,9 +13,10 @@ Backward is unchanged: the owners keep (unique local rows, fp32 summed row gradi
 parameter (engram/models/table_grad.py); the row-sparse optimizer copies them to the host and updates
 the shard in the same FIFO worker (engram/optim/lazy_adam.py). Exactness: every gather is queued after
 every update queued before it, so a lookup reads the rows as updated by the previous step
-(bitwise equal to device tables). Prefetch (`prefetch_host_tables`) runs the id exchange for a
-batch's micro-batches at the start of the step and queues their gathers, so the lookups find
-their rows staged. Activation checkpointing does not re-run a lookup: the recompute replays the
+(bitwise equal to device tables). Prefetch (`prefetch`, driven for a step's lookups under every
+layout by parallelisms/table_prefetch.py) runs the id exchange at the start of the step and
+queues the gathers, so the lookups find their rows staged; a lookup refuses staged ids other
+than its own. Activation checkpointing does not re-run a lookup: the recompute replays the
 rows of the original forward (no collective, no gather).
 
 The shard is read through its row store (row_store.py, the host backend: gathers on the host
@@ -25,6 +26,8 @@ worker; accelerator specifics there: page-locked staging, side-stream copies).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +50,7 @@ from parallelisms.engram_tables.routing import (
 )
 from parallelisms.engram_tables.row_store import HostRowStore, on_device
 
-__all__ = ["HostShardedEngramTable", "host_table_modules", "prefetch_host_tables"]
+__all__ = ["HostShardedEngramTable", "host_table_modules", "lookups_off_queue"]
 
 
 @dataclass
@@ -57,6 +60,21 @@ class _Staged:
     ids: torch.Tensor
     route: LookupRoute
     rows: object  # concurrent.futures.Future[torch.Tensor]
+
+
+_OFF_QUEUE = [0]  # > 0 inside lookups_off_queue
+
+
+@contextmanager
+def lookups_off_queue() -> Iterator[None]:
+    """Lookups inside route and gather now and leave the prefetch queues alone: for forwards
+    that are not one of the step's lookups (torch's pipeline metadata forward,
+    parallelisms/pipeline.py). Every rank of a table's group must run them alike (collective)."""
+    _OFF_QUEUE[0] += 1
+    try:
+        yield
+    finally:
+        _OFF_QUEUE[0] -= 1
 
 
 def _replay_key(ids: torch.Tensor) -> tuple:
@@ -175,12 +193,13 @@ class HostShardedEngramTable(ShardedEngramTable):
     def _staged_rows(self, ids: torch.Tensor):
         """(route, owner's rows on the device) from the prefetch queue, else routed and
         gathered now (behind every queued update)."""
-        if self._engram_prefetched:
+        if self._engram_prefetched and not _OFF_QUEUE[0]:
             staged = self._engram_prefetched.popleft()
             if staged.ids.shape != ids.shape or not torch.equal(staged.ids, ids):
                 raise RuntimeError(
                     "host Engram table: the lookup's ids differ from the next prefetched ids; "
-                    "prefetch_host_tables must see the micro-batches in the order they run"
+                    "prefetch_host_tables (parallelisms/table_prefetch.py) must queue the ids "
+                    "each lookup sees, in the order the lookups run"
                 )
             return staged.route, on_device(staged.rows.result())
         route = self._route(ids)
@@ -189,25 +208,6 @@ class HostShardedEngramTable(ShardedEngramTable):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", host-resident"
-
-
-def prefetch_host_tables(model: nn.Module, hash_ids: torch.Tensor) -> int:
-    """Queue the lookups of one micro-batch for every host table of `model` (the id exchange
-    now, the host gathers on the worker); returns how many were queued. Call it for each
-    micro-batch of a step, in order, after the previous step's optimizer step, and only where
-    every table sees hash_ids[:, :, slot] (no tensor / pipeline parallelism: there the lookups
-    gather when they run)."""
-    from engram.models.transformer import unwrap_block
-
-    queued = 0
-    for layer in model.layers.values():
-        block = getattr(unwrap_block(layer), "engram", None)
-        table = getattr(block, "table", None)
-        if isinstance(table, HostShardedEngramTable):
-            slot = model.engram_layer_order.index(unwrap_block(layer).layer_id)
-            table.prefetch(hash_ids[:, :, slot])
-            queued += 1
-    return queued
 
 
 def host_table_modules(model: nn.Module) -> list[HostShardedEngramTable]:
