@@ -6,7 +6,8 @@ schedules; a call takes the step's micro-batches as the loader gave them (whole 
 device) and runs, in this order:
 
     the context-parallel cut (split_batch: this rank's chunks; the whole batch at cp = 1)
-    host-table prefetch (the rows of every micro-batch, before the first forward)
+    host-table prefetch (the rows of every micro-batch, before the first forward); then, with
+    the next step's micro-batches read ahead (`ahead`), NVMe tables start paging their rows in
     forward / backward per micro-batch (under PP: one schedule step each), gradient accumulation
     clip (one global norm), the data-parallel mean of the loss
     the non-finite guard (before any update), the update or its skip, the schedules
@@ -39,7 +40,7 @@ from engram.train.step import (
     step_optimizers,
 )
 from parallelisms.context_parallel import split_batch
-from parallelisms.engram_tables import prefetch_host_tables
+from parallelisms.engram_tables import page_in_ahead, prefetch_host_tables
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.parallel_dims import ParallelDims
 
@@ -86,12 +87,17 @@ class TrainStep:
             and not (dims.tp_enabled or dims.pp_enabled)
         )
 
-    def __call__(self, batches: list[Batch], step: int) -> StepResult:
-        """One optimizer step on this step's micro-batches (whole samples, on the device)."""
+    def __call__(
+        self, batches: list[Batch], step: int, ahead: list[Batch] | None = None
+    ) -> StepResult:
+        """One optimizer step on this step's micro-batches (whole samples, on the device);
+        `ahead`: the next step's, if the loop read them ahead."""
         batches = [self.cut(batch) for batch in batches]
         if self.prefetch:  # behind the previous step's host update (engram_tables/host.py)
             for batch in batches:
                 prefetch_host_tables(self.model_parts[0], batch["hash_ids"])
+        if self.prefetch and ahead:  # after this step's prefetches: they are queued first
+            self.page_in(ahead)
         loss_sum = self.forward_backward(batches)
         grad_norm = self.clip()
         loss = dp_mean(loss_sum / self.accum, self.dp_group)
@@ -104,6 +110,11 @@ class TrainStep:
     def cut(self, batch: Batch) -> Batch:
         """This rank's part of a batch: its context-parallel chunks (whole at cp = 1)."""
         return split_batch(batch, self.dims)
+
+    def page_in(self, batches: list[Batch]) -> None:
+        """NVMe tables start reading the next step's rows (overlapping this step)."""
+        for batch in batches:
+            page_in_ahead(self.model_parts[0], self.cut(batch)["hash_ids"])
 
     def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         """Gradients of the mean loss over the micro-batches; returns the sum of their losses."""
