@@ -41,7 +41,9 @@ step. Why the rows a step sees stay exactly those of the device tier:
   loads it again, after the write-back). Evicting a page step N updates without a pin would
   cost a re-read, not a wrong value.
 - A page-in is only a hint: it pages in what the free and evictable slots allow, and never
-  fails for room; the step's pin loads whatever is still missing.
+  fails for room; the rest is paged in when the step's pins end (`release_all`, after its
+  update: those pages can be evicted then), and the next step's pin loads whatever is still
+  missing.
 
 The files are scratch space: a checkpoint saves `snapshot()` (the rows as tensors, through DCP
 like host tables) and a resume writes them back.
@@ -148,6 +150,8 @@ class NvmeRowStore(RowStore):
         self._pins: dict[int, int] = {}  # page -> pin count
         self._loading: dict[int, tuple[int, Future]] = {}  # page -> (slot, its read): page_in
         self._writing: dict[int, Future] = {}  # evicted page -> its write-back (page_in)
+        self._ahead: list[int] = []  # the pages of the last page_in (kept by its evictions)
+        self._ahead_rest: list[int] = []  # those it had no room for yet
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="engram-nvme")
         self.reads = self.writes = 0  # pages moved, for tests and benchmarks
         self.pins_taken = 0
@@ -234,13 +238,18 @@ class NvmeRowStore(RowStore):
     def page_in_now(self, idx: torch.Tensor) -> None:
         """Start reading the uncached pages of rows `idx` on the I/O pool and return (see the
         module docstring, "Page-in ahead"); on the host worker, in program order."""
+        self._ahead = self._pages(idx)
+        self._page_in(self._ahead)
+
+    def _page_in(self, pages: list[int]) -> None:
+        """page_in_now's pages; what does not fit now (the step before still pins its pages)
+        is paged in at the next `release_all` (the end of that step's update)."""
         self._reap()
-        pages = self._pages(idx)
         self._settle([p for p in pages if p in self._writing])  # read it after its write-back
-        wanted = set(pages)
         missing = [p for p in pages if p not in self._where and p not in self._loading]
-        victims = self._victims(len(missing) - len(self._free), wanted)
-        missing = missing[: len(self._free) + len(victims)]  # a hint: what fits
+        victims = self._victims(len(missing) - len(self._free), set(self._ahead))
+        fits = len(self._free) + len(victims)
+        missing, self._ahead_rest = missing[:fits], missing[fits:]
         if not missing:
             return
         cut = len(self._free) - min(len(missing), len(self._free))
@@ -388,6 +397,8 @@ class NvmeRowStore(RowStore):
 
     def release_all(self) -> None:
         self._pins.clear()
+        if self._ahead_rest:  # the pages a page-in had no room for while they were pinned
+            self._page_in(self._ahead_rest)
 
     def flush(self) -> None:
         """Write every dirty cached page back (they stay cached)."""
