@@ -113,6 +113,8 @@ class TrainStep:
 
     def page_in(self, batches: list[Batch]) -> None:
         """NVMe tables start reading the next step's rows (overlapping this step)."""
+        if self.dims.tp_enabled or self.dims.pp_enabled:  # tables see other ids than the batch's
+            return
         for batch in batches:
             page_in_ahead(self.model_parts[0], self.cut(batch)["hash_ids"])
 
