@@ -168,13 +168,17 @@ class NvmeRowStore(RowStore):
     def _runs(self, jobs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
         """(page, slot) jobs as runs of pages adjacent in one file (one preadv / pwritev each,
         into or out of their scattered slots), at most 64 pages a run."""
-        n, runs = len(self.fds), []
-        for page, slot in sorted(jobs, key=lambda j: (j[0] % n, j[0])):
-            if runs and page == runs[-1][-1][0] + n and len(runs[-1]) < 64:
-                runs[-1].append((page, slot))
-            else:
-                runs.append([(page, slot)])
-        return runs
+        if not jobs:
+            return []
+        n, t = len(self.fds), torch.tensor(jobs, dtype=torch.long).view(-1, 2)
+        t = t[torch.argsort((t[:, 0] % n) * self.pages + t[:, 0])]  # by file, then offset
+        new = torch.ones(len(t), dtype=torch.bool)
+        new[1:] = t[1:, 0] != t[:-1, 0] + n
+        at = torch.arange(len(t))
+        start = torch.cummax(torch.where(new, at, 0), 0).values
+        cuts = torch.nonzero(new | ((at - start) % 64 == 0)).view(-1).tolist() + [len(t)]
+        pairs = [tuple(j) for j in t.tolist()]
+        return [pairs[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
     def _move(self, runs: list[list[tuple[int, int]]], write: bool) -> None:
         """Write (or read) runs of pages from (into) their slots; runs on the I/O pool."""
@@ -204,16 +208,29 @@ class NvmeRowStore(RowStore):
     def _settle(self, pages) -> None:
         """Wait for the page-in reads and write-backs of `pages` (their errors raise here); the
         pages read become cached (most recently used)."""
+        mapped, slots, done = [], [], set()  # a task moves many pages: check it once
         for p in pages:
             if p in self._writing:
-                self._writing.pop(p).result()
+                write = self._writing.pop(p)
+                if write not in done:
+                    write.result()
+                    done.add(write)
             if p in self._loading:
                 slot, read = self._loading.pop(p)
-                if not read.done():
-                    self.page_in_waits += 1
-                read.result()
+                if read not in done:
+                    if not read.done():
+                        self.page_in_waits += 1
+                    read.result()
+                    done.add(read)
                 self._where[p] = slot
-                self._slot_of[p] = slot
+                mapped.append(p)
+                slots.append(slot)
+        self._map(mapped, slots)
+
+    def _map(self, pages: list[int], slots: list[int] | int) -> None:
+        """The slot-of-page tensor for `pages` (one index op: per-page tensor writes cost us)."""
+        if pages:
+            self._slot_of[torch.tensor(pages)] = torch.tensor(slots)
 
     def _reap(self) -> None:
         """Settle the page-in reads and write-backs that have finished."""
@@ -257,8 +274,8 @@ class NvmeRowStore(RowStore):
         del self._free[cut:]
         for victim in victims:
             taken.append((victim, self._where.pop(victim), victim in self._dirty))
-            self._slot_of[victim] = -1
             self._dirty.discard(victim)
+        self._map(victims, -1)
         # A share (one task) reads its runs into free slots first, then into its own victims'
         # slots, after writing those victims back: a slot is reused only after its write.
         for share in self._shares(self._runs([(p, -1) for p in missing])):
@@ -311,9 +328,9 @@ class NvmeRowStore(RowStore):
                 "each): raise engram.nvme_host_cache_gib (a step's rows must fit)"
             )
         evict = []
+        self._map(victims, -1)
         for victim in victims:
             slot = self._where.pop(victim)
-            self._slot_of[victim] = -1
             if victim in self._dirty:
                 evict.append((victim, slot))
                 self._dirty.discard(victim)
@@ -323,7 +340,7 @@ class NvmeRowStore(RowStore):
         self._io(jobs, write=False)
         for p, slot in jobs:
             self._where[p] = slot
-            self._slot_of[p] = slot
+        self._map(missing, [slot for _, slot in jobs])
 
     def _pages(self, idx: torch.Tensor) -> list[int]:
         return torch.unique(idx.to("cpu", torch.long) // self.rows_per_page).tolist()
