@@ -116,6 +116,23 @@ def test_page_in_racing_updates_and_evictions_returns_current_rows(tmp_path, mon
     store.close()
 
 
+def test_adjacent_pages_move_in_one_call(tmp_path, monkeypatch):
+    """Pages adjacent in one file are read in one preadv (into their scattered slots)."""
+    import os
+
+    store = NvmeRowStore(16 * 40, {"weight": 64}, [str(tmp_path / "a"), str(tmp_path / "b")],
+                         cache_bytes=12 * 4096)  # fmt: skip
+    w = torch.randn(16 * 40, 64)
+    store.load({"weight": w})
+    store.flush()
+    store.read_rows(torch.arange(16 * 30, 16 * 40))  # pages 30-39 cached: 0-9 are not
+    calls, real = [], os.preadv
+    monkeypatch.setattr(os, "preadv", lambda *a: calls.append(len(a[1])) or real(*a))
+    assert torch.equal(store.read_rows(torch.arange(16 * 10)), w[: 16 * 10])
+    assert sorted(calls) == [5, 5]  # pages 0, 2, .. 8 of file a and 1, 3, .. 9 of file b
+    store.close()
+
+
 def test_nvme_needs_dirs_and_a_row_sparse_optimizer():
     with pytest.raises(ConfigError, match="nvme_dirs"):
         config_from_dict(
