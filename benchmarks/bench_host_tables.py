@@ -16,7 +16,9 @@ Bytes per step: rows gathered on the host and sent to the device (H2D) plus row 
 their int64 row ids) brought to the host (D2H), summed over ranks, averaged over steps.
 NVMe: page files under `--nvme_dir` (a local disk; default a temporary folder), each rank's host
 cache `--cache_gib` split over its two tables; the columns are then (base, other, other / base)
-and the byte columns are the host path's.
+and the byte columns are the host path's; a line per NVMe run gives its page counts over the
+whole run (pages read, of them paged in ahead of their step, written back, and the pins that
+waited for a page-in still in flight).
 """
 
 from __future__ import annotations
@@ -82,15 +84,24 @@ def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
     rs._gather = counted_gather
     RowSparseOptimizer._row_grad = staticmethod(counted_row_grad)
     cfg = config_from_dict(raw)
-    train(cfg)
+    result = train(cfg)
     steps = raw["training"]["steps"]
+    pages = {"paged_in": 0, "reads": 0, "writes": 0, "waits": 0}  # NVMe: summed over tables
+    for part in result.model_parts:
+        for m in part.modules():
+            store = getattr(m, "_engram_store", None)
+            if store is not None:
+                pages["paged_in"] += store.paged_in
+                pages["reads"] += store.reads
+                pages["writes"] += store.writes
+                pages["waits"] += store.page_in_waits
     times = []
     if rank == 0:
         for line in (cfg.run_folder / "metrics.jsonl").read_text().splitlines():
             rec = json.loads(line)
             if rec.get("step", 0) > warmup and "step_time_s" in rec:
                 times.append(rec["step_time_s"])
-    return {"times": times, "h2d": moved["h2d"] / steps, "d2h": moved["d2h"] / steps}
+    return {"times": times, "h2d": moved["h2d"] / steps, "d2h": moved["d2h"] / steps, **pages}
 
 
 def main() -> None:
@@ -117,18 +128,22 @@ def main() -> None:
         nvme = {"dir": args.nvme_dir or tmp, "gib": args.cache_gib}
         for world in (int(w) for w in args.worlds.split(",")):
             med = {base: [], other: []}
-            host_bytes = None
+            host_bytes, pages = None, []
             for rep in range(args.repeats):
                 for loc in (base, other):
                     raw = _raw(tmp, f"{loc}{world}_{rep}", world, loc, args.steps, nvme)
                     res = run_distributed(_worker, world, raw, args.warmup)
                     med[loc].append(statistics.median(res[0]["times"]))
+                    if loc == "nvme":
+                        pages.append({k: sum(r[k] for r in res) for k in res[0] if k != "times"})
                     if loc == "host":  # the host path's gathers (the NVMe path moves pages)
                         host_bytes = (sum(r["h2d"] for r in res), sum(r["d2h"] for r in res))
             ratio = statistics.median(h / d for h, d in zip(med[other], med[base], strict=True))
             d, h = statistics.median(med[base]), statistics.median(med[other])
             h2d, d2h = (b / 2**20 for b in host_bytes)
             print(f"| {world} | {d:.3f} | {h:.3f} | {ratio:.3f} | {h2d:.2f} | {d2h:.2f} |")
+            for run in pages:  # whole run, warmup included: pages read (ahead), written, waited
+                print(f"  nvme pages, {world} rank(s), {args.steps} steps: {run}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """The training loop both recipes run around their step (runner/step.py TrainStep, or
 runner/engine_step.py EngineStep under DeepSpeed). Per step, in order:
 
-    data         this step's micro-batches, read up front (timed: the log's data time)
+    data         this step's micro-batches (read during the previous step) and the next step's,
+                 read ahead so NVMe tables page their rows in while this step runs (timed: the
+                 log's data time, one step's batches per step); the checkpointed loader state
+                 stays that of the batches completed steps consumed (DataLoader.hold)
     the step     CP cut, host-table prefetch, forward / backward per micro-batch (the PP schedule
                  under PP), clip, the non-finite guard, the update (TrainStep)
     log          loss, gradient norm, learning rate; on log steps throughput and memory
@@ -32,7 +35,7 @@ from engram.train.profiling import maybe_profile
 from engram.train.progress import Progress, TrainResult
 from engram.train.step import next_batches
 from engram.train.throughput import Throughput
-from runner.step import TrainStep
+from runner.step import Batch, TrainStep
 
 
 @dataclass
@@ -51,11 +54,32 @@ class RunParts:
     result: TrainResult
 
 
+class ReadAhead:
+    """Each step's micro-batches with the next step's, read one step ahead. While the next
+    step's are held the loader's state is held at the batches handed out for steps so far, so a
+    checkpoint saved after a step resumes exactly where an uninterrupted run goes on."""
+
+    def __init__(self, loader: DataLoader, n: int, device, last_step: int) -> None:
+        self.loader, self.n, self.device, self.last_step = loader, n, device, last_step
+        self.data_iter = iter(loader)
+        self.next: list[Batch] | None = None
+
+    def take(self, step: int) -> tuple[list[Batch], list[Batch] | None]:
+        """(step `step`'s batches, step + 1's or None at the last step)."""
+        self.loader.release()  # the batches held ahead are this step's now
+        batches = self.next or next_batches(self.data_iter, self.n, self.device)
+        self.next = None
+        if step < self.last_step:
+            self.loader.hold()
+            self.next = next_batches(self.data_iter, self.n, self.device)
+        return batches, self.next
+
+
 def train_loop(cfg: JobConfig, run: RunParts, train_step: TrainStep) -> TrainResult:
     """Steps result.start_step + 1 .. training.steps; returns the result with its losses and
     grad norms filled in (the guard raises if the run ended on too many non-finite steps)."""
     proc, device, start_step = run.proc, run.proc.device, run.result.start_step
-    data_iter = iter(run.train_loader)
+    data = ReadAhead(run.train_loader, cfg.training.grad_accum_steps, device, cfg.training.steps)
     profile = maybe_profile(cfg.profiling, cfg.run_folder, proc.rank, proc.device_type, start_step)
     throughput = Throughput(run.flops, device, proc.world_size, cfg.metrics.peak_tflops)
     progress = Progress(
@@ -65,8 +89,8 @@ def train_loop(cfg: JobConfig, run: RunParts, train_step: TrainStep) -> TrainRes
     with train_step.loss_fn.context(), profile as profiler:
         for step in range(start_step + 1, cfg.training.steps + 1):
             with progress.data_timer():
-                batches = next_batches(data_iter, cfg.training.grad_accum_steps, device)
-            out = train_step(batches, step)
+                batches, ahead = data.take(step)
+            out = train_step(batches, step, ahead)
             profiler.step()
             progress.record(step, out.loss, out.grad_norm, out.lr, run.guard.total)
             if eval_due(cfg, step):

@@ -8,7 +8,8 @@ device) and runs, in this order:
     the context-parallel cut (split_batch: this rank's chunks; the whole batch at cp = 1)
     host-table prefetch (the rows of every lookup of the step, before the first forward:
         under TP each rank's sequence piece, under PP its stages' tables per schedule
-        micro-batch, parallelisms/table_prefetch.py)
+        micro-batch, parallelisms/table_prefetch.py); then, with the next step's
+        micro-batches read ahead (`ahead`), NVMe tables start paging their rows in
     forward / backward per micro-batch (under PP: one schedule step each), gradient accumulation
     clip (one global norm), the data-parallel mean of the loss
     the non-finite guard (before any update), the update or its skip, the schedules
@@ -41,6 +42,7 @@ from engram.train.step import (
     step_optimizers,
 )
 from parallelisms.context_parallel import split_batch
+from parallelisms.engram_tables import page_in_ahead
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.table_prefetch import prefetch_host_tables
@@ -84,12 +86,17 @@ class TrainStep:
         # (parallelisms/table_prefetch.py says which ids each lookup sees).
         self.prefetch = cfg.engram.enabled and cfg.engram.table_location != "device"
 
-    def __call__(self, batches: list[Batch], step: int) -> StepResult:
-        """One optimizer step on this step's micro-batches (whole samples, on the device)."""
+    def __call__(
+        self, batches: list[Batch], step: int, ahead: list[Batch] | None = None
+    ) -> StepResult:
+        """One optimizer step on this step's micro-batches (whole samples, on the device);
+        `ahead`: the next step's, if the loop read them ahead."""
         batches = [self.cut(batch) for batch in batches]
         if self.prefetch:  # behind the previous step's host update (engram_tables/host.py)
             pieces = self.pp.microbatches if self.pp is not None else 1
             prefetch_host_tables(self.model_parts, [b["hash_ids"] for b in batches], pieces)
+        if self.prefetch and ahead:  # after this step's prefetches: they are queued first
+            self.page_in(ahead)
         loss_sum = self.forward_backward(batches)
         grad_norm = self.clip()
         loss = dp_mean(loss_sum / self.accum, self.dp_group)
@@ -102,6 +109,13 @@ class TrainStep:
     def cut(self, batch: Batch) -> Batch:
         """This rank's part of a batch: its context-parallel chunks (whole at cp = 1)."""
         return split_batch(batch, self.dims)
+
+    def page_in(self, batches: list[Batch]) -> None:
+        """NVMe tables start reading the next step's rows (overlapping this step)."""
+        if self.dims.tp_enabled or self.dims.pp_enabled:  # tables see other ids than the batch's
+            return
+        for batch in batches:
+            page_in_ahead(self.model_parts[0], self.cut(batch)["hash_ids"])
 
     def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         """Gradients of the mean loss over the micro-batches; returns the sum of their losses."""

@@ -295,6 +295,37 @@ def test_resume_is_exact_at_any_num_workers(saved, loaded):
     assert resumed.state_dict()["batches"] == k + m
 
 
+def test_read_ahead_keeps_the_state_of_completed_steps():
+    """The training loop reads step N+1's micro-batches while step N runs (runner/loop.py
+    ReadAhead): the loader state a checkpoint saves after step N equals the state of a loader
+    that read only steps 1..N (no read-ahead), and resuming from it gives the batches of an
+    uninterrupted run."""
+    import torch
+
+    from runner.loop import ReadAhead
+
+    cfg, n, steps, cpu = _cfg(seq_len=24, batch=2), 2, 5, torch.device("cpu")
+    full = _take(build_dataloader(cfg, TOK, StandInHasher(), 0, 1), n * steps)
+    loader = build_dataloader(cfg, TOK, StandInHasher(), 0, 1)
+    data, states = ReadAhead(loader, n, cpu, last_step=steps), {}
+    for step in range(1, steps + 1):
+        batches, ahead = data.take(step)
+        _assert_batches_equal(batches, full[n * (step - 1) : n * step])
+        if step < steps:
+            _assert_batches_equal(ahead, full[n * step : n * (step + 1)])
+        else:
+            assert ahead is None  # nothing read past the last step
+        plain = build_dataloader(cfg, TOK, StandInHasher(), 0, 1)
+        _take(plain, n * step)
+        states[step] = json.loads(json.dumps(loader.state_dict()))
+        assert states[step] == plain.state_dict(), step
+    resumed = build_dataloader(cfg, TOK, StandInHasher(), 0, 1)
+    resumed.load_state_dict(states[3])
+    data = ReadAhead(resumed, n, cpu, last_step=steps)
+    tail = [b for step in (4, 5) for b in data.take(step)[0]]
+    _assert_batches_equal(tail, full[n * 3 :])
+
+
 def test_resume_rejects_changed_data_or_shape():
     state = _take_state(_cfg(seq_len=16), 2)
     for cfg, needle in [

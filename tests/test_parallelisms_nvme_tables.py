@@ -1,8 +1,10 @@
 """NVMe-resident Engram tables (engram.table_location = "nvme", parallelisms/engram_tables/nvme.py
-over nvme_store.py): the row store alone (pages, cache, pins, write-back, O_DIRECT) and training
-bitwise equal to device tables (losses, grad norms, every table row) over 6 steps at 1 and 2
-gloo ranks for both row-sparse optimizers, with a host cache many times smaller than the table,
-on the local disk (pytest's tmp dir), so pages are evicted and read back mid-run."""
+over nvme_store.py): the row store alone (pages, cache, pins, write-back, O_DIRECT, page-ins
+racing updates and evictions) and training bitwise equal to device tables (losses, grad norms,
+every table row) over 6 steps at 1 and 2 gloo ranks for both row-sparse optimizers, with a host
+cache many times smaller than the table, on the local disk (pytest's tmp dir), so pages are
+evicted and read back mid-run, and each step's pages paged in while the step before runs (the
+loop reads the loader one step ahead)."""
 
 from __future__ import annotations
 
@@ -67,6 +69,70 @@ def test_row_store_roundtrip_eviction_and_pins(tmp_path):
     store.close()
 
 
+def test_page_in_racing_updates_and_evictions_returns_current_rows(tmp_path, monkeypatch):
+    """Page-ins whose reads and write-backs are slowed (so they are still in flight): a page
+    step N dirtied and a page-in evicted is read again only after its write-back; a page being
+    paged in and then written is not overwritten by the late read; snapshot sees every update."""
+    import os
+    import time
+
+    real = {"preadv": os.preadv, "pwritev": os.pwritev}
+
+    def slow(name):  # write-backs slower than reads: a read that did not wait would win
+        def move(*args):
+            time.sleep(0.3 if name == "pwritev" else 0.05)
+            return real[name](*args)
+
+        return move
+
+    rows, dim = 320, 64  # 16 rows a page, 20 pages, 6 cached
+    store = NvmeRowStore(rows, {"weight": dim}, [str(tmp_path / "a"), str(tmp_path / "b")],
+                         cache_bytes=6 * 4096)  # fmt: skip
+    w = torch.randn(rows, dim)
+    store.load({"weight": w})
+    store.flush()  # clean: only the page-in's write-backs below are slow to reach the disk
+    monkeypatch.setattr(os, "preadv", slow("preadv"))
+    monkeypatch.setattr(os, "pwritev", slow("pwritev"))
+    page = store.rows_per_page
+    step_n = torch.arange(0, 2 * page)  # pages 0, 1: step N pins and updates them
+    store.pin(step_n)
+    w[step_n] += 1.0
+    store.write_rows(step_n, w[step_n])
+    store.release_all()
+    for p in [p for p in store._where if p > 1]:  # pages 0, 1 are the least recently used
+        store.read_rows(torch.tensor([p * page]))
+    store.page_in_now(torch.arange(4 * page, 6 * page))  # pages 4, 5: evicts dirty pages 0, 1
+    assert set(store._writing) == {0, 1} and set(store._loading) == {4, 5}
+    assert torch.equal(store.read_rows(torch.tensor([3, page + 5])), w[[3, page + 5]])
+    store.page_in_now(torch.arange(10 * page, 11 * page))  # page 10, read in flight
+    assert 10 in store._loading
+    w[10 * page : 11 * page] = -7.0
+    store.write_rows(torch.arange(10 * page, 11 * page), w[10 * page : 11 * page])
+    assert store.page_in_waits >= 1 and store.paged_in == 3
+    got = torch.cat([store.read_rows(torch.arange(r, r + page)) for r in range(0, rows, page)])
+    assert torch.equal(got, w) and torch.equal(store.snapshot(), w)
+    store.page_in_now(torch.arange(rows))  # more than the cache: pages in what fits, no error
+    assert torch.equal(store.snapshot(), w)
+    store.close()
+
+
+def test_adjacent_pages_move_in_one_call(tmp_path, monkeypatch):
+    """Pages adjacent in one file are read in one preadv (into their scattered slots)."""
+    import os
+
+    store = NvmeRowStore(16 * 40, {"weight": 64}, [str(tmp_path / "a"), str(tmp_path / "b")],
+                         cache_bytes=12 * 4096)  # fmt: skip
+    w = torch.randn(16 * 40, 64)
+    store.load({"weight": w})
+    store.flush()
+    store.read_rows(torch.arange(16 * 30, 16 * 40))  # pages 30-39 cached: 0-9 are not
+    calls, real = [], os.preadv
+    monkeypatch.setattr(os, "preadv", lambda *a: calls.append(len(a[1])) or real(*a))
+    assert torch.equal(store.read_rows(torch.arange(16 * 10)), w[: 16 * 10])
+    assert sorted(calls) == [5, 5]  # pages 0, 2, .. 8 of file a and 1, 3, .. 9 of file b
+    store.close()
+
+
 def test_nvme_needs_dirs_and_a_row_sparse_optimizer():
     with pytest.raises(ConfigError, match="nvme_dirs"):
         config_from_dict(
@@ -104,7 +170,7 @@ def _train(rank: int, world: int, raw: dict) -> dict:
                 s = m._engram_store
                 stores.append(
                     {"reads": s.reads, "writes": s.writes, "cache": s.cache_pages * s.page_bytes,
-                     "pins": s.pins_taken,
+                     "pins": s.pins_taken, "paged_in": s.paged_in,
                      "table": s.rows * s.columns["weight"] * 4}
                 )  # fmt: skip
     return {
@@ -144,6 +210,7 @@ def test_nvme_equals_device(tmp_path, world, opt):
             assert s["table"] >= 8 * s["cache"], s  # the host cache is far smaller than the table
             assert s["writes"] > 0 and s["reads"] > 0, s  # evicted, written back and read again
             assert s["pins"] == STEPS, s  # every step's rows came pinned by a prefetch
+            assert s["paged_in"] > 0, s  # steps 2-6 were paged in while the step before ran
         assert n["unpinned"] == 0, where  # and stayed pinned until their update
 
 

@@ -184,6 +184,12 @@ class DataLoader:
     the on-the-fly sources at s). Loading it at any dp size and num_workers makes the next global
     batch samples [s, s + G'): with the same global batch G, exactly the batch the saving run
     would have produced next. Each iter() starts at the current position.
+
+    Read-ahead (the training loop takes step N+1's batches while step N runs, so their hash ids
+    are known a step early): `hold()` before reading ahead keeps `state_dict()` (and
+    `samples_per_source()`) at the position as of the hold, the batches consumed by completed
+    steps, until `release()` when the step that takes the batches read ahead starts; a
+    checkpoint saved in between resumes at exactly the batches the next step would have seen.
     """
 
     def __init__(self, dataset: PackedDataset, collate: Collate, num_workers: int, meta: dict):
@@ -192,6 +198,7 @@ class DataLoader:
         self.num_workers = num_workers
         self.meta = meta  # dataset, fingerprint, seed, seq_len
         self.batches = 0
+        self._held: tuple[int, dict[str, int]] | None = None  # (batches, position) at hold()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         loader = TorchDataLoader(
@@ -202,13 +209,23 @@ class DataLoader:
             self.batches += 1
             yield batch
 
+    def hold(self) -> None:
+        """Batches read from now on are read ahead: the state stays as of now until release."""
+        if self._held is None:
+            self._held = (self.batches, dict(self.dataset.position))
+
+    def release(self) -> None:
+        """The batches read ahead are being consumed: the state is the current position again."""
+        self._held = None
+
     def state_dict(self) -> dict[str, Any]:
+        batches, position = self._held or (self.batches, self.dataset.position)
         return {
             "format": STATE_FORMAT,
             **self.meta,
             "global_batch": self.dataset.global_batch,
-            "batches": self.batches,
-            "position": dict(self.dataset.position),
+            "batches": batches,
+            "position": dict(position),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -229,10 +246,12 @@ class DataLoader:
             raise ValueError(f"data loader state position {position} does not fit {self.meta}")
         self.dataset.position = position
         self.batches = int(state["batches"])
+        self._held = None
 
     def samples_per_source(self) -> dict[str, int]:
         """Global samples consumed so far per mixture source (tokens dataset; else {})."""
-        return self.dataset.source.samples_per_source(int(self.dataset.position["sample"]))
+        position = self._held[1] if self._held else self.dataset.position
+        return self.dataset.source.samples_per_source(int(position["sample"]))
 
 
 def _docs_fingerprint(job_cfg: JobConfig, split: str, docs: DocumentSource) -> str:

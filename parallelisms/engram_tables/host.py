@@ -146,9 +146,13 @@ class HostShardedEngramTable(ShardedEngramTable):
     def prefetch(self, ids: torch.Tensor) -> None:
         """Route `ids` now (collective) and queue the host gather of the owner's rows; the next
         lookup of these ids uses them. Every rank must prefetch the same number of lookups."""
-        route = self._route(ids)
+        route = self._prefetch_route(ids)
         future = self.row_store().prefetch(route.local_idx, ids.device)  # behind queued updates
         self._engram_prefetched.append(_Staged(ids, route, future))
+
+    def _prefetch_route(self, ids: torch.Tensor) -> LookupRoute:
+        """The route of a prefetch (nvme.py takes one routed a step ahead)."""
+        return self._route(ids)
 
     def row_store(self) -> HostRowStore:
         """The shard's row store (the host backend: parallelisms/engram_tables/row_store.py)."""

@@ -10,6 +10,11 @@ a host cache of engram.nvme_host_cache_gib in front (split over the rank's NVMe 
   (engram/optim/lazy_adam.py reads and writes the store's columns) and releases the step's pins;
   evictions write pages back. Every worker job runs in program order, so a read sees every
   earlier update: bitwise like device tables.
+- Page-in ahead: with the loader read ahead (runner/loop.py), the step routes the next step's
+  ids while it runs (`page_in_ahead`: the collective, in the same order on every rank) and the
+  store starts reading their uncached pages on its I/O pool (nvme_store.py `page_in`, whose
+  docstring has the exactness argument); the next step's prefetch takes that route instead of
+  routing again.
 - The weight parameter keeps its shape and placement but no rows: its local piece is a
   zero-stride view of one element. `to_empty` of the meta-built table creates the store, and
   the layout-independent init (engram/models/init.py) writes its row chunks straight into it:
@@ -29,9 +34,11 @@ from __future__ import annotations
 
 import atexit
 import itertools
+from collections import deque
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from engram.config.table_optimizers import table_optimizer_spec
@@ -46,7 +53,7 @@ from engram.runtime.streamed_columns import ColumnSource, placeholder, source_of
 from parallelisms.engram_tables.host import HostShardedEngramTable
 from parallelisms.engram_tables.nvme_store import NvmeRowStore
 
-__all__ = ["NvmeSettings", "NvmeShardedEngramTable"]
+__all__ = ["NvmeSettings", "NvmeShardedEngramTable", "page_in_ahead"]
 
 _TABLE_NUMBERS = itertools.count()
 
@@ -79,6 +86,7 @@ class NvmeShardedEngramTable(HostShardedEngramTable):
         """The NVMe settings (once, at sharding time, after set_lookup)."""
         self._engram_nvme = settings
         self._engram_store = None
+        self._engram_ahead: deque = deque()  # (ids, route) paged in for a later prefetch
         mark_host_resident(self.weight, "nvme")
         self._register_state_dict_hook(_weight_from_store)
 
@@ -167,6 +175,25 @@ class NvmeShardedEngramTable(HostShardedEngramTable):
             HOST_WORKER.submit(store.release_all)  # (also after a step skipped by the guard)
         super().prefetch(ids)
 
+    def page_in_ahead(self, ids: torch.Tensor) -> None:
+        """Route a later step's `ids` now (collective) and start reading their pages; the
+        prefetch of these ids takes the route. Every rank must page in the same lookups."""
+        store = self.spill()
+        route = self._route(ids)
+        store.page_in(route.local_idx)
+        self._engram_ahead.append((ids, route))
+
+    def _prefetch_route(self, ids: torch.Tensor):
+        if not self._engram_ahead:
+            return self._route(ids)
+        ahead, route = self._engram_ahead.popleft()
+        if ahead.shape != ids.shape or not torch.equal(ahead, ids):
+            raise RuntimeError(
+                "NVMe Engram table: the prefetched ids differ from the ids paged in ahead; "
+                "page_in_ahead must see the next step's micro-batches in the order they run"
+            )
+        return route
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self.spill()
         return super().forward(ids)
@@ -179,6 +206,22 @@ def _hollow(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A zero-stride view of one element, shaped like the shard: the weight's local piece once
     its rows are in the store."""
     return torch.zeros(1, dtype=dtype).expand(*shape)
+
+
+def page_in_ahead(model: nn.Module, hash_ids: torch.Tensor) -> int:
+    """Page in one micro-batch of the next step for every NVMe table of `model` (call it after
+    this step's prefetches, in the order the micro-batches will run, where prefetch runs);
+    returns how many tables."""
+    from engram.models.transformer import unwrap_block
+
+    paged = 0
+    for layer in model.layers.values():
+        block = unwrap_block(layer)
+        table = getattr(getattr(block, "engram", None), "table", None)
+        if isinstance(table, NvmeShardedEngramTable):
+            table.page_in_ahead(hash_ids[:, :, model.engram_layer_order.index(block.layer_id)])
+            paged += 1
+    return paged
 
 
 def _weight_from_store(module, state_dict, prefix, local_metadata):

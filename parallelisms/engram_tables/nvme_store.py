@@ -20,6 +20,31 @@ reads and updates never wait on the disk mid-step. A pin that cannot fit the cac
 naming the setting to raise. The store is not thread-safe: the tables use it from the one FIFO
 host worker (engram/runtime/host_worker.py).
 
+Page-in ahead. `page_in(idx)` (queued on the worker while step N computes, with step N+1's
+rows) starts reading the uncached pages of rows `idx` into free or evicted slots on the I/O pool
+and returns at once; the reads (and the write-backs of the dirty pages they evict) overlap the
+step. Why the rows a step sees stay exactly those of the device tier:
+
+- Every cache-state mutation (which page is in which slot, dirty, pinned, loading, being
+  written back) happens on the one FIFO worker, in program order with every read and update;
+  the I/O threads only move bytes between a slot they were given and the file.
+- A page missing from the cache has its latest value on disk, or on its way there: an evicted
+  dirty page is in `_writing` until its write-back completes, and anything that needs it again
+  (a load, a page-in, `snapshot`) waits for that write first, so it never reads stale bytes.
+- A page being read (`_loading`) is in neither the cache map nor the free list: nothing evicts
+  it, writes it or reads its slot; the first load, pin, read or write of it waits for its read
+  and only then maps it. Its disk value is final: it was not cached, so no update could change
+  it, and no update can run on it before its read completes.
+- A page-in evicts only unpinned pages that it does not itself page in: the pages of step N
+  (pinned by step N's prefetch, which is queued before the page-in) stay, and its victims'
+  contents are final when chosen (every earlier job has run; a later job that wants the page
+  loads it again, after the write-back). Evicting a page step N updates without a pin would
+  cost a re-read, not a wrong value.
+- A page-in is only a hint: it pages in what the free and evictable slots allow, and never
+  fails for room; the rest is paged in when the step's pins end (`release_all`, after its
+  update: those pages can be evicted then), and the next step's pin loads whatever is still
+  missing.
+
 The files are scratch space: a checkpoint saves the columns as tensors through DCP like host
 tables, read out chunk by chunk (`read_range`, engram/checkpoint/streamed_dcp.py), and a resume
 writes them back (`load` at a row offset). They are created, locked, preallocated and, when a
@@ -113,10 +138,16 @@ class NvmeRowStore(RowStore):
         self._slot_of = torch.full((self.pages,), -1, dtype=torch.long)  # the same, as a tensor
         self._dirty: set[int] = set()
         self._pins: dict[int, int] = {}  # page -> pin count
+        self._loading: dict[int, tuple[int, Future]] = {}  # page -> (slot, its read): page_in
+        self._writing: dict[int, Future] = {}  # evicted page -> its write-back (page_in)
+        self._ahead: list[int] = []  # the pages of the last page_in (kept by its evictions)
+        self._ahead_rest: list[int] = []  # those it had no room for yet
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="engram-nvme")
         self.reads = self.writes = 0  # pages moved, for tests and benchmarks
         self.pins_taken = 0
         self.read_out_bytes = self.read_out_peak = 0  # columns read out (checkpoints)
+        self.paged_in = 0  # pages read ahead by page_in
+        self.page_in_waits = 0  # page-ins still in flight when a load needed the page
 
     # -- pages ---------------------------------------------------------------------------
     def _file_pos(self, page: int) -> tuple[int, int]:
@@ -125,45 +156,170 @@ class NvmeRowStore(RowStore):
     def _view(self, slot: int) -> memoryview:
         return memoryview(self._buf)[slot * self.page_bytes : (slot + 1) * self.page_bytes]
 
-    def _io(self, jobs: list[tuple[int, int]], write: bool) -> None:
-        """Read (or write back) pages (page, slot) on the thread pool, one share of the pages
-        per thread (a future per page costs more than its 4 KiB read); raise the first error."""
+    def _runs(self, jobs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        """(page, slot) jobs as runs of pages adjacent in one file (one preadv / pwritev each,
+        into or out of their scattered slots), at most 64 pages a run."""
+        if not jobs:
+            return []
+        n, t = len(self.fds), torch.tensor(jobs, dtype=torch.long).view(-1, 2)
+        t = t[torch.argsort((t[:, 0] % n) * self.pages + t[:, 0])]  # by file, then offset
+        new = torch.ones(len(t), dtype=torch.bool)
+        new[1:] = t[1:, 0] != t[:-1, 0] + n
+        at = torch.arange(len(t))
+        start = torch.cummax(torch.where(new, at, 0), 0).values
+        cuts = torch.nonzero(new | ((at - start) % 64 == 0)).view(-1).tolist() + [len(t)]
+        pairs = [tuple(j) for j in t.tolist()]
+        return [pairs[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
-        def share(part: list[tuple[int, int]]) -> None:
-            move = os.pwritev if write else os.preadv
-            for page, slot in part:
-                fd, pos = self._file_pos(page)
-                try:
-                    done = move(fd, [self._view(slot)], pos)
-                    if write:
+    def _move(self, runs: list[list[tuple[int, int]]], write: bool) -> None:
+        """Write (or read) runs of pages from (into) their slots; runs on the I/O pool. An
+        OSError names the file and the fix (page_files.page_io_error)."""
+        move = os.pwritev if write else os.preadv
+        for run in runs:
+            page = run[0][0]
+            fd, pos = self._file_pos(page)
+            try:
+                done = move(fd, [self._view(slot) for _, slot in run], pos)
+                if write:
+                    for _ in run:  # the test hook counts pages written
                         faults.point("nvme.page_write")
-                except OSError as e:
-                    raise page_io_error(e, self.paths[page % len(self.fds)], write) from e
-                if done != self.page_bytes:
-                    raise OSError(f"short {'write' if write else 'read'} of a page: {done} B")
+            except OSError as e:
+                raise page_io_error(e, self.paths[page % len(self.fds)], write) from e
+            if done != len(run) * self.page_bytes:
+                raise OSError(f"short {'write' if write else 'read'} of pages: {done} B")
 
+    def _shares(self, runs: list) -> list[list]:
         threads = self._pool._max_workers
-        for _ in self._pool.map(share, [jobs[i::threads] for i in range(threads) if jobs[i:]]):
+        return [runs[i::threads] for i in range(min(threads, len(runs)))]
+
+    def _io(self, jobs: list[tuple[int, int]], write: bool) -> None:
+        """Read (or write back) pages (page, slot) on the thread pool, a share of the runs of
+        adjacent pages per thread (a future per page costs more than its 4 KiB read); raise the
+        first error."""
+        shares = self._shares(self._runs(jobs))
+        for _ in self._pool.map(lambda share: self._move(share, write), shares):
             pass
         if write:
             self.writes += len(jobs)
         else:
             self.reads += len(jobs)
 
+    def _settle(self, pages) -> None:
+        """Wait for the page-in reads and write-backs of `pages` (their errors raise here); the
+        pages read become cached (most recently used)."""
+        mapped, slots, done = [], [], set()  # a task moves many pages: check it once
+        for p in pages:
+            if p in self._writing:
+                write = self._writing.pop(p)
+                if write not in done:
+                    write.result()
+                    done.add(write)
+            if p in self._loading:
+                slot, read = self._loading.pop(p)
+                if read not in done:
+                    if not read.done():
+                        self.page_in_waits += 1
+                    read.result()
+                    done.add(read)
+                self._where[p] = slot
+                mapped.append(p)
+                slots.append(slot)
+        self._map(mapped, slots)
+
+    def _map(self, pages: list[int], slots: list[int] | int) -> None:
+        """The slot-of-page tensor for `pages` (one index op: per-page tensor writes cost us)."""
+        if pages:
+            self._slot_of[torch.tensor(pages)] = torch.tensor(slots)
+
+    def _reap(self) -> None:
+        """Settle the page-in reads and write-backs that have finished."""
+        self._settle([p for p, f in self._writing.items() if f.done()])
+        self._settle([p for p, (_, f) in self._loading.items() if f.done()])
+
+    def _victims(self, need: int, keep: set[int]) -> list[int]:
+        """Up to `need` cached pages to evict, least recently used first: never a pinned page
+        nor one of `keep`."""
+        victims = []
+        for p in self._where if need > 0 else ():
+            if p not in self._pins and p not in keep:
+                victims.append(p)
+                if len(victims) == need:
+                    break
+        return victims
+
+    def page_in(self, idx: torch.Tensor) -> Future:
+        """Queued on the host worker (behind every queued update): `page_in_now`."""
+        return HOST_WORKER.submit(self.page_in_now, idx)
+
+    def page_in_now(self, idx: torch.Tensor) -> None:
+        """Start reading the uncached pages of rows `idx` on the I/O pool and return (see the
+        module docstring, "Page-in ahead"); on the host worker, in program order."""
+        self._ahead = self._pages(idx)
+        self._page_in(self._ahead)
+
+    def _page_in(self, pages: list[int]) -> None:
+        """page_in_now's pages; what does not fit now (the step before still pins its pages)
+        is paged in at the next `release_all` (the end of that step's update)."""
+        self._reap()
+        self._settle([p for p in pages if p in self._writing])  # read it after its write-back
+        missing = [p for p in pages if p not in self._where and p not in self._loading]
+        victims = self._victims(len(missing) - len(self._free), set(self._ahead))
+        fits = len(self._free) + len(victims)
+        missing, self._ahead_rest = missing[:fits], missing[fits:]
+        if not missing:
+            return
+        cut = len(self._free) - min(len(missing), len(self._free))
+        free, taken = self._free[cut:], []
+        del self._free[cut:]
+        for victim in victims:
+            taken.append((victim, self._where.pop(victim), victim in self._dirty))
+            self._dirty.discard(victim)
+        self._map(victims, -1)
+        # A share (one task) reads its runs into free slots first, then into its own victims'
+        # slots, after writing those victims back: a slot is reused only after its write.
+        for share in self._shares(self._runs([(p, -1) for p in missing])):
+            reads, writes = [], []
+            for run in share:
+                placed = []
+                for page, _ in run:
+                    if free:
+                        slot = free.pop()
+                    else:
+                        victim, slot, dirty = taken.pop()
+                        if dirty:
+                            writes.append((victim, slot))
+                    placed.append((page, slot))
+                reads.append(placed)
+            task = self._pool.submit(self._write_then_read, self._runs(writes), reads)
+            for page, _ in writes:
+                self._writing[page] = task
+            for run in reads:
+                for page, slot in run:
+                    self._loading[page] = (slot, task)
+            self.writes += len(writes)
+        self.reads += len(missing)
+        self.paged_in += len(missing)
+
+    def _write_then_read(self, writes: list, reads: list) -> None:
+        self._move(writes, write=True)
+        self._move(reads, write=False)
+
     def _load(self, pages: list[int]) -> None:
         """Bring `pages` into the cache (LRU unpinned pages out, dirty ones written back)."""
+        if self._loading or self._writing:
+            self._reap()
+            self._settle(pages)  # being read ahead or written back: wait for it
         missing = [p for p in pages if p not in self._where]
         for p in pages:
             if p in self._where:
                 self._where.move_to_end(p)
         if not missing:
             return
-        need, needed, victims = len(missing) - len(self._free), set(pages), []
-        for p in self._where if need > 0 else ():  # least recently used first
-            if p not in self._pins and p not in needed:
-                victims.append(p)
-                if len(victims) == need:
-                    break
+        need, needed = len(missing) - len(self._free), set(pages)
+        victims = self._victims(need, needed)
+        if len(victims) < need and self._loading:  # page-ins hold slots: finish them first
+            self._settle(list(self._loading))
+            victims = self._victims(need, needed)
         if len(victims) < need:
             raise RuntimeError(
                 f"NVMe Engram table: {len(missing) + len(self._where)} pages pinned or needed "
@@ -171,9 +327,9 @@ class NvmeRowStore(RowStore):
                 "each): raise engram.nvme_host_cache_gib (a step's rows must fit)"
             )
         evict = []
+        self._map(victims, -1)
         for victim in victims:
             slot = self._where.pop(victim)
-            self._slot_of[victim] = -1
             if victim in self._dirty:
                 evict.append((victim, slot))
                 self._dirty.discard(victim)
@@ -183,7 +339,7 @@ class NvmeRowStore(RowStore):
         self._io(jobs, write=False)
         for p, slot in jobs:
             self._where[p] = slot
-            self._slot_of[p] = slot
+        self._map(missing, [slot for _, slot in jobs])
 
     def _pages(self, idx: torch.Tensor) -> list[int]:
         return torch.unique(idx.to("cpu", torch.long) // self.rows_per_page).tolist()
@@ -257,6 +413,8 @@ class NvmeRowStore(RowStore):
 
     def release_all(self) -> None:
         self._pins.clear()
+        if self._ahead_rest:  # the pages a page-in had no room for while they were pinned
+            self._page_in(self._ahead_rest)
 
     def flush(self) -> None:
         """Write every dirty cached page back (they stay cached)."""
@@ -273,6 +431,7 @@ class NvmeRowStore(RowStore):
         order: cached pages (newer than the disk when dirty) from the cache, the others from
         disk into a scratch page. Counts the bytes it returns (`read_out_bytes`, the largest
         one read in `read_out_peak`)."""
+        self._settle(list(self._writing))  # an evicted page's disk copy is current after this
         lo, width = self.offsets[name]
         out = torch.empty(n, width, dtype=torch.float32)
         scratch = mmap.mmap(-1, self.page_bytes)

@@ -9,6 +9,9 @@ only through it:
     prefetch(idx, device)   a Future of the rows `idx` on `device`, queued behind every earlier
                             write (so it reads the rows as updated: the exactness argument);
                             pinned unless pin=False
+    page_in(idx)            start bringing rows `idx` of a later step resident (queued behind
+                            every earlier write, returns at once; a hint: values never depend on
+                            it); nothing for memory stores, whose rows are all resident
     pin(idx) / release(idx) keep rows resident between a prefetch and their last use
     release_all()           end every pin (the optimizer, after the step's update)
     snapshot()              the whole shard, after every queued write (checkpoints)
@@ -56,6 +59,9 @@ class RowStore:
 
     def prefetch(self, idx: torch.Tensor, device: torch.device, pin: bool = True) -> Future:
         raise NotImplementedError
+
+    def page_in(self, idx: torch.Tensor) -> None:
+        """Start bringing rows `idx` resident ahead of their step (memory stores: nothing)."""
 
     def pin(self, idx: torch.Tensor) -> None:
         """Keep rows `idx` resident until `release` (memory stores hold every row: nothing)."""
