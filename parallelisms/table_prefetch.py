@@ -1,6 +1,7 @@
 """Prefetch of a step's host / NVMe Engram table rows (`prefetch_host_tables`): the hash ids
 every table lookup of the step will see on this rank, queued in the order the lookups run,
-under every layout.
+under every layout; and the page-in of the next step's rows of NVMe tables
+(`page_in_nvme_tables`), the same lookups a step ahead.
 
 Each host table keeps its own FIFO of prefetched lookups (parallelisms/engram_tables/host.py);
 a lookup takes the head and refuses it when its ids differ (never rows of other ids). So what
@@ -27,10 +28,14 @@ lookup sees, by layout:
 
 Every rank of an "engram" group has the same stages (its pp rank's), the same tables and the
 same number of micro-batches, so each prefetches the same lookups in the same order: the id
-exchange of every prefetch is a collective over that group.
+exchange of every prefetch is a collective over that group. A page-in routes the same lookups
+in the same order (the route is a collective too) and the next step's prefetch of each table
+takes its routes in that order (parallelisms/engram_tables/nvme.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -38,9 +43,10 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 
 from engram.models.transformer import unwrap_block
 from parallelisms.engram_tables.host import HostShardedEngramTable
+from parallelisms.engram_tables.nvme import NvmeShardedEngramTable
 from parallelisms.tensor_parallel import SequenceShardedEngram
 
-__all__ = ["prefetch_host_tables", "table_lookups"]
+__all__ = ["page_in_nvme_tables", "prefetch_host_tables", "table_lookups"]
 
 
 def table_lookups(
@@ -67,6 +73,21 @@ def pipeline_pieces(hash_ids: torch.Tensor, pp_microbatches: int) -> list[torch.
     return [k["hash_ids"] for k in kwargs]
 
 
+def step_lookups(
+    model_parts: list[nn.Module], batches_hash_ids: list[torch.Tensor], pp_microbatches: int
+) -> Iterator[tuple[HostShardedEngramTable, torch.Tensor]]:
+    """(table, the ids it looks up) for every host / NVMe table lookup of one step on this rank,
+    in the order the lookups run (per table; the module docstring says why, by layout)."""
+    lookups = table_lookups(model_parts)
+    for hash_ids in batches_hash_ids:
+        for piece in pipeline_pieces(hash_ids, pp_microbatches):
+            for block, table, slot in lookups:
+                ids = piece[:, :, slot]
+                if isinstance(block, SequenceShardedEngram):
+                    ids = block.local_ids(ids)
+                yield table, ids
+
+
 def prefetch_host_tables(
     model_parts: list[nn.Module], batches_hash_ids: list[torch.Tensor], pp_microbatches: int = 1
 ) -> int:
@@ -75,14 +96,23 @@ def prefetch_host_tables(
     micro-batches' hash ids [B, T, L, H] (after the context-parallel cut), in the order they
     run; `pp_microbatches`: the pipeline schedule's micro-batches per batch (1 without PP). Call
     it after the previous step's optimizer step (the gathers queue behind its update)."""
-    lookups = table_lookups(model_parts)
     queued = 0
-    for hash_ids in batches_hash_ids:
-        for piece in pipeline_pieces(hash_ids, pp_microbatches):
-            for block, table, slot in lookups:
-                ids = piece[:, :, slot]
-                if isinstance(block, SequenceShardedEngram):
-                    ids = block.local_ids(ids)
-                table.prefetch(ids)
-                queued += 1
+    for table, ids in step_lookups(model_parts, batches_hash_ids, pp_microbatches):
+        table.prefetch(ids)
+        queued += 1
     return queued
+
+
+def page_in_nvme_tables(
+    model_parts: list[nn.Module], batches_hash_ids: list[torch.Tensor], pp_microbatches: int = 1
+) -> int:
+    """Start paging in the rows of every NVMe table lookup of the next step (the id exchange
+    now, the page reads on the store's I/O pool); returns how many lookups. Arguments as for
+    `prefetch_host_tables`, with the next step's micro-batches; call it after this step's
+    prefetch, so the next step's prefetch finds the routes in its own order."""
+    paged = 0
+    for table, ids in step_lookups(model_parts, batches_hash_ids, pp_microbatches):
+        if isinstance(table, NvmeShardedEngramTable):
+            table.page_in_ahead(ids)
+            paged += 1
+    return paged

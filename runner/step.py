@@ -42,10 +42,9 @@ from engram.train.step import (
     step_optimizers,
 )
 from parallelisms.context_parallel import split_batch
-from parallelisms.engram_tables import page_in_ahead
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.table_prefetch import prefetch_host_tables
+from parallelisms.table_prefetch import page_in_nvme_tables, prefetch_host_tables
 
 Batch = dict[str, torch.Tensor]
 
@@ -85,6 +84,7 @@ class TrainStep:
         # Host / NVMe tables: every lookup's rows are prefetched, under any layout
         # (parallelisms/table_prefetch.py says which ids each lookup sees).
         self.prefetch = cfg.engram.enabled and cfg.engram.table_location != "device"
+        self.pieces = self.pp.microbatches if self.pp is not None else 1  # per batch, under PP
 
     def __call__(
         self, batches: list[Batch], step: int, ahead: list[Batch] | None = None
@@ -93,10 +93,10 @@ class TrainStep:
         `ahead`: the next step's, if the loop read them ahead."""
         batches = [self.cut(batch) for batch in batches]
         if self.prefetch:  # behind the previous step's host update (engram_tables/host.py)
-            pieces = self.pp.microbatches if self.pp is not None else 1
-            prefetch_host_tables(self.model_parts, [b["hash_ids"] for b in batches], pieces)
+            prefetch_host_tables(self.model_parts, [b["hash_ids"] for b in batches], self.pieces)
         if self.prefetch and ahead:  # after this step's prefetches: they are queued first
-            self.page_in(ahead)
+            ahead_ids = [self.cut(batch)["hash_ids"] for batch in ahead]
+            page_in_nvme_tables(self.model_parts, ahead_ids, self.pieces)
         loss_sum = self.forward_backward(batches)
         grad_norm = self.clip()
         loss = dp_mean(loss_sum / self.accum, self.dp_group)
@@ -109,13 +109,6 @@ class TrainStep:
     def cut(self, batch: Batch) -> Batch:
         """This rank's part of a batch: its context-parallel chunks (whole at cp = 1)."""
         return split_batch(batch, self.dims)
-
-    def page_in(self, batches: list[Batch]) -> None:
-        """NVMe tables start reading the next step's rows (overlapping this step)."""
-        if self.dims.tp_enabled or self.dims.pp_enabled:  # tables see other ids than the batch's
-            return
-        for batch in batches:
-            page_in_ahead(self.model_parts[0], self.cut(batch)["hash_ids"])
 
     def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         """Gradients of the mean loss over the micro-batches; returns the sum of their losses."""

@@ -258,7 +258,8 @@ def test_nvme_equals_device_fsdp2_tp2_and_pp2(tmp_path):
     """FSDP2 x TP2 (4 ranks), PP2 and PP2 x TP2 (1F1B, 2 micro-batches, Engram on both stages):
     bitwise like device tables over 6 steps, with prefetch: every lookup's rows came pinned by
     a prefetch (each TP rank its own sequence piece, each stage per schedule micro-batch) and
-    stayed pinned until the optimizer's update."""
+    stayed pinned until the optimizer's update, and the next step's pages were paged in while a
+    step ran (the same lookups, a step ahead)."""
     pp = {"pipeline": {"schedule": "1F1B", "microbatches": 2}, "engram": {"layer_ids": [0, 2]}}
     layouts = {  # label: (ranks, extra, prefetches per table and rank, cache MiB per rank)
         "fsdp2tp2": (4, {"parallelism": {"dp_shard": 2, "tp": 2}}, STEPS, CACHE_MIB / 4),
@@ -285,6 +286,7 @@ def test_nvme_equals_device_fsdp2_tp2_and_pp2(tmp_path):
             assert n["stores"], where
             for s in n["stores"]:
                 assert s["pins"] == prefetches and s["reads"] > 0, f"{where}: {s}"
+                assert s["paged_in"] > 0, f"{where}: {s}"  # paged in while the step before ran
                 assert s["table"] >= 8 * s["cache"], s
             assert n["unpinned"] == 0, where
 

@@ -15,7 +15,7 @@ What belongs here is how a table is placed and looked up, nothing of the model o
   parallelisms/table_prefetch.py).
 - `nvme_store.py`, `nvme.py`: the NVMe backend (page files with O_DIRECT, a thread pool and a
   host cache with pins, pages read ahead of their step) and the NVMe-resident table over it
-  (`NvmeShardedEngramTable`; `page_in_ahead`: the next step's rows, paged in while this one runs).
+  (`NvmeShardedEngramTable`; `page_in_ahead`: a later step's rows, paged in while this one runs).
 - `page_files.py`: the NVMe store's page files: created locked and preallocated, files of dead
   runs swept, page I/O errors that name the fix.
 - `sharding.py`: `apply_engram_table_sharding`, the step of parallelize_model that turns every
@@ -34,7 +34,7 @@ from parallelisms.engram_tables.host_memory import (
     mem_available_bytes,
 )
 from parallelisms.engram_tables.lookup import ShardedEngramTable, sharded_embedding_lookup
-from parallelisms.engram_tables.nvme import NvmeSettings, NvmeShardedEngramTable, page_in_ahead
+from parallelisms.engram_tables.nvme import NvmeSettings, NvmeShardedEngramTable
 from parallelisms.engram_tables.nvme_store import NvmeRowStore
 from parallelisms.engram_tables.routing import LookupSettings, local_row_range, row_chunk
 from parallelisms.engram_tables.row_store import (
@@ -64,7 +64,6 @@ __all__ = [
     "host_table_modules",
     "local_row_range",
     "mem_available_bytes",
-    "page_in_ahead",
     "pin_staging",
     "row_chunk",
     "sharded_embedding_lookup",

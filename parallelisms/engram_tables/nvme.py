@@ -11,7 +11,8 @@ a host cache of engram.nvme_host_cache_gib in front (split over the rank's NVMe 
   evictions write pages back. Every worker job runs in program order, so a read sees every
   earlier update: bitwise like device tables.
 - Page-in ahead: with the loader read ahead (runner/loop.py), the step routes the next step's
-  ids while it runs (`page_in_ahead`: the collective, in the same order on every rank) and the
+  ids while it runs (`page_in_ahead`, called per lookup by parallelisms/table_prefetch.py
+  `page_in_nvme_tables`: the collective, in the same order on every rank) and the
   store starts reading their uncached pages on its I/O pool (nvme_store.py `page_in`, whose
   docstring has the exactness argument); the next step's prefetch takes that route instead of
   routing again.
@@ -38,7 +39,6 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from engram.config.table_optimizers import table_optimizer_spec
@@ -53,7 +53,7 @@ from engram.runtime.streamed_columns import ColumnSource, placeholder, source_of
 from parallelisms.engram_tables.host import HostShardedEngramTable
 from parallelisms.engram_tables.nvme_store import NvmeRowStore
 
-__all__ = ["NvmeSettings", "NvmeShardedEngramTable", "page_in_ahead"]
+__all__ = ["NvmeSettings", "NvmeShardedEngramTable"]
 
 _TABLE_NUMBERS = itertools.count()
 
@@ -206,22 +206,6 @@ def _hollow(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A zero-stride view of one element, shaped like the shard: the weight's local piece once
     its rows are in the store."""
     return torch.zeros(1, dtype=dtype).expand(*shape)
-
-
-def page_in_ahead(model: nn.Module, hash_ids: torch.Tensor) -> int:
-    """Page in one micro-batch of the next step for every NVMe table of `model` (call it after
-    this step's prefetches, in the order the micro-batches will run, where prefetch runs);
-    returns how many tables."""
-    from engram.models.transformer import unwrap_block
-
-    paged = 0
-    for layer in model.layers.values():
-        block = unwrap_block(layer)
-        table = getattr(getattr(block, "engram", None), "table", None)
-        if isinstance(table, NvmeShardedEngramTable):
-            table.page_in_ahead(hash_ids[:, :, model.engram_layer_order.index(block.layer_id)])
-            paged += 1
-    return paged
 
 
 def _weight_from_store(module, state_dict, prefix, local_metadata):
