@@ -7,6 +7,9 @@ rank `rank` SIGKILLs itself: kind "step" in the middle of optimizer step `step` 
 before the update), kind "save" in the middle of saving step `step` (after DCP wrote the shards,
 before the manifest). Rank 0 appends {attempt, complete steps before loading, start step} to
 $FAULT_LOG, so the test can check that every try resumed from the newest complete checkpoint.
+With $COUNT_LOG set, every rank appends how many pages its NVMe stores had written back
+(`faults.hits`, ENGRAM_FAULTS="nvme.page_write:0:count") at each step's clip ("clip") and after
+each save ("saved"): where a later run's ENGRAM_FAULTS kill point falls.
 """
 
 from __future__ import annotations
@@ -22,12 +25,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import engram.checkpoint.manager as ckpt  # noqa: E402
 import recipes.train as recipe  # noqa: E402
 import runner.step as train_step  # noqa: E402  (the recipe's step: clip is called there)
+from engram.runtime import faults  # noqa: E402
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 RANK = int(os.environ.get("RANK", "0"))
 FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(",") if f]
 MINE = {(kind, int(step)) for a, kind, r, step in FAULTS if int(a) == ATTEMPT and int(r) == RANK}
 state = {"step": 0}
+
+
+def _count(at: str, step: int) -> None:
+    if os.environ.get("COUNT_LOG"):
+        with open(os.environ["COUNT_LOG"], "a") as f:
+            hits = faults.hits("nvme.page_write")
+            f.write(json.dumps({"rank": RANK, "at": at, "step": step, "page_writes": hits}) + "\n")
 
 
 def _die() -> None:
@@ -55,6 +66,7 @@ real_clip = train_step.clip_grad_norm_
 def clip(*args, **kwargs):
     state["step"] += 1
     norm = real_clip(*args, **kwargs)
+    _count("clip", state["step"])
     if ("step", state["step"]) in MINE:
         _die()
     return norm
@@ -65,7 +77,9 @@ real_dcp_save = ckpt.dcp.save
 
 def dcp_save(state_dict, checkpoint_id=None, **kwargs):
     out = real_dcp_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
-    step = int(Path(str(checkpoint_id)).name.removeprefix("step-").removesuffix(".tmp"))
+    where = checkpoint_id if checkpoint_id is not None else kwargs["storage_writer"].path
+    step = int(Path(str(where)).name.removeprefix("step-").removesuffix(".tmp"))
+    _count("saved", step)
     if ("save", step) in MINE:
         _die()
     return out

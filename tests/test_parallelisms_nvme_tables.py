@@ -15,6 +15,7 @@ from launcher import run_distributed
 from test_parallelisms_host_tables import _raw, _same
 
 from engram.config import ConfigError, config_from_dict
+from parallelisms.engram_tables import nvme_store
 from parallelisms.engram_tables.nvme_store import NvmeRowStore, page_layout
 
 # Big enough that a step's rows are a small share of the pages: 800k rows x 16 (51 MB of fp32
@@ -41,7 +42,9 @@ def _direct_io_works(folder) -> bool:
     return True
 
 
-def test_row_store_roundtrip_eviction_and_pins(tmp_path):
+@pytest.mark.parametrize("engine", ["aio", "syscalls"])
+def test_row_store_roundtrip_eviction_and_pins(tmp_path, monkeypatch, engine):
+    _page_io(monkeypatch, engine)
     rows, dim = 5000, 8
     store = NvmeRowStore(
         rows, {"weight": dim, "exp_avg": dim, "sum": 0}, [str(tmp_path / "a"), str(tmp_path / "b")],
@@ -69,30 +72,49 @@ def test_row_store_roundtrip_eviction_and_pins(tmp_path):
     store.close()
 
 
-def test_page_in_racing_updates_and_evictions_returns_current_rows(tmp_path, monkeypatch):
+def _page_io(monkeypatch, engine: str) -> None:
+    """Page I/O by native AIO batches (the default where O_DIRECT works) or by preadv / pwritev."""
+    if engine == "syscalls":
+        monkeypatch.setattr(nvme_store, "aio_available", lambda: "off for this test")
+
+
+@pytest.mark.parametrize("engine", ["aio", "syscalls"])
+def test_page_in_racing_updates_and_evictions_returns_current_rows(tmp_path, monkeypatch, engine):
     """Page-ins whose reads and write-backs are slowed (so they are still in flight): a page
     step N dirtied and a page-in evicted is read again only after its write-back; a page being
     paged in and then written is not overwritten by the late read; snapshot sees every update."""
     import os
     import time
 
-    real = {"preadv": os.preadv, "pwritev": os.pwritev}
-
-    def slow(name):  # write-backs slower than reads: a read that did not wait would win
-        def move(*args):
-            time.sleep(0.3 if name == "pwritev" else 0.05)
-            return real[name](*args)
-
-        return move
-
+    _page_io(monkeypatch, engine)
     rows, dim = 320, 64  # 16 rows a page, 20 pages, 6 cached
     store = NvmeRowStore(rows, {"weight": dim}, [str(tmp_path / "a"), str(tmp_path / "b")],
                          cache_bytes=6 * 4096)  # fmt: skip
+    assert (store._aio is not None) == (engine == "aio" and _direct_io_works(tmp_path))
     w = torch.randn(rows, dim)
     store.load({"weight": w})
     store.flush()  # clean: only the page-in's write-backs below are slow to reach the disk
-    monkeypatch.setattr(os, "preadv", slow("preadv"))
-    monkeypatch.setattr(os, "pwritev", slow("pwritev"))
+    # write-backs slower than reads: a read that did not wait would win
+    if store._aio is not None:
+        run = store._aio.run
+
+        def slow_batch(fds, addrs, offsets, nbytes, write):
+            time.sleep(0.3 if write else 0.05)
+            return run(fds, addrs, offsets, nbytes, write)
+
+        monkeypatch.setattr(store._aio, "run", slow_batch)
+    else:
+        real = {"preadv": os.preadv, "pwritev": os.pwritev}
+
+        def slow(name):
+            def move(*args):
+                time.sleep(0.3 if name == "pwritev" else 0.05)
+                return real[name](*args)
+
+            return move
+
+        monkeypatch.setattr(os, "preadv", slow("preadv"))
+        monkeypatch.setattr(os, "pwritev", slow("pwritev"))
     page = store.rows_per_page
     step_n = torch.arange(0, 2 * page)  # pages 0, 1: step N pins and updates them
     store.pin(step_n)
@@ -117,9 +139,11 @@ def test_page_in_racing_updates_and_evictions_returns_current_rows(tmp_path, mon
 
 
 def test_adjacent_pages_move_in_one_call(tmp_path, monkeypatch):
-    """Pages adjacent in one file are read in one preadv (into their scattered slots)."""
+    """Without native AIO, pages adjacent in one file are read in one preadv (into their
+    scattered slots)."""
     import os
 
+    _page_io(monkeypatch, "syscalls")
     store = NvmeRowStore(16 * 40, {"weight": 64}, [str(tmp_path / "a"), str(tmp_path / "b")],
                          cache_bytes=12 * 4096)  # fmt: skip
     w = torch.randn(16 * 40, 64)

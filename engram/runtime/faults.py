@@ -7,7 +7,9 @@ passes `point(name)` (counted from 1, over every thread), it takes `action`:
 
 - `kill`: SIGKILL itself (kill -9: no atexit, no flush, no cleanup; what a crash or the OOM
   killer does);
-- `enospc` / `eio`: raise OSError(ENOSPC) / OSError(EIO), as a full or failing drive does.
+- `enospc` / `eio`: raise OSError(ENOSPC) / OSError(EIO), as a full or failing drive does;
+- `count`: nothing (n is ignored): the point only counts, for `hits` (a test reads where a
+  later run should fail, off a run that did not).
 
 `rank` (the RANK variable; default any) and `attempt` (torchrun's TORCHELASTIC_RESTART_COUNT;
 default 0, so a restarted job runs clean) pick the process. Counts are per process and
@@ -29,9 +31,9 @@ import signal
 import sys
 import threading
 
-__all__ = ["configure", "point"]
+__all__ = ["configure", "hits", "point"]
 
-_ACTIONS = ("kill", "enospc", "eio")
+_ACTIONS = ("kill", "enospc", "eio", "count")
 _armed: dict[str, tuple[int, str]] = {}  # point -> (n, action), for this process only
 _hits: dict[str, int] = {}
 _lock = threading.Lock()
@@ -67,7 +69,7 @@ def point(name: str) -> None:
     with _lock:
         _hits[name] = hit = _hits.get(name, 0) + 1
     n, action = _armed[name]
-    if hit != n:
+    if hit != n or action == "count":
         return
     if action == "kill":
         sys.stdout.flush()
@@ -75,6 +77,12 @@ def point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     code = errno.ENOSPC if action == "enospc" else errno.EIO
     raise OSError(code, f"{os.strerror(code)} (injected by ENGRAM_FAULTS: hit {n} of {name})")
+
+
+def hits(name: str) -> int:
+    """How many times this process passed the armed point `name` (0 when it is not armed)."""
+    with _lock:
+        return _hits.get(name, 0)
 
 
 configure()

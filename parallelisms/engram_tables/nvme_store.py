@@ -53,6 +53,7 @@ killed run left them, swept by page_files.py; page I/O errors name the fix there
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -63,6 +64,7 @@ import torch
 
 from engram.runtime import faults
 from engram.runtime.host_worker import HOST_WORKER
+from parallelisms.engram_tables.linux_aio import DEPTH, AioContexts, aio_available
 from parallelisms.engram_tables.page_files import create_page_file, page_io_error
 from parallelisms.engram_tables.row_store import RowStore
 
@@ -115,6 +117,7 @@ class NvmeRowStore(RowStore):
                 "engram.nvme_host_cache_gib"
             )
         self.fds, self.paths, reasons = [], [], set()
+        self._aio = None  # native AIO batches (linux_aio.py): O_DIRECT files only
         try:
             for i, d in enumerate(dirs):
                 per_file = -(-(self.pages - i) // len(dirs))  # pages i, i + len(dirs), ...
@@ -143,6 +146,11 @@ class NvmeRowStore(RowStore):
         self._ahead: list[int] = []  # the pages of the last page_in (kept by its evictions)
         self._ahead_rest: list[int] = []  # those it had no room for yet
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="engram-nvme")
+        no_aio = aio_available() if self.direct else "buffered I/O"
+        if no_aio is None:
+            self._aio = AioContexts()
+        else:
+            log.info("NVMe Engram table %s: page I/O by preadv / pwritev: %s", name, no_aio)
         self.reads = self.writes = 0  # pages moved, for tests and benchmarks
         self.pins_taken = 0
         self.read_out_bytes = self.read_out_peak = 0  # columns read out (checkpoints)
@@ -172,8 +180,11 @@ class NvmeRowStore(RowStore):
         return [pairs[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
     def _move(self, runs: list[list[tuple[int, int]]], write: bool) -> None:
-        """Write (or read) runs of pages from (into) their slots; runs on the I/O pool. An
-        OSError names the file and the fix (page_files.page_io_error)."""
+        """Write (or read) runs of pages from (into) their slots; runs on the I/O pool: one
+        batch of native AIO (linux_aio.py) where the store has it, else a preadv / pwritev per
+        run. An OSError names the file and the fix (page_files.page_io_error)."""
+        if self._aio is not None:
+            return self._move_aio([job for run in runs for job in run], write)
         move = os.pwritev if write else os.preadv
         for run in runs:
             page = run[0][0]
@@ -188,8 +199,36 @@ class NvmeRowStore(RowStore):
             if done != len(run) * self.page_bytes:
                 raise OSError(f"short {'write' if write else 'read'} of pages: {done} B")
 
+    def _move_aio(self, jobs: list[tuple[int, int]], write: bool) -> None:
+        """`_move` by native AIO, one submission of up to linux_aio.DEPTH pages at a time (a
+        kill or an error between them leaves the batch's later pages unwritten)."""
+        t = torch.tensor(jobs, dtype=torch.int64).view(-1, 2)
+        files = t[:, 0] % len(self.fds)
+        fds = torch.tensor(self.fds, dtype=torch.int64)[files]
+        offsets = (t[:, 0] // len(self.fds)) * self.page_bytes
+        addrs = self._slots.data_ptr() + t[:, 1] * self.page_bytes
+        for lo in range(0, len(jobs), DEPTH):
+            part, at = slice(lo, lo + DEPTH), lo  # `at`: the page an error is about
+            try:
+                res = self._aio.run(fds[part], addrs[part], offsets[part], self.page_bytes, write)
+                for i, r in enumerate(res.tolist()):
+                    at = lo + i
+                    if r < 0:
+                        raise OSError(-r, os.strerror(-r))
+                    if r != self.page_bytes:
+                        raise OSError(
+                            errno.EIO,
+                            f"short {'write' if write else 'read'}: {r} of {self.page_bytes} B",
+                        )
+                    if write:  # the test hook counts pages written
+                        faults.point("nvme.page_write")
+            except OSError as e:
+                raise page_io_error(e, self.paths[int(files[at])], write) from e
+
     def _shares(self, runs: list) -> list[list]:
-        threads = self._pool._max_workers
+        """The runs split among the I/O threads (with native AIO one task submits them all:
+        the kernel runs them in parallel)."""
+        threads = 1 if self._aio is not None else self._pool._max_workers
         return [runs[i::threads] for i in range(min(threads, len(runs)))]
 
     def _io(self, jobs: list[tuple[int, int]], write: bool) -> None:
@@ -465,12 +504,16 @@ class NvmeRowStore(RowStore):
 
     def close(self) -> None:
         self._pool.shutdown()
+        if self._aio is not None:
+            self._aio.close()
         for fd in self.fds:
             os.close(fd)  # drops the file's lock: a later sweep may remove it
         self.fds = []
 
     def remove_files(self) -> None:
         """Close and delete the page files (scratch)."""
+        if self._aio is not None:
+            self._aio.close()
         for fd in self.fds:
             os.close(fd)
         for path in self.paths:
