@@ -3,6 +3,7 @@
 
     python benchmarks/bench_host_tables.py [--steps 30 --warmup 5 --worlds 1,2 --repeats 2]
     python benchmarks/bench_host_tables.py --locations host,nvme --nvme_dir DIR --cache_gib 0.1
+    python benchmarks/bench_host_tables.py --locations host,nvme,nvme:syscalls --nvme_dir DIR
 
 Workload: the debug Llama (dim 256, 4 layers) with Engram at layers 1 and 2, orders 2-3, 4 heads
 per order, 32 wide per head, vocab_size_per_ngram [200000, 200000] (~51 M table parameters),
@@ -18,7 +19,10 @@ NVMe: page files under `--nvme_dir` (a local disk; default a temporary folder), 
 cache `--cache_gib` split over its two tables; the columns are then (base, other, other / base)
 and the byte columns are the host path's; a line per NVMe run gives its page counts over the
 whole run (pages read, of them paged in ahead of their step, written back, and the pins that
-waited for a page-in still in flight).
+waited for a page-in still in flight). `nvme:syscalls`: NVMe tables with the store's page I/O by
+preadv / pwritev on its I/O threads instead of native AIO batches (parallelisms/engram_tables/
+linux_aio.py). Every location after the first gets its own row against the first, all of them
+alternating within each repeat.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def _raw(folder: str, name: str, world: int, location: str, steps: int, nvme: dict) -> dict:
+def _raw(folder: str, name: str, world: int, variant: str, steps: int, nvme: dict) -> dict:
+    location = variant.split(":")[0]
     raw = {
         "job": {"dump_folder": folder, "run_name": name, "device": "cpu", "seed": 0},
         "model": {"name": "llama3", "flavor": "debug"},
@@ -52,6 +57,7 @@ def _raw(folder: str, name: str, world: int, location: str, steps: int, nvme: di
         "metrics": {"log_freq": 1, "enable_tensorboard": False},
         "parallelism": {"dp_shard": world},
     }
+    raw["bench_page_io"] = variant.split(":")[1] if ":" in variant else "aio"
     if location == "nvme":
         raw["engram"] |= {
             "nvme_dirs": [f"{nvme['dir']}/{name}"],
@@ -61,6 +67,7 @@ def _raw(folder: str, name: str, world: int, location: str, steps: int, nvme: di
 
 
 def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
+    import parallelisms.engram_tables.nvme_store as nvme_store
     import parallelisms.engram_tables.row_store as rs
     from engram.config import config_from_dict
     from engram.optim.lazy_adam import RowSparseOptimizer
@@ -81,6 +88,8 @@ def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
             moved["d2h"] += sum(t.numel() * t.element_size() for t in rg)
         return rg
 
+    if raw.pop("bench_page_io") == "syscalls":
+        nvme_store.aio_available = lambda: "off (benchmark variant nvme:syscalls)"
     rs._gather = counted_gather
     RowSparseOptimizer._row_grad = staticmethod(counted_row_grad)
     cfg = config_from_dict(raw)
@@ -118,32 +127,41 @@ def main() -> None:
     ap.add_argument("--nvme_dir", default=None, help="NVMe page files (default: a temp folder)")
     ap.add_argument("--cache_gib", type=float, default=0.1, help="NVMe host cache per rank")
     args = ap.parse_args()
-    base, other = args.locations.split(",")
+    base, *others = args.locations.split(",")
     print(
-        f"| ranks | {base} step (s) | {other} step (s) | {other} / {base} | H2D MiB / step | "
+        f"| ranks | location | {base} step (s) | its step (s) | its / {base} | H2D MiB / step | "
         "D2H MiB / step |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as tmp:
         nvme = {"dir": args.nvme_dir or tmp, "gib": args.cache_gib}
         for world in (int(w) for w in args.worlds.split(",")):
-            med = {base: [], other: []}
+            med = {loc: [] for loc in (base, *others)}
             host_bytes, pages = None, []
             for rep in range(args.repeats):
-                for loc in (base, other):
-                    raw = _raw(tmp, f"{loc}{world}_{rep}", world, loc, args.steps, nvme)
+                for loc in (base, *others):
+                    name = f"{loc.replace(':', '_')}{world}_{rep}"
+                    raw = _raw(tmp, name, world, loc, args.steps, nvme)
                     res = run_distributed(_worker, world, raw, args.warmup)
                     med[loc].append(statistics.median(res[0]["times"]))
-                    if loc == "nvme":
-                        pages.append({k: sum(r[k] for r in res) for k in res[0] if k != "times"})
+                    if loc.startswith("nvme"):
+                        run = {k: sum(r[k] for r in res) for k in res[0] if k != "times"}
+                        pages.append((loc, run))
                     if loc == "host":  # the host path's gathers (the NVMe path moves pages)
                         host_bytes = (sum(r["h2d"] for r in res), sum(r["d2h"] for r in res))
-            ratio = statistics.median(h / d for h, d in zip(med[other], med[base], strict=True))
-            d, h = statistics.median(med[base]), statistics.median(med[other])
             h2d, d2h = (b / 2**20 for b in host_bytes)
-            print(f"| {world} | {d:.3f} | {h:.3f} | {ratio:.3f} | {h2d:.2f} | {d2h:.2f} |")
-            for run in pages:  # whole run, warmup included: pages read (ahead), written, waited
-                print(f"  nvme pages, {world} rank(s), {args.steps} steps: {run}")
+            d = statistics.median(med[base])
+            for loc in others:
+                ratio = statistics.median(o / b for o, b in zip(med[loc], med[base], strict=True))
+                o = statistics.median(med[loc])
+                print(
+                    f"| {world} | {loc} | {d:.3f} | {o:.3f} | {ratio:.3f} | {h2d:.2f} | {d2h:.2f} |"
+                )
+            for (
+                loc,
+                run,
+            ) in pages:  # whole run, warmup included: pages read (ahead), written, waited
+                print(f"  {loc} pages, {world} rank(s), {args.steps} steps: {run}")
 
 
 if __name__ == "__main__":

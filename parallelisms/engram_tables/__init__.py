@@ -13,7 +13,8 @@ What belongs here is how a table is placed and looked up, nothing of the model o
 - `host.py`: host-resident shards (`HostShardedEngramTable`): lookups through the host row
   store, prefetched lookups queued per table (which ids a step's lookups see under each layout:
   parallelisms/table_prefetch.py).
-- `nvme_store.py`, `nvme.py`: the NVMe backend (page files with O_DIRECT, a thread pool and a
+- `nvme_store.py`, `nvme.py`: the NVMe backend (page files with O_DIRECT, batched native AIO
+  (`linux_aio.py`) on a small thread pool, and a
   host cache with pins, pages read ahead of their step) and the NVMe-resident table over it
   (`NvmeShardedEngramTable`; `page_in_ahead`: a later step's rows, paged in while this one runs).
 - `page_files.py`: the NVMe store's page files: created locked and preallocated, files of dead

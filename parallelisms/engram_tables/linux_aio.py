@@ -3,9 +3,9 @@ no new dependency (libaio is not needed) and no compiled code.
 
 Why: the NVMe store moves thousands of scattered 4 KiB pages a step. One `preadv` / `pwritev`
 per page costs a syscall, a Python call and a blocking wait each (on the development machine
-~20 us of CPU per O_DIRECT page, the store's 4 I/O threads sharing the step's cores); one
-`io_submit` of a few hundred pages and one `io_getevents` for their completions cost ~4-5 us
-of CPU a page and keep the drive's queue full (benchmarks/bench_page_io.py, docs/benchmarks.md).
+~17 us of CPU per O_DIRECT page, on the cores the step computes on); one `io_submit` of a few
+hundred pages and one `io_getevents` for their completions cost ~4 us of CPU a page and keep
+the drive's queue full (benchmarks/bench_page_io.py, docs/benchmarks.md).
 The iocbs are built as one int64 tensor, not per page in Python.
 
 Only with O_DIRECT files (buffered AIO runs synchronously inside io_submit) and only where the

@@ -10,8 +10,11 @@ shard stripe over the directories (one per drive).
 
 I/O. Files are opened with O_DIRECT where the file system allows it (tmpfs, some network file
 systems do not: then buffered, with the reason logged once); buffers are page-aligned slots of
-one anonymous mapping; reads and write-backs of a batch of pages run on a thread pool (os.preadv
-/ os.pwritev release the GIL).
+one anonymous mapping; a batch of page reads or write-backs runs as a task on a small thread
+pool (so page-ins overlap the step): with O_DIRECT, by native Linux AIO (linux_aio.py: one
+io_submit per 256 pages, one io_getevents for their completions), else one os.preadv /
+os.pwritev per run of adjacent pages, the batch split over the pool's threads (they release
+the GIL).
 
 Cache. `cache_bytes` of page slots, least recently used first out; a dirty page is written back
 when it is evicted (and by `flush`). `pin(idx)` loads the pages of rows `idx` and holds them
