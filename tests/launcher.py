@@ -57,6 +57,17 @@ def _worker(fn, rank, world_size, port, args, queue):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _remove_page_files()
+
+
+def _remove_page_files() -> None:
+    """A forked worker ends by os._exit, which runs no atexit: delete the NVMe tables' page
+    files here (each is as large as its shard)."""
+    import sys
+
+    nvme = sys.modules.get("parallelisms.engram_tables.nvme")
+    if nvme is not None:
+        nvme.remove_page_files()
 
 
 def run_distributed(
@@ -116,6 +127,8 @@ def _isolated_worker(fn, args, kwargs, queue):
         queue.put((True, fn(*args, **kwargs)))
     except BaseException as e:  # re-raised in the parent
         queue.put((False, e))
+    finally:
+        _remove_page_files()
 
 
 def run_isolated(fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any) -> Any:

@@ -151,23 +151,28 @@ def test_float8_tensor_parallel_matches_its_single_process_run(runs):
     """float8 linears under TP 2 (sequence + loss parallel; the colwise / rowwise weights are
     DTensors inside Float8Linear). TP changes the fp32 summation order of the forward itself
     (tests/test_parallelisms_tp.py compares 2 steps for that reason) and float8 rounding turns that into
-    larger steps later: measured 1.5e-4 over steps 1-4 and 7.6e-3 at step 5. Step 1 to 1e-5,
-    steps 1-4 to 1e-3, the 5-step mean to 2% (as above)."""
+    larger steps later. How much depends on the CPU's kernels: measured 1.5e-4 over steps 1-4
+    and 7.6e-3 at step 5 on an AVX-512 machine, 6.4e-5 at step 2 and 2.3e-3 at steps 3-4 on
+    an AVX2 one (2026-12-07). Step 1 (identical weights) to 1e-5, step 2 to 1e-3, steps 3-4 to
+    5e-3, the 5-step mean to 2% (as above)."""
     one, tp = np.array(runs["f8_one"]["losses"]), np.array(runs["f8_tp"]["losses"])
     assert runs["f8_tp"]["float8_linears"] == 28
     np.testing.assert_allclose(tp[0], one[0], rtol=1e-5)
-    np.testing.assert_allclose(tp[:4], one[:4], rtol=1e-3)
+    np.testing.assert_allclose(tp[:2], one[:2], rtol=1e-3)
+    np.testing.assert_allclose(tp[:4], one[:4], rtol=5e-3)
     assert abs(tp.mean() - one[:5].mean()) / one[:5].mean() < 0.02
 
 
 @pytest.mark.slow
 def test_float8_fsdp2_tp_composes(runs):
     """float8 + FSDP2 + TP (dp_shard 2 x tp 2 at 4 ranks): the 3 steps it runs track the
-    single-process float8 run (step 1 to 1e-5, then 1e-3 as above)."""
+    single-process float8 run (step 1 to 1e-5, step 2 to 1e-3, step 3 to 5e-3 as above:
+    measured 2.1e-3 at step 3 on an AVX2 machine)."""
     one, got = np.array(runs["f8_one"]["losses"]), np.array(runs["f8_fsdp_tp"]["losses"])
     assert runs["f8_fsdp_tp"]["float8_linears"] == 28
     np.testing.assert_allclose(got[0], one[0], rtol=1e-5)
-    np.testing.assert_allclose(got, one[:3], rtol=1e-3)
+    np.testing.assert_allclose(got[:2], one[:2], rtol=1e-3)
+    np.testing.assert_allclose(got, one[:3], rtol=5e-3)
 
 
 # --------------------------------------------------------------------------- conversion, gates

@@ -193,18 +193,19 @@ def _train_all(rank: int, world: int, raws: list[dict]) -> list[dict]:
     return out
 
 
-def _assert_same_run(got: dict, ref: dict, where: str) -> None:
+def _assert_same_run(got: dict, ref: dict, where: str, adam_steps: float = 0.5) -> None:
     """Losses and grad norms as tests/test_parallelisms_parity.py bounds them (step 1 on identical weights to
     fp32 rounding; later steps 1e-3: Adam turns summation-order noise in near-zero gradient
-    entries into up to a step), eval losses, and updated weights within half an Adam step."""
+    entries into up to a step), eval losses, and updated weights within `adam_steps` Adam steps
+    (half of one in fp32)."""
     _assert_losses_and_norms_match(got, ref, where)
     close = torch.testing.assert_close
     for step, value in ref["eval"].items():
         close(got["eval"][step], value, rtol=1e-5, atol=0, msg=where)
     assert got["weights"].keys() == ref["weights"].keys(), where
     for n, w in ref["weights"].items():
-        half_step = 0.5 * LR * (TABLE_LR_MULT if ".table." in n else 1.0)
-        assert np.abs(got["weights"][n] - w).max() < half_step, f"{where}: {n}"
+        bound = adam_steps * LR * (TABLE_LR_MULT if ".table." in n else 1.0)
+        assert np.abs(got["weights"][n] - w).max() < bound, f"{where}: {n}"
 
 
 # label -> (world, config sections); each runs with loss_chunks 1, 4 and 3 in one launch.
@@ -272,7 +273,10 @@ def test_recipe_runs_match_unchunked(tmp_path, label):
     for rank, (ref, *runs) in enumerate(run_distributed(_train_all, world, raws)):
         assert ref["losses"][-1] < ref["losses"][0], "reference run did not learn"
         for chunks, got in zip((4, 3), runs, strict=True):
-            _assert_same_run(got, ref, f"{label}, rank {rank}, loss_chunks={chunks}")
+            # float8: the chunked loss's other summation order can flip an e4m3 rounding, and
+            # Adam turns the gradient it moves into a step (measured 1.2 steps on an AVX2 CPU).
+            steps = 2.0 if "float8" in extra else 0.5
+            _assert_same_run(got, ref, f"{label}, rank {rank}, loss_chunks={chunks}", steps)
 
 
 def test_generation_runs_the_head_on_the_sampled_position_only():

@@ -71,6 +71,7 @@ from engram.checkpoint.table_delta import (
     chain_record,
 )
 from engram.config import Checkpoint
+from engram.runtime.host_worker import wait_host_work
 from engram.runtime.streamed_columns import streamed_columns
 
 logger = logging.getLogger("engram")
@@ -204,6 +205,7 @@ class CheckpointManager:
         return True
 
     def _check_finite(self, step: int) -> None:
+        wait_host_work()  # host tables: the queued updates write the rows this reads
         local_ok = all(s.all_finite() for s in self.states.values() if isinstance(s, ModelState))
         if not all(all_gather_objects(local_ok)):
             good = self.last_good_checkpoint()

@@ -65,12 +65,14 @@ class ModelState(Stateful):
             set_model_state_dict(part, state_dict, options=StateDictOptions(strict=strict))
 
     def all_finite(self) -> bool:
-        """This rank's parameters and buffers are all finite (local shards only)."""
-        for part in self.parts:
-            for t in list(part.parameters()) + list(part.buffers()):
-                local = t.to_local() if isinstance(t, DTensor) else t
-                if local.is_floating_point() and not bool(torch.isfinite(local).all()):
-                    return False
+        """This rank's parameters and buffers are all finite (local shards only; an NVMe table's
+        rows are in its store, not checked). Call it with no host-table update in flight."""
+        with torch.no_grad():  # no autograd view of a table the host worker updates in place
+            for part in self.parts:
+                for t in list(part.parameters()) + list(part.buffers()):
+                    local = t.to_local() if isinstance(t, DTensor) else t
+                    if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+                        return False
         return True
 
 

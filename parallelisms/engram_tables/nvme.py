@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
 from collections import deque
 from dataclasses import dataclass
 
@@ -53,9 +54,10 @@ from engram.runtime.streamed_columns import ColumnSource, placeholder, source_of
 from parallelisms.engram_tables.host import HostShardedEngramTable
 from parallelisms.engram_tables.nvme_store import NvmeRowStore
 
-__all__ = ["NvmeSettings", "NvmeShardedEngramTable"]
+__all__ = ["NvmeSettings", "NvmeShardedEngramTable", "remove_page_files"]
 
 _TABLE_NUMBERS = itertools.count()
+_STORES: list[tuple[int, NvmeRowStore]] = []  # (pid, store): their files go at exit
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,7 @@ class NvmeShardedEngramTable(HostShardedEngramTable):
             local.shape[0], columns, list(s.dirs), s.cache_bytes_per_table,
             name=f"engram_table{next(_TABLE_NUMBERS)}", direct=s.direct_io,
         )  # fmt: skip
-        atexit.register(_remove, store)
+        _STORES.append((os.getpid(), store))
         return store
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, *rest):
@@ -222,8 +224,13 @@ def _weight_from_store(module, state_dict, prefix, local_metadata):
     return state_dict
 
 
-def _remove(store: NvmeRowStore) -> None:
-    """The page files are scratch: remove them when the process ends (a killed process leaves
-    them to the next store's sweep, page_files.py)."""
-    store.close()
-    store.remove_files()
+@atexit.register
+def remove_page_files() -> None:
+    """Close this process's NVMe row stores and delete their page files (scratch). Runs at
+    exit; a launcher whose processes end by os._exit (multiprocessing's forked workers) calls
+    it itself. A killed process leaves its files to the next store's sweep (page_files.py)."""
+    mine = [store for pid, store in _STORES if pid == os.getpid()]  # not a forking parent's
+    _STORES[:] = [(pid, store) for pid, store in _STORES if pid != os.getpid()]
+    for store in mine:
+        store.close()
+        store.remove_files()
