@@ -1,5 +1,5 @@
 """NVMe-resident Engram tables (engram.table_location = "nvme", parallelisms/engram_tables/nvme.py
-over nvme_store.py): the row store alone (pages, cache, pins, write-back, O_DIRECT, page-ins
+over engram/rowstore/nvme_store.py): the row store alone (pages, cache, pins, write-back, O_DIRECT, page-ins
 racing updates and evictions) and training bitwise equal to device tables (losses, grad norms,
 every table row) over 6 steps at 1 and 2 gloo ranks for both row-sparse optimizers, with a host
 cache many times smaller than the table, on the local disk (pytest's tmp dir), so pages are
@@ -15,8 +15,8 @@ from launcher import run_distributed
 from test_parallelisms_host_tables import _raw, _same
 
 from engram.config import ConfigError, config_from_dict
-from parallelisms.engram_tables import nvme_store
-from parallelisms.engram_tables.nvme_store import NvmeRowStore, page_layout
+from engram.rowstore import nvme_store
+from engram.rowstore.nvme_store import NvmeRowStore, page_layout
 
 # Big enough that a step's rows are a small share of the pages: 800k rows x 16 (51 MB of fp32
 # weights per table, 3x with lazy_adam's moments) against a host cache of 5 MiB / ranks (a
@@ -169,7 +169,7 @@ def test_nvme_needs_dirs_and_a_row_sparse_optimizer():
 def _train(rank: int, world: int, raw: dict) -> dict:
     import recipes.train as recipe
     from engram.optim.lazy_adam import RowSparseOptimizer
-    from engram.runtime.host_worker import row_store_of
+    from engram.rowstore.host_worker import row_store_of
     from parallelisms.engram_tables import NvmeShardedEngramTable
 
     update = RowSparseOptimizer._update

@@ -29,9 +29,9 @@ from torch.distributed.tensor import DTensor
 
 from engram.models.table_grad import clear_row_grad, coalesce_rows, row_grad
 from engram.optim.touched_rows import TouchedRows
+from engram.rowstore.host_worker import HOST_WORKER, is_host_resident, row_store_of, wait_host_work
+from engram.rowstore.streamed_columns import ColumnSource, placeholder, source_of, streaming
 from engram.runtime.distributed import placed_like
-from engram.runtime.host_worker import HOST_WORKER, is_host_resident, row_store_of, wait_host_work
-from engram.runtime.streamed_columns import ColumnSource, placeholder, source_of, streaming
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -133,7 +133,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         out = super().state_dict()
         # A table in a row store: its state columns, read out, as the tensors a host table holds
         # (DCP saves and reshards them alike; the store's files are not the checkpoint), or
-        # while a checkpoint streams, placeholders (engram/runtime/streamed_columns.py).
+        # while a checkpoint streams, placeholders (engram/rowstore/streamed_columns.py).
         for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
             store = row_store_of(p)
             if store is not None and i in out["state"]:

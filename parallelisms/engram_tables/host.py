@@ -19,7 +19,7 @@ queues the gathers, so the lookups find their rows staged; a lookup refuses stag
 than its own. Activation checkpointing does not re-run a lookup: the recompute replays the
 rows of the original forward (no collective, no gather).
 
-The shard is read through its row store (row_store.py, the host backend: gathers on the host
+The shard is read through its row store (engram/rowstore/memory.py, the host backend: gathers on the host
 worker; accelerator specifics there: page-locked staging, side-stream copies).
 """
 
@@ -35,8 +35,9 @@ import torch.distributed as dist
 from torch import nn
 
 from engram.models.table_grad import accumulate_row_grad, coalesce_rows
+from engram.rowstore.host_worker import mark_host_resident, wait_host_work
+from engram.rowstore.memory import HostRowStore, on_device
 from engram.runtime.distributed import placed_like
-from engram.runtime.host_worker import mark_host_resident, wait_host_work
 from parallelisms.engram_tables.lookup import ShardedEngramTable
 from parallelisms.engram_tables.routing import (
     LookupRoute,
@@ -48,7 +49,6 @@ from parallelisms.engram_tables.routing import (
     route_ids,
     save_route,
 )
-from parallelisms.engram_tables.row_store import HostRowStore, on_device
 
 __all__ = ["HostShardedEngramTable", "host_table_modules", "lookups_off_queue"]
 
@@ -155,7 +155,7 @@ class HostShardedEngramTable(ShardedEngramTable):
         return self._route(ids)
 
     def row_store(self) -> HostRowStore:
-        """The shard's row store (the host backend: parallelisms/engram_tables/row_store.py)."""
+        """The shard's row store (the host backend: engram/rowstore/memory.py)."""
         return HostRowStore(self.weight.to_local().detach())
 
     def _route(self, ids: torch.Tensor) -> LookupRoute:

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from engram.rowstore.host_worker import HOST_WORKER
 from engram.runtime.distributed import placed_like
-from engram.runtime.host_worker import HOST_WORKER
 
 CHUNK_BYTES = 64 << 20
 """The most bytes of one table column a streamed save reads out of a store at once (one DCP

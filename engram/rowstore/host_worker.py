@@ -51,7 +51,7 @@ _ROW_STORE = "_engram_row_store"
 
 def attach_row_store(param: torch.Tensor, store: Any) -> None:
     """Give a table parameter the row store that holds its rows and row-sparse optimizer state
-    (parallelisms/engram_tables/nvme_store.py); the row-sparse optimizers update through it."""
+    (engram/rowstore/nvme_store.py); the row-sparse optimizers update through it."""
     setattr(param, _ROW_STORE, store)
 
 

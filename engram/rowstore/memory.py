@@ -19,7 +19,7 @@ only through it:
 Backends: `DeviceRowStore` (the shard tensor in device memory: reads and writes are index ops,
 pin / release are no-ops) and `HostRowStore` (the shard in host memory: reads for the device
 are host-side gathers into page-locked staging on the FIFO host worker,
-engram/runtime/host_worker.py, copied to the device on a side stream); the NVMe backend is
+engram/rowstore/host_worker.py, copied to the device on a side stream); the NVMe backend is
 nvme_store.py. sharding.py pairs each engram.table_location with its backend.
 """
 
@@ -29,7 +29,7 @@ from concurrent.futures import Future
 
 import torch
 
-from engram.runtime.host_worker import HOST_WORKER, wait_host_work
+from engram.rowstore.host_worker import HOST_WORKER, wait_host_work
 
 __all__ = [
     "STAGING_CHUNK_BYTES",

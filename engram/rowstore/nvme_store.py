@@ -21,7 +21,7 @@ when it is evicted (and by `flush`). `pin(idx)` loads the pages of rows `idx` an
 until `release(idx)`: a step's rows stay in host memory from prefetch to their last use, so
 reads and updates never wait on the disk mid-step. A pin that cannot fit the cache is refused,
 naming the setting to raise. The store is not thread-safe: the tables use it from the one FIFO
-host worker (engram/runtime/host_worker.py).
+host worker (engram/rowstore/host_worker.py).
 
 Page-in ahead. `page_in(idx)` (queued on the worker while step N computes, with step N+1's
 rows) starts reading the uncached pages of rows `idx` into free or evicted slots on the I/O pool
@@ -65,11 +65,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from engram.rowstore.host_worker import HOST_WORKER
+from engram.rowstore.linux_aio import DEPTH, AioContexts, aio_available
+from engram.rowstore.memory import RowStore
+from engram.rowstore.page_files import create_page_file, page_io_error
 from engram.runtime import faults
-from engram.runtime.host_worker import HOST_WORKER
-from parallelisms.engram_tables.linux_aio import DEPTH, AioContexts, aio_available
-from parallelisms.engram_tables.page_files import create_page_file, page_io_error
-from parallelisms.engram_tables.row_store import RowStore
 
 __all__ = ["PAGE_BYTES", "NvmeRowStore", "page_layout"]
 
@@ -465,7 +465,7 @@ class NvmeRowStore(RowStore):
 
     def snapshot(self, name: str | None = None) -> torch.Tensor:
         """Column `name` (default the weight) of every row (the whole column in host memory:
-        a checkpoint streams it with `read_range` instead, engram/runtime/streamed_columns.py)."""
+        a checkpoint streams it with `read_range` instead, engram/rowstore/streamed_columns.py)."""
         return self.read_range(name or next(iter(self.columns)), 0, self.rows)
 
     def read_range(self, name: str, r0: int, n: int) -> torch.Tensor:
