@@ -68,7 +68,7 @@ def _raw(folder: str, name: str, world: int, variant: str, steps: int, nvme: dic
 
 def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
     import engram.rowstore.memory as rs
-    import engram.rowstore.nvme_store as nvme_store
+    import engram.rowstore.page_io as page_io
     from engram.config import config_from_dict
     from engram.optim.lazy_adam import RowSparseOptimizer
     from engram.rowstore.host_worker import is_host_resident
@@ -89,7 +89,7 @@ def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
         return rg
 
     if raw.pop("bench_page_io") == "syscalls":
-        nvme_store.aio_available = lambda: "off (benchmark variant nvme:syscalls)"
+        page_io.aio_available = lambda: "off (benchmark variant nvme:syscalls)"
     rs._gather = counted_gather
     RowSparseOptimizer._row_grad = staticmethod(counted_row_grad)
     cfg = config_from_dict(raw)

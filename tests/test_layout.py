@@ -256,7 +256,9 @@ def test_imports_go_down_the_layers(imports):
 
 
 # The storage under a table shard: parallelisms/ uses the row stores, never their files or I/O.
-STORAGE_INTERNALS = ("engram.rowstore.page_files", "engram.rowstore.linux_aio")
+STORAGE_INTERNALS = tuple(
+    f"engram.rowstore.{m}" for m in ("page_files", "page_io", "page_cache", "linux_aio")
+)
 
 
 def storage_reaches(imports: list[Import]) -> list[str]:

@@ -1,5 +1,5 @@
-"""The NVMe row store under failures (engram/rowstore/page_files.py, nvme_store.py,
-engram/runtime/faults.py): page files left by a kill -9 are swept by the next store without
+"""The NVMe row store under failures (engram/rowstore/page_files.py, page_io.py,
+nvme_store.py, engram/runtime/faults.py): page files left by a kill -9 are swept by the next store without
 touching a live store's; files are preallocated, so a drive that cannot hold them fails at
 start, naming the fix; ENOSPC / EIO mid-write-back is an error that names the fix and surfaces
 on the host worker's next result and wait (the main thread), failing every later job."""

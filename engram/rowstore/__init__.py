@@ -11,7 +11,11 @@ backend (sharding.py `LOCATION_BACKENDS`).
 - `memory.py`: the row-store interface (`RowStore`) and the memory backends (`DeviceRowStore`,
   `HostRowStore`: host-side gathers into page-locked staging on the host worker).
 - `nvme_store.py`: the NVMe backend (`NvmeRowStore`): rows and optimizer state as fp32 records
-  in pages, a bounded host cache with pins, pages read ahead of their step.
+  in pages, over its page cache and page I/O:
+  - `page_cache.py`: which page is in which host slot (LRU, dirty pages written back when
+    evicted, pins, pages read ahead of their step, and why a step still sees exact rows);
+  - `page_io.py`: the page files and the moves of pages between them and the slots (native
+    AIO with O_DIRECT, else preadv / pwritev, on a small thread pool).
 - `page_files.py`: the NVMe store's page files: created locked and preallocated, files of dead
   runs swept, page I/O errors that name the fix.
 - `linux_aio.py`: batched native Linux AIO (io_submit / io_getevents) for O_DIRECT pages.

@@ -1,9 +1,10 @@
 """NVMe-resident Engram table shards (engram.table_location = "nvme").
 
 The host table's lookup (host.py: route on the device, gather on the FIFO host worker, rows
-all-to-all back) over an NVMe row store (engram/rowstore/nvme_store.py) instead of a host tensor: each rank's
-shard rows and their row-sparse optimizer state live in page files under engram.nvme_dirs, with
-a host cache of engram.nvme_host_cache_gib in front (split over the rank's NVMe tables).
+all-to-all back) over an NVMe row store (engram/rowstore/nvme_store.py) instead of a host
+tensor: each rank's shard rows and their row-sparse optimizer state live in page files under
+engram.nvme_dirs, with a host cache of engram.nvme_host_cache_gib in front (split over the
+rank's NVMe tables).
 
 - Prefetch (the batch's hash ids, at the start of a step, as for host tables) pins the rows a
   lookup needs in the cache on the worker; the row-sparse optimizer updates them there
@@ -13,9 +14,9 @@ a host cache of engram.nvme_host_cache_gib in front (split over the rank's NVMe 
 - Page-in ahead: with the loader read ahead (runner/loop.py), the step routes the next step's
   ids while it runs (`page_in_ahead`, called per lookup by parallelisms/table_prefetch.py
   `page_in_nvme_tables`: the collective, in the same order on every rank) and the
-  store starts reading their uncached pages on its I/O pool (engram/rowstore/nvme_store.py `page_in`, whose
-  docstring has the exactness argument); the next step's prefetch takes that route instead of
-  routing again.
+  store starts reading their uncached pages on its I/O pool (the store's `page_in`; the
+  exactness argument is engram/rowstore/page_cache.py's docstring); the next step's prefetch
+  takes that route instead of routing again.
 - The weight parameter keeps its shape and placement but no rows: its local piece is a
   zero-stride view of one element. `to_empty` of the meta-built table creates the store, and
   the layout-independent init (engram/models/init.py) writes its row chunks straight into it:
