@@ -59,9 +59,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Collect every table's row gradient and the group's hyper-parameters now, then update:
-        here, or for host-resident tables (parallelisms/engram_tables/host.py) on the host
-        worker, which overlaps the next forward (its later gathers queue behind the update:
-        exact)."""
+        here, or for tables outside device memory (engram.table_location host / nvme) on the
+        host worker (engram/rowstore/host_worker.py), which overlaps the next forward (its later
+        gathers queue behind the update: exact)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -8,8 +8,10 @@ checkpoints (engram/checkpoint/), the init (engram/models/init.py) and the Huggi
 looked up: that is parallelisms/engram_tables/, which pairs each engram.table_location with its
 backend (sharding.py `LOCATION_BACKENDS`).
 
-- `memory.py`: the row-store interface (`RowStore`) and the memory backends (`DeviceRowStore`,
-  `HostRowStore`: host-side gathers into page-locked staging on the host worker).
+- `interface.py`: the row-store interface (`RowStore`), and `ColumnRowStore`: a store that keeps
+  the row-sparse optimizer state beside each row, the type its readers in engram/ hold.
+- `memory.py`: the memory backends (`DeviceRowStore`, `HostRowStore`: host-side gathers into
+  page-locked staging on the host worker).
 - `nvme_store.py`: the NVMe backend (`NvmeRowStore`): rows and optimizer state as fp32 records
   in pages, over its page cache and page I/O:
   - `page_cache.py`: which page is in which host slot (LRU, dirty pages written back when

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 import torch
 
 from engram.rowstore.host_worker import HOST_WORKER
-from engram.rowstore.memory import RowStore
+from engram.rowstore.interface import ColumnRowStore
 from engram.rowstore.page_cache import PageCache
 from engram.rowstore.page_io import PageIO
 
@@ -44,7 +44,7 @@ def page_layout(record_bytes: int) -> tuple[int, int]:
     return page, page // record_bytes
 
 
-class NvmeRowStore(RowStore):
+class NvmeRowStore(ColumnRowStore):
     """Rows [rows, columns...] of one shard in page files under `dirs`, cached in `cache_bytes`
     of host memory (see the module docstring). `columns`: name -> width in fp32 values (0: one
     value per row, read as shape [n]); the first is the weight."""

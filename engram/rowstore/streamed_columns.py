@@ -1,6 +1,6 @@
 """Streamed table columns: checkpoint NVMe tables without holding a shard in host memory.
 
-An NVMe table's rows and optimizer state live in a row store (parallelisms/engram_tables/
+An NVMe table's rows and optimizer state live in a row store (a `ColumnRowStore`,
 nvme_store.py), not in tensors. Inside `streamed_columns()` (the checkpointer's synchronous
 saves, its loads, and a table delta's DCP part) their state dicts hold placeholders instead of
 columns read out of the store: a zero-stride view of one element, placed like the table (a
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from engram.rowstore.host_worker import HOST_WORKER
+from engram.rowstore.interface import ColumnRowStore
 from engram.runtime.distributed import placed_like
 
 CHUNK_BYTES = 64 << 20
@@ -40,7 +41,7 @@ class ColumnSource:
     Reads and writes run on the host worker, behind every queued update and prefetch: the store
     is used from that one thread only."""
 
-    store: Any
+    store: ColumnRowStore
     name: str
 
     @property

@@ -169,7 +169,7 @@ class NvmeShardedEngramTable(HostShardedEngramTable):
         if key in missing:
             missing.remove(key)
 
-    def row_store(self) -> NvmeRowStore:  # type: ignore[override]
+    def row_store(self) -> NvmeRowStore:
         return self.spill()
 
     def prefetch(self, ids: torch.Tensor) -> None:
@@ -229,7 +229,8 @@ def _weight_from_store(module, state_dict, prefix, local_metadata):
 def remove_page_files() -> None:
     """Close this process's NVMe row stores and delete their page files (scratch). Runs at
     exit; a launcher whose processes end by os._exit (multiprocessing's forked workers) calls
-    it itself. A killed process leaves its files to the next store's sweep (engram/rowstore/page_files.py)."""
+    it itself. A killed process leaves its files to the next store's sweep
+    (engram/rowstore/page_files.py)."""
     mine = [store for pid, store in _STORES if pid == os.getpid()]  # not a forking parent's
     _STORES[:] = [(pid, store) for pid, store in _STORES if pid != os.getpid()]
     for store in mine:

@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from engram.config.table_locations import TABLE_LOCATIONS, table_location_spec
-from engram.rowstore.memory import DeviceRowStore, HostRowStore, RowStore
+from engram.rowstore.interface import RowStore
+from engram.rowstore.memory import DeviceRowStore, HostRowStore
 from engram.rowstore.nvme_store import NvmeRowStore
 from parallelisms.engram_tables.host import HostShardedEngramTable
 from parallelisms.engram_tables.lookup import ShardedEngramTable
