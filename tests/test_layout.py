@@ -274,6 +274,19 @@ def test_parallelisms_use_row_stores_not_page_files_or_aio(imports):
     assert not bad, "\n".join(bad)
 
 
+# Entry points that read a run's weights without training (a DeepSpeed step folder included).
+READERS_WITHOUT_RUNNER = ("recipes.generate", "scripts.export_hf", "scripts.eval_perplexity")
+
+
+def test_generation_and_export_read_runs_without_the_runner(imports):
+    bad = [
+        imp.where()
+        for imp in imports
+        if imp.importer in READERS_WITHOUT_RUNNER and imp.target.split(".")[0] == "runner"
+    ]
+    assert not bad, "read step folders through engram/checkpoint/:\n" + "\n".join(bad)
+
+
 def test_engram_has_no_loose_modules():
     loose = sorted(p.name for p in (ROOT / "engram").glob("*.py") if p.name != "__init__.py")
     assert not loose, f"engram/ holds loose modules {loose}: move each into the room it serves"
