@@ -230,11 +230,76 @@ def write_shard(out: Path, index: int, header: dict[str, Any], opts: Options) ->
     return done
 
 
-def _write_shard_job(args: tuple[Path, int, dict[str, Any], Options]) -> dict[str, Any]:
-    return write_shard(*args)
+def _write_shard_job(args: tuple[Path, Options, int, dict[str, Any]]) -> dict[str, Any]:
+    out, opts, index, header = args
+    return write_shard(out, index, header, opts)
 
 
 # ----------------------------------------------------------------------------- driver
+
+
+def write_shards(
+    out: Path,
+    headers: list[dict[str, Any]],
+    bytes_of: list[int],
+    files: tuple[str, ...],
+    job: Any,
+    init: Any,
+    init_args: tuple,
+    job_args: tuple,
+    workers: int,
+    progress: bool,
+) -> list[dict[str, Any]]:
+    """Write the shards of `headers` not finished yet (a finished one: its header json matches
+    and its `files` exist), `workers` processes at a time (each started by `init(*init_args)`,
+    a shard written by `job((*job_args, index, header))`); the finished headers, in order."""
+    done: dict[int, dict[str, Any]] = {}
+    for i, header in enumerate(headers):
+        path = out / f"{shard_name(i)}.json"
+        if path.is_file():
+            old = json.loads(path.read_text(encoding="utf-8"))
+            if any(old.get(k) != v for k, v in header.items()):
+                raise ValueError(
+                    f"{path} was written by a prepare with other inputs, tokenizer or options: "
+                    f"use a new --out folder, or delete {out} to start over"
+                )
+            if all((out / f"{shard_name(i)}{suffix}").is_file() for suffix in files):
+                done[i] = old
+    todo = [i for i in range(len(headers)) if i not in done]
+    total_bytes = sum(bytes_of)
+    seen = sum(bytes_of[i] for i in done)
+    t0 = time.perf_counter()
+
+    def report(final: bool = False) -> None:
+        if not progress:
+            return
+        dt = max(time.perf_counter() - t0, 1e-9)
+        sys.stderr.write(
+            f"\rprepare: {len(done)}/{len(headers)} shards, {seen / 1e6:,.1f}/"
+            f"{total_bytes / 1e6:,.1f} MB ({100 * seen / max(total_bytes, 1):.0f}%), "
+            f"{seen / 1e6 / dt:.1f} MB/s" + ("\n" if final else "")
+        )
+        sys.stderr.flush()
+
+    if done:
+        report()
+    jobs = [(*job_args, i, headers[i]) for i in todo]
+    if workers > 1 and len(jobs) > 1:
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        with ctx.Pool(workers, init, init_args) as pool:
+            for result in pool.imap_unordered(job, jobs):
+                i = int(result["name"].split("_")[1])
+                done[i], seen = result, seen + bytes_of[i]
+                report()
+    else:
+        init(*init_args)
+        for args in jobs:
+            result = job(args)
+            i = int(result["name"].split("_")[1])
+            done[i], seen = result, seen + bytes_of[i]
+            report()
+    report(final=True)
+    return [done[i] for i in range(len(headers))]
 
 
 def prepare(inputs: list[str], out: str | Path, opts: Options, progress: bool = True) -> dict:
@@ -259,55 +324,11 @@ def prepare(inputs: list[str], out: str | Path, opts: Options, progress: bool = 
         {**common, "segments": [list(s) for s in segs], "source_sha256": [sha[s[0]] for s in segs]}
         for segs in plan
     ]
-    done: dict[int, dict[str, Any]] = {}
-    for i, header in enumerate(headers):
-        path = out / f"{shard_name(i)}.json"
-        if path.is_file():
-            old = json.loads(path.read_text(encoding="utf-8"))
-            if any(old.get(k) != v for k, v in header.items()):
-                raise ValueError(
-                    f"{path} was written by a prepare with other inputs, tokenizer or options: "
-                    f"use a new --out folder, or delete {out} to start over"
-                )
-            if (out / f"{shard_name(i)}.bin").is_file() and (
-                out / f"{shard_name(i)}.idx"
-            ).is_file():
-                done[i] = old
-    todo = [i for i in range(len(headers)) if i not in done]
-    total_bytes = sum(s["bytes"] for s in sources)
     bytes_of = [sum(e - s for _, s, e in segs) for segs in plan]
-    seen = sum(bytes_of[i] for i in done)
-    t0 = time.perf_counter()
-
-    def report(final: bool = False) -> None:
-        if not progress:
-            return
-        dt = max(time.perf_counter() - t0, 1e-9)
-        sys.stderr.write(
-            f"\rprepare: {len(done)}/{len(headers)} shards, {seen / 1e6:,.1f}/"
-            f"{total_bytes / 1e6:,.1f} MB ({100 * seen / max(total_bytes, 1):.0f}%), "
-            f"{seen / 1e6 / dt:.1f} MB/s" + ("\n" if final else "")
-        )
-        sys.stderr.flush()
-
-    if done:
-        report()
-    jobs = [(out, i, headers[i], opts) for i in todo]
-    if opts.workers > 1 and len(jobs) > 1:
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        with ctx.Pool(opts.workers, _init_worker, (opts.tokenizer_path,)) as pool:
-            for result in pool.imap_unordered(_write_shard_job, jobs):
-                i = int(result["name"].split("_")[1])
-                done[i], seen = result, seen + bytes_of[i]
-                report()
-    else:
-        _init_worker(opts.tokenizer_path)
-        for job in jobs:
-            result = write_shard(*job)
-            done[job[1]], seen = result, seen + bytes_of[job[1]]
-            report()
-    report(final=True)
-    shards = [done[i] for i in range(len(headers))]
+    shards = write_shards(
+        out, headers, bytes_of, (".bin", ".idx"), _write_shard_job, _init_worker,
+        (opts.tokenizer_path,), (out, opts), opts.workers, progress,
+    )  # fmt: skip
     manifest = {
         "format": FORMAT,
         "tokenizer": {
