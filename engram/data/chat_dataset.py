@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from engram.data.sft_shards import SftShards, is_prepared
 from engram.data.synthetic_chat import synthetic_chat_records
 from engram.data.tokenizer import Tokenizer
 
+logger = logging.getLogger("engram")
 _CACHE: dict[tuple, Any] = {}
 _CACHE_LIMIT = 8
 
@@ -58,6 +60,12 @@ def _table(job_cfg: JobConfig, tokenizer: Tokenizer, split: str):
     data = job_cfg.data
     template = load_chat_template(tokenizer, data.chat_template)
     kwargs = data.chat_kwargs()
+    if template is not None and "strftime_now" in template.source and not kwargs:
+        logger.warning(
+            f"the chat template {template.origin} calls strftime_now: what it renders (e.g. a "
+            "'Today Date' line) changes with the day, and so the data. Fix it with "
+            'data.chat_template_kwargs, e.g. \'{"date_string": "26 Jul 2024"}\' for Llama 3'
+        )
     tsha = None if template is None else template.sha256
     if data.dataset == "synthetic_chat":
         args = (

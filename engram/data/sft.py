@@ -163,12 +163,17 @@ class SftSamples:
     def _counts(
         skipped: list[str], truncated: list[str], dropped: list[str], emptied: list[str]
     ) -> str:
-        return (
-            f"{len(skipped)} skipped without an assistant turn or text{_first(skipped)}, "
-            f"{len(truncated)} truncated to seq_len + 1{_first(truncated)}, "
-            f"{len(dropped)} dropped as longer than seq_len + 1{_first(dropped)}, "
-            f"{len(emptied)} dropped as truncation left no target{_first(emptied)}"
-        )
+        parts = [
+            f"{len(items)} {what}{_first(items)}"
+            for items, what in (
+                (skipped, "skipped without an assistant turn or text"),
+                (truncated, "truncated to seq_len + 1"),
+                (dropped, "dropped as longer than seq_len + 1"),
+                (emptied, "dropped as truncation left no target"),
+            )
+            if items
+        ]
+        return ", ".join(parts) or "none skipped, truncated or dropped"
 
     def _rows(self, pack: bool) -> np.ndarray:
         """Row r holds conversations conv[bounds[r]:bounds[r + 1]] (next-fit in conv order)."""
