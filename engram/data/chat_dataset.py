@@ -30,6 +30,7 @@ from engram.data.datasets import heldout_indices
 from engram.data.prepare import file_sha256
 from engram.data.sft import ConversationArrays, SftSamples
 from engram.data.sft_shards import SftShards, is_prepared
+from engram.data.shards import SFT_FORMAT, read_manifest
 from engram.data.synthetic_chat import synthetic_chat_records
 from engram.data.tokenizer import Tokenizer
 
@@ -84,8 +85,9 @@ def _table(job_cfg: JobConfig, tokenizer: Tokenizer, split: str):
         )
         return table, np.arange(len(table.lengths)), skipped
     if is_prepared(data.path):
+        manifest = read_manifest(Path(data.path), SFT_FORMAT)
         table = _cached(
-            ("prepared", str(Path(data.path).resolve()), tokenizer.fingerprint, tsha),
+            ("prepared", str(Path(data.path).resolve()), manifest["fingerprint"], tsha),
             lambda: SftShards(data.path, tokenizer.fingerprint, tokenizer.vocab_size, tsha),
         )
         # the manifest names the first few skipped records: pad to the count
@@ -118,18 +120,11 @@ def build_chat_samples(job_cfg: JobConfig, tokenizer: Tokenizer, split: str) -> 
     if split not in ("train", "val"):
         raise ValueError(f"unknown split {split!r}; valid splits: train, val")
     data, seq_len, seed = job_cfg.data, job_cfg.training.seq_len, job_cfg.job.seed
-    key = (
-        "samples",
-        json.dumps(job_cfg.to_dict()["data"], sort_keys=True),
-        tokenizer.fingerprint,
-        seq_len,
-        seed,
-        split,
-    )
-
-    def build() -> SftSamples:
-        table, members, skipped = _table(job_cfg, tokenizer, split)
-        return SftSamples(
+    table, members, skipped = _table(job_cfg, tokenizer, split)
+    options = (data.pack, data.overflow, data.train_on, tokenizer.pad_id)
+    return _cached(
+        ("samples", table.fingerprint, seq_len, seed, split, options),
+        lambda: SftSamples(
             table,
             members,
             seq_len,
@@ -141,6 +136,5 @@ def build_chat_samples(job_cfg: JobConfig, tokenizer: Tokenizer, split: str) -> 
             pad_id=tokenizer.pad_id,
             skipped=skipped,
             name=data.dataset if data.dataset == "synthetic_chat" else f"chat {data.path}",
-        )
-
-    return _cached(key, build)
+        ),
+    )

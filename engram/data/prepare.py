@@ -88,12 +88,31 @@ def _boundary(path: Path, target: int, size: int) -> int:
         return min(f.tell(), size)
 
 
+def _row_group_bytes(path: Path) -> list[int]:
+    import pyarrow.parquet as pq  # chat inputs only (prepare_sft.py)
+
+    meta = pq.ParquetFile(path).metadata
+    return [meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)]
+
+
 def plan_shards(files: list[Path], shard_bytes: int) -> list[list[tuple[str, int, int]]]:
-    """Shards as lists of (file, start byte, end byte), each ~shard_bytes of input."""
+    """Shards as lists of (file, start, end), each ~shard_bytes of input: byte ranges of text
+    files (cut at document starts), row-group ranges of .parquet files."""
     plan: list[list[tuple[str, int, int]]] = []
     job: list[tuple[str, int, int]] = []
     used = 0
     for path in files:
+        if path.suffix == ".parquet":
+            for g, size in enumerate(_row_group_bytes(path)):
+                if job and job[-1][0] == str(path) and job[-1][2] == g:
+                    job[-1] = (str(path), job[-1][1], g + 1)
+                else:
+                    job.append((str(path), g, g + 1))
+                used += size
+                if used >= shard_bytes:
+                    plan.append(job)
+                    job, used = [], 0
+            continue
         size, pos = path.stat().st_size, 0
         while pos < size:
             cut = _boundary(path, pos + shard_bytes - used, size)
@@ -107,6 +126,40 @@ def plan_shards(files: list[Path], shard_bytes: int) -> list[list[tuple[str, int
     if job:
         plan.append(job)
     return plan
+
+
+def segment_bytes(segment: tuple[str, int, int]) -> int:
+    """Input bytes of a planned segment (progress accounting)."""
+    name, start, end = segment
+    if name.endswith(".parquet"):
+        return sum(_row_group_bytes(Path(name))[start:end])
+    return end - start
+
+
+def plan_headers(
+    files: list[Path], shard_bytes: int, common: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int]]:
+    """(sources: path, bytes, sha256 of every input; shard headers: `common` plus the shard's
+    segments and their files' sha256; input bytes of each shard)."""
+    sources = [{"path": str(f), "bytes": f.stat().st_size, "sha256": file_sha256(f)} for f in files]
+    sha = {s["path"]: s["sha256"] for s in sources}
+    plan = plan_shards(files, shard_bytes)
+    headers = [
+        {**common, "segments": [list(s) for s in segs], "source_sha256": [sha[s[0]] for s in segs]}
+        for segs in plan
+    ]
+    return sources, headers, [sum(segment_bytes(s) for s in segs) for segs in plan]
+
+
+def manifest_tokenizer(tok: Tokenizer, path: str) -> dict[str, Any]:
+    """The manifest's record of the tokenizer that prepared the shards."""
+    return {
+        "fingerprint": tokenizer_fingerprint(tok),
+        "path": path,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "bos_id": tok.bos_id,
+    }
 
 
 def file_sha256(path: Path) -> str:
@@ -308,8 +361,6 @@ def prepare(inputs: list[str], out: str | Path, opts: Options, progress: bool = 
     out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(opts.tokenizer_path)
     files = input_files(inputs)
-    sources = [{"path": str(f), "bytes": f.stat().st_size, "sha256": file_sha256(f)} for f in files]
-    sha = {s["path"]: s["sha256"] for s in sources}
     dtype = token_dtype(tok.vocab_size)
     common = {
         "format": FORMAT,
@@ -319,25 +370,14 @@ def prepare(inputs: list[str], out: str | Path, opts: Options, progress: bool = 
         "append_eos": opts.append_eos,
         "prepend_bos": opts.prepend_bos,
     }
-    plan = plan_shards(files, opts.shard_bytes)
-    headers = [
-        {**common, "segments": [list(s) for s in segs], "source_sha256": [sha[s[0]] for s in segs]}
-        for segs in plan
-    ]
-    bytes_of = [sum(e - s for _, s, e in segs) for segs in plan]
+    sources, headers, bytes_of = plan_headers(files, opts.shard_bytes, common)
     shards = write_shards(
         out, headers, bytes_of, (".bin", ".idx"), _write_shard_job, _init_worker,
         (opts.tokenizer_path,), (out, opts), opts.workers, progress,
     )  # fmt: skip
     manifest = {
         "format": FORMAT,
-        "tokenizer": {
-            "fingerprint": common["tokenizer_fingerprint"],
-            "path": opts.tokenizer_path,
-            "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id,
-            "bos_id": tok.bos_id,
-        },
+        "tokenizer": manifest_tokenizer(tok, opts.tokenizer_path),
         "dtype": dtype.str,
         "text_field": opts.text_field,
         "append_eos": opts.append_eos,

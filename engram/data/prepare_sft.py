@@ -30,7 +30,7 @@ import numpy as np
 from engram.data.chat_encode import ChatEncoder
 from engram.data.chat_records import iter_jsonl, iter_parquet, parse_record, record_files
 from engram.data.chat_template import load_chat_template
-from engram.data.prepare import _boundary, file_sha256, write_shards
+from engram.data.prepare import manifest_tokenizer, plan_headers, write_shards
 from engram.data.shards import (
     MANIFEST,
     SFT_FORMAT,
@@ -54,51 +54,6 @@ class ChatOptions:
     """JSON object of extra template variables (data.chat_template_kwargs)."""
     shard_bytes: int = 256 << 20
     workers: int = 1
-
-
-def plan_chat_shards(files: list[Path], shard_bytes: int) -> list[list[tuple[str, int, int]]]:
-    """Shards as lists of (file, start, end): bytes of a .jsonl, row groups of a .parquet."""
-    import pyarrow.parquet as pq
-
-    plan: list[list[tuple[str, int, int]]] = []
-    job: list[tuple[str, int, int]] = []
-    used = 0
-    for path in files:
-        if path.suffix == ".parquet":
-            meta = pq.ParquetFile(path).metadata
-            for g in range(meta.num_row_groups):
-                if job and job[-1][0] == str(path) and job[-1][2] == g:
-                    job[-1] = (str(path), job[-1][1], g + 1)
-                else:
-                    job.append((str(path), g, g + 1))
-                used += meta.row_group(g).total_byte_size
-                if used >= shard_bytes:
-                    plan.append(job)
-                    job, used = [], 0
-            continue
-        size, pos = path.stat().st_size, 0
-        while pos < size:
-            cut = _boundary(path, pos + shard_bytes - used, size)
-            if cut > pos:
-                job.append((str(path), pos, cut))
-                used += cut - pos
-                pos = cut
-            if used >= shard_bytes:
-                plan.append(job)
-                job, used = [], 0
-    if job:
-        plan.append(job)
-    return plan
-
-
-def _segment_bytes(seg: tuple[str, int, int]) -> int:
-    name, start, end = seg
-    if name.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        meta = pq.ParquetFile(name).metadata
-        return sum(meta.row_group(g).total_byte_size for g in range(start, end))
-    return end - start
 
 
 # ----------------------------------------------------------------------------- workers
@@ -209,8 +164,6 @@ def prepare_chat(
     if not isinstance(kwargs, dict):
         raise ValueError("--chat-template-kwargs must be a JSON object {...}")
     files = [f for p in inputs for f in record_files(p)]
-    sources = [{"path": str(f), "bytes": f.stat().st_size, "sha256": file_sha256(f)} for f in files]
-    sha = {s["path"]: s["sha256"] for s in sources}
     dtype = token_dtype(tok.vocab_size)
     common = {
         "format": SFT_FORMAT,
@@ -219,12 +172,7 @@ def prepare_chat(
         "chat_template_sha256": None if template is None else template.sha256,
         "chat_template_kwargs": kwargs,
     }
-    plan = plan_chat_shards(files, opts.shard_bytes)
-    headers = [
-        {**common, "segments": [list(s) for s in segs], "source_sha256": [sha[s[0]] for s in segs]}
-        for segs in plan
-    ]
-    bytes_of = [sum(_segment_bytes(s) for s in segs) for segs in plan]
+    sources, headers, bytes_of = plan_headers(files, opts.shard_bytes, common)
     init_args = (opts.tokenizer_path, opts.chat_template, json.dumps(kwargs))
     shards = write_shards(
         out, headers, bytes_of, SHARD_FILES, _write_chat_job, _init_chat_worker, init_args,
@@ -233,14 +181,7 @@ def prepare_chat(
     skipped_first = [w for s in shards for w in s["skipped_first"]][:_SHOW]
     manifest = {
         "format": SFT_FORMAT,
-        "tokenizer": {
-            "fingerprint": common["tokenizer_fingerprint"],
-            "path": opts.tokenizer_path,
-            "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id,
-            "bos_id": tok.bos_id,
-            "pad_id": tok.pad_id,
-        },
+        "tokenizer": {**manifest_tokenizer(tok, opts.tokenizer_path), "pad_id": tok.pad_id},
         "chat_template": None
         if template is None
         else {"sha256": template.sha256, "origin": template.origin},

@@ -32,7 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
-from engram.data.tokens import permute, round_keys
+from engram.data.tokens import EpochOrder
 
 logger = logging.getLogger("engram")
 IGNORE = -100
@@ -104,8 +104,6 @@ class SftSamples:
         self.train_on = train_on
         self.pad_id = pad_id
         self.split = split
-        self.key = [seed, 0x5F7, 1 if split == "val" else 0]
-        self._keys: tuple[int, np.ndarray] | None = None
         order = np.asarray(members, dtype=np.int64)
         order = order[np.random.default_rng([seed, 0x5F7, 2]).permutation(len(order))]
         lengths = table.lengths[order]
@@ -140,6 +138,7 @@ class SftSamples:
             )
         self.bounds = self._rows(pack)
         self.rows = len(self.bounds) - 1
+        self.row_of = EpochOrder(self.rows, [seed, 0x5F7, 1 if split == "val" else 0])
         counts = self._counts(skipped or [], truncated, dropped, emptied)
         self.report = {
             "conversations": len(self.conv),
@@ -187,17 +186,6 @@ class SftSamples:
             used += n
         bounds.append(len(self.length))
         return np.asarray(bounds, dtype=np.int64)
-
-    def row_of(self, positions: np.ndarray) -> np.ndarray:
-        """Row of sample positions j >= 0: one seeded permutation of the rows per epoch."""
-        epoch = positions // self.rows
-        rows = np.empty_like(positions)
-        for e in np.unique(epoch):
-            sel = epoch == e
-            if self._keys is None or self._keys[0] != e:
-                self._keys = (int(e), round_keys([*self.key, int(e)]))
-            rows[sel] = permute(positions[sel] % self.rows, self.rows, self._keys[1])
-        return rows
 
     def row(self, r: int) -> dict[str, np.ndarray]:
         x = np.full(self.cap, self.pad_id, dtype=np.int64)
