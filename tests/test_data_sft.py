@@ -349,3 +349,37 @@ def test_export_keeps_the_chat_template(tmp_path, style):
         assert generation["eos_token_id"] == [tok.eos_id, tok.hf.token_to_id("<|eot_id|>")]
     else:
         assert generation["eos_token_id"] == tok.eos_id
+
+
+def test_prepare_data_script_chat_mode(tmp_path, capsys):
+    import importlib.util
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location(
+        "prepare_data", root / "scripts" / "prepare_data.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    src = _write_jsonl(tmp_path / "src" / "a.jsonl", _records(30))
+    module.main(["--chat", "--input", str(src), "--out", str(tmp_path / "out"), "--quiet"])
+    assert "30 conversations" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "dataset.json").read_text())["format"] == "engram-sft/1"
+    bad = tmp_path / "bad" / "b.jsonl"
+    _write_jsonl(bad, _records(30))
+    with bad.open("a") as f:
+        f.write('{"messages": [{"role": "robot", "content": "x"}]}\n')
+    args = [
+        "--chat",
+        "--input",
+        str(bad),
+        "--out",
+        str(tmp_path / "o2"),
+        "--quiet",
+        "--shard-mb",
+        "0.001",
+    ]
+    with pytest.raises(
+        ValueError, match=r"b\.jsonl \(byte \d+\): messages\[0\] has the unknown role 'robot'"
+    ):
+        module.main(args)
+    assert not list((tmp_path / "o2").glob("*.tmp"))  # no partial shard left behind
