@@ -65,6 +65,10 @@ def test_rendered_ids_equal_transformers(style, case):
     )
     ref = hf.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False, **DATE)
     assert ids.tolist() == list(ref)
+    prompt = ChatEncoder(tok, template, DATE).prompt_ids(messages[:-1], tools)  # for generation
+    assert prompt == hf.apply_chat_template(
+        messages[:-1], tools=tools, add_generation_prompt=True, return_dict=False, **DATE
+    )
     for gen in (False, True):  # the text too, with and without the generation prompt
         ours = template.render(messages[:-1], gen, tools, DATE)
         assert ours == hf.apply_chat_template(

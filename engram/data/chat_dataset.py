@@ -87,8 +87,14 @@ def _table(job_cfg: JobConfig, tokenizer: Tokenizer, split: str):
     if is_prepared(data.path):
         manifest = read_manifest(Path(data.path), SFT_FORMAT)
         table = _cached(
-            ("prepared", str(Path(data.path).resolve()), manifest["fingerprint"], tsha),
-            lambda: SftShards(data.path, tokenizer.fingerprint, tokenizer.vocab_size, tsha),
+            (
+                "prepared",
+                str(Path(data.path).resolve()),
+                manifest["fingerprint"],
+                tsha,
+                _digest(kwargs),
+            ),
+            lambda: SftShards(data.path, tokenizer.fingerprint, tokenizer.vocab_size, tsha, kwargs),
         )
         # the manifest names the first few skipped records: pad to the count
         skipped = list(table.manifest["skipped_first"])

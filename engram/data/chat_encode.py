@@ -54,6 +54,19 @@ class ChatEncoder:
             return self._plain(record)
         return self._conversation(record)
 
+    def prompt_ids(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The ids a model answers from (generation, exact-match evaluation): the rendering with
+        add_generation_prompt=True, i.e. apply_chat_template(..., add_generation_prompt=True)."""
+        if self.template is None:
+            raise missing_template_error(self.tokenizer, "a prompt")
+        text = self.template.render(messages, True, tools, {**self.kwargs, **(kwargs or {})})
+        return self.tokenizer.hf.encode(text, add_special_tokens=False).ids
+
     def _plain(self, rec: PlainText) -> tuple[np.ndarray, np.ndarray] | None:
         if not rec.completion.strip():
             return None

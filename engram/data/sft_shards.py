@@ -33,7 +33,12 @@ class SftShards:
     """Conversations of a prepared chat folder by index: lengths, (ids, mask), where."""
 
     def __init__(
-        self, folder: str | Path, fingerprint: str | None, vocab_size: int, template_sha: str | None
+        self,
+        folder: str | Path,
+        fingerprint: str | None,
+        vocab_size: int,
+        template_sha: str | None,
+        template_kwargs: dict | None = None,
     ) -> None:
         self.folder = Path(folder)
         m = read_manifest(self.folder, SFT_FORMAT)
@@ -46,6 +51,12 @@ class SftShards:
                 f"{prepared['origin']} (sha256 {prepared['sha256']}), this run's template is "
                 f"{template_sha or 'none'}: set data.chat_template to the one prepare used, or "
                 f"re-run {PREPARE_HINT} --chat with this run's template"
+            )
+        if prepared is not None and m["chat_template_kwargs"] != (template_kwargs or {}):
+            raise ValueError(
+                f"{where}: the conversations were rendered with chat_template_kwargs "
+                f"{m['chat_template_kwargs']}, this run sets {template_kwargs or {}}: set "
+                "data.chat_template_kwargs to what prepare used, or re-run prepare with this run's"
             )
         self.manifest = m
         self.fingerprint = m["fingerprint"]
