@@ -109,7 +109,7 @@ class SftSamples:
         lengths = table.lengths[order]
         long = lengths > self.cap
         if overflow == "error" and long.any():
-            where = [table.where(int(i)) for i in order[long][:_SHOW]]
+            where = [table.where(int(i)) for i in np.sort(order[long])[:_SHOW]]
             raise ValueError(
                 f"{name} ({split}): {int(long.sum())} conversation(s) longer than "
                 f"training.seq_len + 1 = {self.cap} tokens{_first(where)}: raise "
@@ -119,7 +119,8 @@ class SftSamples:
         truncated: list[str] = []
         dropped: list[str] = []
         emptied: list[str] = []
-        for k in np.nonzero(long)[0].tolist():
+        long_at = np.nonzero(long)[0]
+        for k in long_at[np.argsort(order[long_at])].tolist():  # named in input order
             i = int(order[k])
             if overflow == "drop":
                 dropped.append(table.where(i))

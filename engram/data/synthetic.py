@@ -4,7 +4,8 @@ Train and held-out documents state facts from the SAME fact base but are drawn f
 random streams, so held-out loss measures recall of memorised facts (what Engram should help
 with) rather than generalisation to new facts. Document `i` of a split is a pure function of
 (fact seed, stream seed, split, i): any document can be produced in O(1), which makes loader
-resume cheap and exact.
+resume cheap and exact. `part_entities` splits the entities into a pretrain and a finetune part
+(data.synthetic_part); synthetic_chat.py asks questions about them.
 """
 
 from __future__ import annotations
