@@ -250,6 +250,26 @@ def test_prepared_shards_give_the_on_the_fly_batches(tmp_path):
         )
 
 
+def test_prepared_rank_reads_only_the_conversations_of_its_rows(tmp_path, monkeypatch):
+    """O(local batch): at dp 64 a rank reads the conversations of its b rows, nothing else."""
+    from engram.data.sft_shards import SftShards
+
+    src = _write_jsonl(tmp_path / "src" / "a.jsonl", _records(400))
+    prepare_chat([str(src)], tmp_path / "p", ChatOptions(), progress=False)
+    reads = []
+    real = SftShards.read
+    monkeypatch.setattr(SftShards, "read", lambda self, i, n: reads.append(i) or real(self, i, n))
+    loader = build_dataloader(_cfg(path=str(tmp_path / "p"), batch=2), TOK, None, 63, 64)
+    reads.clear()  # the plan's start-up checks (truncated conversations) are not per step
+    batches = _batches(loader, 2)
+    samples = build_chat_samples(_cfg(path=str(tmp_path / "p"), batch=2), TOK, "train")
+    rows = samples.row_of(np.array([126, 127, 254, 255]))  # rank 63's global samples
+    want = [
+        c for r in rows.tolist() for c in samples.conv[samples.bounds[r] : samples.bounds[r + 1]]
+    ]
+    assert reads == want and len(batches) == 2
+
+
 def test_prepared_shards_refuse_another_template(tmp_path):
     src = _write_jsonl(tmp_path / "src" / "a.jsonl", _records(20))
     prepare_chat([str(src)], tmp_path / "p", ChatOptions(), progress=False)
