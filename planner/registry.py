@@ -135,6 +135,9 @@ NO_MEMORY_EFFECT = frozenset(
         *("training.steps", "training.max_norm", "training.max_nonfinite_steps"),
         *("data.dataset", "data.path", "data.num_workers", "data.synthetic_num_entities"),
         *("data.synthetic_seed", "data.eval_every", "data.eval_batches", "data.sources"),
+        # fine-tuning data: which tokens and rows the loader builds, not their shape [B, T]
+        *("data.synthetic_part", "data.synthetic_pretrain_fraction", "data.train_on"),
+        *("data.pack", "data.overflow", "data.chat_template", "data.chat_template_kwargs"),
         *("optimizer.lr", "optimizer.betas", "optimizer.eps", "optimizer.weight_decay"),
         *("optimizer.engram_lr_mult", "optimizer.table_lr_mult", "optimizer.table_weight_decay"),
         "optimizer.table_lazy",  # read into table_optimizer, then false

@@ -34,6 +34,9 @@ HONOURED = frozenset(
         "training.max_nonfinite_steps",
         *("data.dataset", "data.path", "data.num_workers", "data.synthetic_num_entities"),
         *("data.synthetic_seed", "data.eval_every", "data.eval_batches", "data.sources"),
+        # fine-tuning data: which tokens and rows the loader builds, not their shape [B, T]
+        *("data.synthetic_part", "data.synthetic_pretrain_fraction", "data.train_on"),
+        *("data.pack", "data.overflow", "data.chat_template", "data.chat_template_kwargs"),
         *("optimizer.name", "optimizer.lr", "optimizer.betas", "optimizer.eps"),
         *("optimizer.weight_decay", "optimizer.engram_lr_mult", "optimizer.table_lr_mult"),
         *("optimizer.table_weight_decay", "optimizer.table_lazy", "optimizer.table_optimizer"),
