@@ -364,10 +364,7 @@ class Transformer(nn.Module):
             slot = self._engram_slot.get(layer_id)
             ids = hash_ids[:, :, slot] if slot is not None and hash_ids is not None else None
             layer_cache = None if cache is None else cache.layer(layer_id)
-            if mask is None:
-                h = layer(h, cos, sin, ids, layer_cache)
-            else:
-                h = layer(h, cos, sin, ids, layer_cache, mask=mask, doc_positions=doc_positions)
+            h = layer(h, cos, sin, ids, layer_cache, mask=mask, doc_positions=doc_positions)
         if cache is not None:
             cache.pos += t
         if last_positions is not None:
