@@ -37,6 +37,9 @@ MODELLED = {  # setting -> where the planner models it
         "measure (the model is built on meta)",
     ),
     "model.hf_config_mismatch": "measure (flavor hf reads the checkpoint's config.json)",
+    "model.attn_mask_type": "activations.document_mask_bytes (SDPA's [B, T, T] mask per layer), "
+    "cp_mask_bytes, step_model (an explicit mask computes every score)",
+    "model.attn_backend": "activations.document_mask_bytes (flex: a block mask, no T x T)",
     **dict.fromkeys(
         (
             "engram.enabled",

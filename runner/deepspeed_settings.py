@@ -24,6 +24,8 @@ HONOURED = frozenset(
         *("job.device", "job.deterministic", "job.cpu_affinity"),
         *("model.name", "model.flavor", "model.tokenizer_path", "model.vocab_size"),
         *("model.hf_checkpoint", "model.hf_config_mismatch"),
+        # the batch's segment_ids reach the model through engine_step (model_inputs)
+        *("model.attn_mask_type", "model.attn_backend"),
         *("engram.enabled", "engram.layer_ids", "engram.max_ngram", "engram.n_head_per_ngram"),
         *("engram.vocab_size_per_ngram", "engram.n_embed_per_ngram", "engram.kernel_size"),
         *("engram.hc_mult", "engram.seed", "engram.pad_id", "engram.compress_tokenizer"),
