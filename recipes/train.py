@@ -9,8 +9,10 @@ pipeline parallelism this rank's stages, each split from the meta model first an
 parallelised). Then the loop (runner/loop.py, shared with recipes/train_deepspeed.py), per
 optimizer step: the data, runner/step.py's TrainStep (the context-parallel cut, host-table
 prefetch, forward / backward per micro-batch or the PP schedule, clip, the non-finite guard,
-the update: the one step that check_cluster's real_step and bench_mfu time too), log, evaluate,
-save. The other pieces are engram/train/ (build.py, progress.py, ...) and runner/model_parts.py.
+the update: the one step that check_cluster's real_step and bench_mfu time too), log, evaluate
+(held-out loss; with data.eval_exact_match greedy answers to held-out questions), save. With
+export.folder set, the last checkpoint is exported when training ends (run_recipe). The other
+pieces are engram/train/ (build.py, progress.py, ...) and runner/model_parts.py.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from engram.train.build import (
     build_meta_model,
     init_process,
 )
+from engram.train.evaluate import build_exact_match
 from engram.train.flops import model_flops
 from engram.train.metrics import MetricsLogger, logger
 from engram.train.nonfinite import NonFiniteGuard
@@ -66,6 +69,7 @@ def train(cfg: JobConfig) -> TrainResult:
     optimizers = [opt for opts in part_optimizers for opt in opts]
     schedulers = build_lr_schedulers(optimizers, cfg)
     train_loader, make_eval_loader = build_loaders(cfg, tokenizer, hasher, dp_rank, dims.dp_size)
+    exact_match = build_exact_match(cfg, tokenizer, hasher)  # data.eval_exact_match, or None
 
     # --- run folder: checkpoints, then metrics, TensorBoard ---------------------------------
     state = TrainState()
@@ -95,7 +99,7 @@ def train(cfg: JobConfig) -> TrainResult:
     )  # fmt: skip
     run = RunParts(
         proc, dims.dp_size, flops, state, metrics, train_loader, make_eval_loader, checkpointer,
-        guard, result,
+        guard, result, exact_match,
     )  # fmt: skip
     return train_loop(cfg, run, train_step)
 

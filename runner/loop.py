@@ -8,7 +8,9 @@ runner/engine_step.py EngineStep under DeepSpeed). Per step, in order:
     the step     CP cut, host-table prefetch, forward / backward per micro-batch (the PP schedule
                  under PP), clip, the non-finite guard, the update (TrainStep)
     log          loss, gradient norm, learning rate; on log steps throughput and memory
-    evaluate     every data.eval_every steps and at the last (through the step's cut and loss)
+    evaluate     every data.eval_every steps and at the last: the held-out loss (through the
+                 step's cut and loss), and with data.eval_exact_match the exact match of greedy
+                 answers to held-out questions (engram/inference/qa.py)
     save         the checkpoint manager's interval; never at a skipped step
 
 and after the first step the process groups get their training timeout (start-up is over).
@@ -24,10 +26,11 @@ import torch.distributed as dist
 from engram.checkpoint import CheckpointManager, TrainState
 from engram.config import JobConfig
 from engram.data.loader import DataLoader
+from engram.hf.export_run import export_at_end
 from engram.rowstore.host_worker import wait_host_work
 from engram.runtime.distributed import destroy_distributed, set_pg_timeouts
 from engram.train.build import Process
-from engram.train.evaluate import eval_due
+from engram.train.evaluate import ExactMatchEval, eval_due
 from engram.train.flops import FlopCount
 from engram.train.metrics import MetricsLogger
 from engram.train.nonfinite import NonFiniteGuard
@@ -52,6 +55,8 @@ class RunParts:
     checkpointer: CheckpointManager
     guard: NonFiniteGuard
     result: TrainResult
+    exact_match: ExactMatchEval | None = None
+    """data.eval_exact_match (engram/train/evaluate.py build_exact_match); None: not asked."""
 
 
 class ReadAhead:
@@ -94,9 +99,7 @@ def train_loop(cfg: JobConfig, run: RunParts, train_step: TrainStep) -> TrainRes
             profiler.step()
             progress.record(step, out.loss, out.grad_norm, out.lr, run.guard.total)
             if eval_due(cfg, step):
-                loss = train_step.evaluate(run.make_eval_loader(), cfg.data.eval_batches, device)
-                run.result.eval_losses[step] = loss
-                run.metrics.log(step, {"eval_loss": loss})
+                evaluate(cfg, run, train_step, step)
             # Never at a skipped step: a save there could prune the last good checkpoint.
             last_step = step == cfg.training.steps
             run.checkpointer.maybe_save(step, last_step=last_step, finite=not out.skip)
@@ -110,11 +113,28 @@ def train_loop(cfg: JobConfig, run: RunParts, train_step: TrainStep) -> TrainRes
     return run.result
 
 
+def evaluate(cfg: JobConfig, run: RunParts, train_step: TrainStep, step: int) -> None:
+    """The held-out loss (eval_loss) and exact match (eval_exact_match), logged at `step`."""
+    if cfg.data.eval_batches > 0:
+        loss = train_step.evaluate(run.make_eval_loader(), cfg.data.eval_batches, run.proc.device)
+        run.result.eval_losses[step] = loss
+        run.metrics.log(step, {"eval_loss": loss})
+    if run.exact_match is not None:
+        em = run.exact_match(train_step.model_parts, train_step.dp_group)
+        run.result.eval_exact_match[step] = em.score
+        run.metrics.log(step, {"eval_exact_match": em.score, "eval_questions": em.total})
+
+
 def run_recipe(train: Callable[[JobConfig], TrainResult], cfg: JobConfig) -> None:
-    """A recipe's main: train, then tear the process groups down (also after an error)."""
+    """A recipe's main: train, then tear the process groups down (also after an error); then,
+    with export.folder set, rank 0 exports the last checkpoint in one process
+    (engram/hf/export_run.py, as scripts/export_hf.py) while the other ranks exit."""
     try:
         train(cfg)
         # Every rank leaves the last collective before any rank tears its process groups down.
         dist.barrier()
+        rank = dist.get_rank()
     finally:
         destroy_distributed()
+    if cfg.export.folder and rank == 0:
+        export_at_end(cfg)

@@ -77,6 +77,25 @@ def test_cli_overrides_toml(tmp_path):
         ({"comm": {"train_timeout_s": 0}}, "comm.train_timeout_s must be > 0"),
         ({"job": {"cpu_affinity": "socket"}}, "job.cpu_affinity must be numa or none"),
         ({"job": {"device": "npu"}, "compile": {"enable": True}}, "triton-lang/triton-ascend#424"),
+        ({"data": {"eval_exact_match": 8}}, "data.dataset = 'synthetic_facts' is plain text"),
+        (
+            {
+                "data": {"dataset": "synthetic_chat", "eval_exact_match": 8},
+                "parallelism": {"tp": 2},
+            },
+            "parallelism.tp > 1 splits it: set data.eval_exact_match = 0",
+        ),
+        (
+            {
+                "data": {"dataset": "synthetic_chat", "eval_exact_match": 8},
+                "engram": {"table_location": "host"},
+                "optimizer": {"table_optimizer": "lazy_adam"},
+            },
+            "run scripts/eval_qa.py on the checkpoint",
+        ),  # fmt: skip
+        ({"export": {"folder": "out"}}, "set checkpoint.enable = true"),
+        ({"export": {"lora": "merged"}}, "training.mode = 'full': remove it"),
+        ({"export": {"lora": "fused"}}, "export.lora must be one of peft, merged"),
     ],
 )
 def test_bad_config_errors_name_the_fix(raw, needle):
