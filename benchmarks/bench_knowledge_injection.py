@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/ is not 
 from engram.config import config_from_dict  # noqa: E402
 from engram.data.chat_dataset import build_chat_samples  # noqa: E402
 from engram.data.tokenizer import load_tokenizer  # noqa: E402
-from engram.hf.export_run import export_checkpoint  # noqa: E402
+from engram.inference.export_run import export_checkpoint  # noqa: E402
 from engram.inference.qa import Asker, exact_match, questions  # noqa: E402
 from engram.models.builder import build_hasher  # noqa: E402
 from recipes.train import train  # noqa: E402

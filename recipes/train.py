@@ -33,12 +33,12 @@ from engram.train.build import (
     build_meta_model,
     init_process,
 )
-from engram.train.evaluate import build_exact_match
 from engram.train.flops import model_flops
 from engram.train.metrics import MetricsLogger, logger
 from engram.train.nonfinite import NonFiniteGuard
 from engram.train.progress import TrainResult
 from parallelisms.parallel_dims import parallel_dims_from_config
+from runner.exact_match import build_exact_match
 from runner.loop import RunParts, run_recipe, train_loop
 from runner.model_parts import build_model_parts
 from runner.step import TrainStep

@@ -26,11 +26,11 @@ import torch.distributed as dist
 from engram.checkpoint import CheckpointManager, TrainState
 from engram.config import JobConfig
 from engram.data.loader import DataLoader
-from engram.hf.export_run import export_at_end
+from engram.inference.export_run import export_at_end
 from engram.rowstore.host_worker import wait_host_work
 from engram.runtime.distributed import destroy_distributed, set_pg_timeouts
 from engram.train.build import Process
-from engram.train.evaluate import ExactMatchEval, eval_due
+from engram.train.evaluate import eval_due
 from engram.train.flops import FlopCount
 from engram.train.metrics import MetricsLogger
 from engram.train.nonfinite import NonFiniteGuard
@@ -38,6 +38,7 @@ from engram.train.profiling import maybe_profile
 from engram.train.progress import Progress, TrainResult
 from engram.train.step import next_batches
 from engram.train.throughput import Throughput
+from runner.exact_match import ExactMatchEval
 from runner.step import Batch, TrainStep
 
 
@@ -56,7 +57,7 @@ class RunParts:
     guard: NonFiniteGuard
     result: TrainResult
     exact_match: ExactMatchEval | None = None
-    """data.eval_exact_match (engram/train/evaluate.py build_exact_match); None: not asked."""
+    """data.eval_exact_match (runner/exact_match.py build_exact_match); None: not asked."""
 
 
 class ReadAhead:
@@ -128,7 +129,7 @@ def evaluate(cfg: JobConfig, run: RunParts, train_step: TrainStep, step: int) ->
 def run_recipe(train: Callable[[JobConfig], TrainResult], cfg: JobConfig) -> None:
     """A recipe's main: train, then tear the process groups down (also after an error); then,
     with export.folder set, rank 0 exports the last checkpoint in one process
-    (engram/hf/export_run.py, as scripts/export_hf.py) while the other ranks exit."""
+    (engram/inference/export_run.py, as scripts/export_hf.py) while the other ranks exit."""
     try:
         train(cfg)
         # Every rank leaves the last collective before any rank tears its process groups down.

@@ -24,7 +24,7 @@ earlier one's shards and index would mix two models). A run's folder (or a folde
 holding the checkpoint) is refused as --out. Every folder gets checksums.sha256
 (`sha256sum -c checksums.sha256` checks it; our readers verify it). It runs in one process (no
 GPU needed); DCP reshards whatever layout the run was saved with. A checkpoint of recipes/train_deepspeed.py is
-read with DeepSpeed's zero_to_fp32 (docs/deepspeed.md). The work is engram/hf/export_run.py's,
+read with DeepSpeed's zero_to_fp32 (docs/deepspeed.md). The work is engram/inference/export_run.py's,
 which the training recipes also run at the end of a run with export.folder set.
 """
 
@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engram.config import load_config  # noqa: E402
-from engram.hf.export_run import export_checkpoint  # noqa: E402
+from engram.inference.export_run import export_checkpoint  # noqa: E402
 from engram.train.metrics import init_logger  # noqa: E402
 
 

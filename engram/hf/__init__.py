@@ -4,8 +4,6 @@
 - `load.py`: read an HF backbone folder into a (sharded) model.
 - `export.py`: a run's checkpoint -> a self-contained HF folder (safetensors, config.json,
   tokenizer, the remote modeling file), and its re-import.
-- `export_run.py`: a run's checkpoint -> one of those folders (scripts/export_hf.py, and the
-  recipes' `export.folder` at the end of a run).
 - `peft.py`: a LoRA run -> a PEFT adapter folder.
 - `checksums.py`: the exported folder's checksums.sha256 (written by every export, verified by
   our readers).

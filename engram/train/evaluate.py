@@ -1,7 +1,7 @@
 """Evaluation during training, every data.eval_every steps and at the last: the held-out loss
 (data.eval_batches batches) through the same loss and, under PP, the same pipeline as the
 training step; and with chat data the exact match of greedy answers to data.eval_exact_match
-held-out questions (engram/inference/qa.py)."""
+held-out questions (engram/inference/qa.py, run by runner/exact_match.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ import torch.distributed as dist
 from torch import nn
 
 from engram.config import JobConfig
-from engram.data.tokenizer import Tokenizer
-from engram.hashing.ngram import NgramHasher
-from engram.inference.qa import Asker, ExactMatch, exact_match, questions
 from engram.train.loss import LanguageModelLoss, local_value
 from engram.train.step import (
     PipelineRun,
@@ -65,33 +62,3 @@ def evaluate(
     if pp is not None:
         pp.broadcast_loss(total)
     return dp_mean(total / num_batches, dp_group).item()
-
-
-class ExactMatchEval:
-    """The first data.eval_exact_match questions of the held-out split, read at start (a data
-    problem stops the run then, not at the first evaluation), answered at every evaluation."""
-
-    def __init__(self, cfg: JobConfig, tokenizer: Tokenizer, hasher: NgramHasher | None) -> None:
-        self.items = questions(cfg, tokenizer, "val", cfg.data.eval_exact_match)
-        self.asker = Asker(cfg, tokenizer)
-        self.hasher, self.max_new_tokens = hasher, cfg.data.eval_max_new_tokens
-
-    def __call__(self, model_parts: list[nn.Module], group: dist.ProcessGroup) -> ExactMatch:
-        """Every rank of `group` (all ranks: no TP / PP / CP, the config refuses them) answers
-        its share with its whole model (FSDP gathers it per forward)."""
-        (model,) = model_parts
-        together = group if dist.get_world_size(group) > 1 else None
-        model.eval()
-        try:
-            return exact_match(
-                model, self.hasher, self.asker, self.items, self.max_new_tokens, together
-            )
-        finally:
-            model.train()
-
-
-def build_exact_match(
-    cfg: JobConfig, tokenizer: Tokenizer, hasher: NgramHasher | None
-) -> ExactMatchEval | None:
-    """The loop's exact-match evaluation, or None without data.eval_exact_match."""
-    return ExactMatchEval(cfg, tokenizer, hasher) if cfg.data.eval_exact_match else None

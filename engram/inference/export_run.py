@@ -20,7 +20,8 @@ from engram.checkpoint.fingerprint import config_fingerprint
 from engram.config import JobConfig, to_toml
 from engram.hf.export import check_not_run_folder, export, prepare_output_folder
 from engram.hf.peft import export_peft
-from engram.inference import build_for_generation, load_checkpoint_weights
+from engram.inference.build import build_for_generation
+from engram.inference.weights import load_checkpoint_weights
 from engram.models.lora import merge_lora_
 
 logger = logging.getLogger("engram")
