@@ -2,6 +2,7 @@ import logging
 import os
 
 import pytest
+from launcher import LAUNCHES, count_launches
 
 # torch_npu (or any other out-of-tree backend) must never be auto-imported in tests.
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
@@ -17,3 +18,14 @@ def _engram_logs_reach_caplog():
     log.propagate = True
     log.setLevel(logging.NOTSET)
     yield
+
+
+def pytest_configure(config):
+    count_launches()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The number of processes this run launched (forked ranks, other forks, subprocesses): the
+    suite's cost is mostly launches, so the count is kept in sight."""
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(LAUNCHES.items()))
+    terminalreporter.write_sep("=", f"process launches: {sum(LAUNCHES.values())} ({kinds})")

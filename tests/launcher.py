@@ -10,9 +10,59 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
+import sys
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
+
+# Process launches of this pytest process, by kind (printed at the end of the run by conftest).
+# Counted where every launch goes through: multiprocessing's Process.start and subprocess.Popen.
+LAUNCHES: Counter[str] = Counter()
+
+
+def _launch_kind_of_process(proc: Any) -> str:
+    target = getattr(proc, "_target", None)
+    # tests import this module both as `launcher` and as `tests.launcher`
+    if getattr(target, "__module__", "").rsplit(".", 1)[-1] == "launcher":
+        return "forked ranks"
+    return "other forks"
+
+
+def _launch_kind_of_command(args: Any) -> str:
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    head = os.path.basename(os.fsdecode(argv[0])).split()[0] if argv else ""
+    if head.startswith("python") or head in ("torchrun", "deepspeed") or head.endswith(".sh"):
+        return "python subprocesses"
+    if os.fsdecode(argv[0]) == sys.executable:
+        return "python subprocesses"
+    return "tool subprocesses"
+
+
+def count_launches() -> None:
+    """Count every process this pytest process starts, in LAUNCHES (installed once by conftest).
+    Launches made inside a forked rank are that rank's own and are not counted."""
+    from multiprocessing.process import BaseProcess
+
+    if getattr(BaseProcess.start, "_counted", False):
+        return
+    parent = os.getpid()
+    start, popen_init = BaseProcess.start, subprocess.Popen.__init__
+
+    def counted_start(self):
+        if os.getpid() == parent:
+            LAUNCHES[_launch_kind_of_process(self)] += 1
+        return start(self)
+
+    def counted_popen_init(self, args, *a, **kw):
+        if os.getpid() == parent:
+            LAUNCHES[_launch_kind_of_command(args)] += 1
+        return popen_init(self, args, *a, **kw)
+
+    counted_start._counted = True  # type: ignore[attr-defined]
+    BaseProcess.start = counted_start  # type: ignore[method-assign]
+    subprocess.Popen.__init__ = counted_popen_init  # type: ignore[method-assign]
 
 
 def free_port() -> int:
