@@ -1,6 +1,7 @@
 import logging
 import os
 
+import launcher
 import pytest
 from launcher import LAUNCHES, count_launches
 
@@ -18,6 +19,21 @@ def _engram_logs_reach_caplog():
     log.propagate = True
     log.setLevel(logging.NOTSET)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _pooled_ranks_see_no_patches(request):
+    """Pooled ranks (tests/rank_pool.py) were forked before this test: while it has monkeypatched
+    anything here, run_distributed forks fresh ranks, which inherit the patches."""
+    if "monkeypatch" not in request.fixturenames:
+        yield
+        return
+    mp = request.getfixturevalue("monkeypatch")
+    launcher.parent_patched = lambda: bool(
+        mp._setattr or mp._setitem or mp._savesyspath is not None or mp._cwd is not None
+    )
+    yield
+    launcher.parent_patched = lambda: False
 
 
 def pytest_configure(config):

@@ -25,8 +25,11 @@ LAUNCHES: Counter[str] = Counter()
 def _launch_kind_of_process(proc: Any) -> str:
     target = getattr(proc, "_target", None)
     # tests import this module both as `launcher` and as `tests.launcher`
-    if getattr(target, "__module__", "").rsplit(".", 1)[-1] == "launcher":
+    module = getattr(target, "__module__", "").rsplit(".", 1)[-1]
+    if module == "launcher":
         return "forked ranks"
+    if module == "rank_pool":
+        return "pooled ranks"
     return "other forks"
 
 
@@ -107,10 +110,10 @@ def _worker(fn, rank, world_size, port, args, queue):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        _remove_page_files()
+        remove_page_files()
 
 
-def _remove_page_files() -> None:
+def remove_page_files() -> None:
     """A forked worker ends by os._exit, which runs no atexit: delete the NVMe tables' page
     files here (each is as large as its shard)."""
     import sys
@@ -120,13 +123,35 @@ def _remove_page_files() -> None:
         nvme.remove_page_files()
 
 
+# Set by conftest for the running test: True while it has monkeypatched anything in this (the
+# parent) process, which pooled ranks forked earlier would not see.
+parent_patched: Callable[[], bool] = lambda: False  # noqa: E731
+
+
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    fresh: bool = False,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` in `world_size` forked gloo ranks; return results by rank.
 
+    The ranks come from a pool kept per world size (tests/rank_pool.py: a joined process group,
+    warm caches, state put back between calls) unless `fresh` is set, the test has monkeypatched
+    this process, or fn / args do not pickle: then `world_size` new ranks are forked for this
+    call. Use `fresh=True` for a function that needs a new process (it counts threads or
+    process groups from zero, kills itself, relies on a cold cache). TEST_FRESH_RANKS=1 forks
+    fresh ranks for every call (to tell a pooling problem from a test's own).
+
     Raises with the failing rank's traceback if any rank fails, and on timeout (a hang).
     """
+    if not fresh and not parent_patched() and os.environ.get("TEST_FRESH_RANKS") != "1":
+        from rank_pool import run_pooled
+
+        pooled = run_pooled(fn, world_size, args, timeout)
+        if pooled is not None:
+            return pooled
     # DTensor and the profiler import torch._dynamo lazily (2-4 s); do it once before forking.
     import torch._dynamo  # noqa: F401
 
@@ -178,7 +203,7 @@ def _isolated_worker(fn, args, kwargs, queue):
     except BaseException as e:  # re-raised in the parent
         queue.put((False, e))
     finally:
-        _remove_page_files()
+        remove_page_files()
 
 
 def run_isolated(fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
-from tests.launcher import run_distributed
+from launcher import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 

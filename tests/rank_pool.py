@@ -1,0 +1,228 @@
+"""Persistent forked gloo ranks: one pool per world size runs successive test functions.
+
+Forking fresh ranks for every call costs the fork, the gloo rendezvous, and, worse, every cold
+cache of the child (DTensor's sharding propagation, lazily imported modules, the test module
+itself). A pool keeps `world` ranks with a joined default process group and hands each of them
+`fn(rank, world, *args)` in turn (tests/launcher.py's run_distributed decides when).
+
+Between two calls a rank puts back what a test may have changed: os.environ and the working
+directory (the parent's, sent with each call), signal handlers, every process group but the
+default one, the default group's timeout, torch's default dtype, grad mode, determinism flag and
+thread count, dynamo's caches and the NVMe page files. A call that fails, or that leaves the
+default process group destroyed or a new thread running, retires the pool: the next call forks
+new ranks. A pool also retires after MAX_CALLS calls, to bound what leaks past the reset.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait
+from typing import Any
+
+MAX_CALLS = 40
+# Pools are kept for these world sizes (an 8-rank pool would hold 8 idle processes' memory).
+POOLED_WORLDS = (1, 2, 4)
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM)
+_DEFAULT_PG_TIMEOUT = timedelta(minutes=30)  # init_process_group's default for gloo
+
+
+def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+    }
+
+
+def _put_back(torch: Any, dist: Any, signals: dict, threads: set) -> bool:
+    """Undo what a call may have changed; False if this rank cannot serve another call."""
+    gc.collect()  # FSDP's groups sit in reference cycles that hold process groups
+    signal.alarm(0)
+    for sig, handler in signals.items():
+        signal.signal(sig, handler)
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    torch.use_deterministic_algorithms(False)
+    torch.set_num_threads(1)
+    if "torch._dynamo" in __import__("sys").modules:
+        torch._dynamo.reset()
+    from launcher import remove_page_files
+
+    remove_page_files()
+    if not dist.is_initialized():
+        return False
+    # DTensor's sharding cache keys meshes by value and hands back the mesh (so its groups) of
+    # the call that filled it: emptied before the groups it names go.
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's
+    from torch.distributed.tensor import _redistribute
+
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute._planner_cache.clear()
+    c10d = dist.distributed_c10d
+    world = c10d._get_default_group()
+    for pg in list(c10d._world.pg_map):
+        if pg is not world:
+            dist.destroy_process_group(pg)
+    c10d._set_pg_timeout(_DEFAULT_PG_TIMEOUT, None)
+    return {t for t in threading.enumerate() if t.is_alive()} <= threads
+
+
+def _serve(rank: int, world: int, port: int, conn: Any, parent_end: Any) -> None:
+    parent_end.close()
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank_env = _rank_env(rank, world, port)
+    os.environ.update(rank_env)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=_DEFAULT_PG_TIMEOUT)
+    signals = {s: signal.getsignal(s) for s in _SIGNALS}
+    threads = set(threading.enumerate())
+    try:
+        while True:
+            try:
+                fn, args, env, cwd = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                return
+            os.environ.clear()
+            os.environ.update(env)
+            os.environ.update(rank_env)
+            os.chdir(cwd)
+            try:
+                from launcher import _to_picklable
+
+                reply = (True, _to_picklable(fn(rank, world, *args)))
+            except BaseException:  # reported to the parent, which raises it
+                reply = (False, traceback.format_exc())
+            try:
+                reusable = reply[0] and _put_back(torch, dist, signals, threads)
+            except BaseException:
+                reusable = False
+            conn.send((*reply, reusable))
+            if not reusable:
+                return
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        from launcher import remove_page_files
+
+        remove_page_files()
+
+
+class RankPool:
+    """`world` forked ranks joined in one gloo group, serving calls until retired."""
+
+    def __init__(self, world: int) -> None:
+        from launcher import free_port
+
+        ctx = mp.get_context("fork")
+        port = free_port()
+        self.world, self.calls, self.conns, self.procs = world, 0, [], []
+        for rank in range(world):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, world, port, theirs, ours))
+            proc.start()
+            theirs.close()
+            self.conns.append(ours)
+            self.procs.append(proc)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, payload: bytes, timeout: float) -> tuple[list[Any], bool]:
+        """Results by rank and whether the pool may serve again; RuntimeError if a rank failed,
+        TimeoutError on a hang (the pool is then closed)."""
+        self.calls += 1
+        for conn in self.conns:
+            conn.send_bytes(payload)
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        reusable = True
+        pending = dict(enumerate(self.conns))
+        deadline = time.monotonic() + timeout
+        while pending and not errors:
+            ready = wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.close(kill=True)
+                raise TimeoutError(f"{self.world} pooled ranks: no answer in {timeout:g} s (hang)")
+            for rank in [r for r, c in pending.items() if c in ready]:
+                conn = pending.pop(rank)
+                try:
+                    ok, payload_back, clean = conn.recv()
+                except EOFError:
+                    errors.append(f"rank {rank} failed:\nits process ended without a result")
+                    break
+                reusable = reusable and clean
+                if ok:
+                    results[rank] = payload_back
+                else:
+                    errors.append(f"rank {rank} failed:\n{payload_back}")
+                    break
+        if errors:
+            self.close(kill=True)
+            died = [
+                f"rank {r} died with signal {signal.Signals(-p.exitcode).name} (its own stack, if "
+                "any, is in the captured stderr: faulthandler)"
+                for r, p in enumerate(self.procs)
+                if p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGKILL
+            ]
+            raise RuntimeError("\n".join(died + errors))
+        return [results[r] for r in range(self.world)], reusable and self.calls < MAX_CALLS
+
+    def close(self, kill: bool = False) -> None:
+        for conn in self.conns:
+            conn.close()  # EOF: a rank waiting for a call ends
+        for proc in self.procs:
+            proc.join(timeout=0.5 if kill else 10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def run_pooled(fn: Any, world: int, args: tuple, timeout: float) -> list[Any] | None:
+    """Results by rank, or None where a pool cannot take the call (that world size is not
+    pooled, or fn/args do not pickle): the caller then forks fresh ranks."""
+    if world not in POOLED_WORLDS:
+        return None
+    try:
+        payload = pickle.dumps((fn, args, dict(os.environ), os.getcwd()))
+    except Exception:  # a local function or an unpicklable argument: fork fresh ranks
+        return None
+    pool = _POOLS.pop(world, None)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.close(kill=True)
+        pool = RankPool(world)
+    results, reusable = pool.run(payload, timeout)
+    if reusable:
+        _POOLS[world] = pool
+    else:
+        pool.close()
+    return results
+
+
+@atexit.register
+def close_pools() -> None:
+    """Before multiprocessing's own exit hook joins them (atexit runs hooks last-in first)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()
