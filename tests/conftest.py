@@ -4,6 +4,7 @@ import os
 import launcher
 import pytest
 from launcher import LAUNCHES, count_launches
+from rank_pool import RETIRED
 
 # torch_npu (or any other out-of-tree backend) must never be auto-imported in tests.
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
@@ -45,3 +46,6 @@ def pytest_terminal_summary(terminalreporter):
     suite's cost is mostly launches, so the count is kept in sight."""
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(LAUNCHES.items()))
     terminalreporter.write_sep("=", f"process launches: {sum(LAUNCHES.values())} ({kinds})")
+    if RETIRED:
+        why = ", ".join(f"{k} {n}" for k, n in RETIRED.most_common())
+        terminalreporter.write_line(f"rank pools retired: {why}")

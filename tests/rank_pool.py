@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 import traceback
+from collections import Counter
 from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
@@ -46,8 +47,8 @@ def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     }
 
 
-def _put_back(torch: Any, dist: Any, signals: dict, threads: set) -> bool:
-    """Undo what a call may have changed; False if this rank cannot serve another call."""
+def _put_back(torch: Any, dist: Any, signals: dict, threads: set) -> str:
+    """Undo what a call may have changed; why this rank cannot serve another call, or ""."""
     gc.collect()  # FSDP's groups sit in reference cycles that hold process groups
     signal.alarm(0)
     for sig, handler in signals.items():
@@ -62,7 +63,7 @@ def _put_back(torch: Any, dist: Any, signals: dict, threads: set) -> bool:
 
     remove_page_files()
     if not dist.is_initialized():
-        return False
+        return "process group destroyed"
     # DTensor's sharding cache keys meshes by value and hands back the mesh (so its groups) of
     # the call that filled it: emptied before the groups it names go.
     from torch.distributed.tensor import DTensor
@@ -81,7 +82,8 @@ def _put_back(torch: Any, dist: Any, signals: dict, threads: set) -> bool:
         if pg is not world:
             dist.destroy_process_group(pg)
     c10d._set_pg_timeout(_DEFAULT_PG_TIMEOUT, None)
-    return {t for t in threading.enumerate() if t.is_alive()} <= threads
+    left = [t.name for t in threading.enumerate() if t.is_alive() and t not in threads]
+    return f"threads left running: {', '.join(left)}" if left else ""
 
 
 def _serve(rank: int, world: int, port: int, conn: Any, parent_end: Any) -> None:
@@ -112,11 +114,11 @@ def _serve(rank: int, world: int, port: int, conn: Any, parent_end: Any) -> None
             except BaseException:  # reported to the parent, which raises it
                 reply = (False, traceback.format_exc())
             try:
-                reusable = reply[0] and _put_back(torch, dist, signals, threads)
-            except BaseException:
-                reusable = False
-            conn.send((*reply, reusable))
-            if not reusable:
+                retire = _put_back(torch, dist, signals, threads) if reply[0] else "failed"
+            except BaseException as e:
+                retire = f"put back failed: {e!r}"
+            conn.send((*reply, retire))
+            if retire:
                 return
     finally:
         if dist.is_initialized():
@@ -154,7 +156,7 @@ class RankPool:
             conn.send_bytes(payload)
         results: dict[int, Any] = {}
         errors: list[str] = []
-        reusable = True
+        retire = ""
         pending = dict(enumerate(self.conns))
         deadline = time.monotonic() + timeout
         while pending and not errors:
@@ -165,11 +167,11 @@ class RankPool:
             for rank in [r for r, c in pending.items() if c in ready]:
                 conn = pending.pop(rank)
                 try:
-                    ok, payload_back, clean = conn.recv()
+                    ok, payload_back, why = conn.recv()
                 except EOFError:
                     errors.append(f"rank {rank} failed:\nits process ended without a result")
                     break
-                reusable = reusable and clean
+                retire = retire or why
                 if ok:
                     results[rank] = payload_back
                 else:
@@ -184,7 +186,11 @@ class RankPool:
                 if p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGKILL
             ]
             raise RuntimeError("\n".join(died + errors))
-        return [results[r] for r in range(self.world)], reusable and self.calls < MAX_CALLS
+        if not retire and self.calls >= MAX_CALLS:
+            retire = f"served {MAX_CALLS} calls"
+        if retire:
+            RETIRED[retire[:120]] += 1
+        return [results[r] for r in range(self.world)], not retire
 
     def close(self, kill: bool = False) -> None:
         for conn in self.conns:
@@ -197,6 +203,8 @@ class RankPool:
 
 
 _POOLS: dict[int, RankPool] = {}
+# Why pools retired (printed at the end of the run with the launch count).
+RETIRED: Counter[str] = Counter()
 
 
 def run_pooled(fn: Any, world: int, args: tuple, timeout: float) -> list[Any] | None:
