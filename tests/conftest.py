@@ -1,3 +1,20 @@
+"""Shared test machinery: where a new test's processes and reference runs come from.
+
+- Multi-process tests call `launcher.run_distributed(fn, world, *args)`: `fn(rank, world, *args)`
+  runs on `world` forked gloo ranks. Those come from a pool kept per world size
+  (tests/rank_pool.py), which puts state back between calls; pass `fresh=True` for a function
+  that must start in a new process (it destroys the default group, kills itself, counts
+  threads or process groups). A test that monkeypatches this process gets fresh ranks by itself.
+  A function passed to a pool must be importable (module level) and its arguments picklable;
+  other calls fork fresh ranks. `launcher.run_isolated` always forks.
+- A reference run that other tests compute too (a one-process run, a layout trained with the
+  same config) goes through `shared_runs.shared_run(fn, world, raw)`: once per session and
+  config ([job] dump_folder / run_name aside); never for a run whose folder is read afterwards.
+- The debug job: `small_job.small_job(...)`; build on it rather than on a private config.
+- Every process launch is counted (launcher.count_launches) and the total is printed at the end
+  of the run with how many shared runs were reused and why rank pools retired.
+"""
+
 import logging
 import os
 
@@ -5,6 +22,7 @@ import launcher
 import pytest
 from launcher import LAUNCHES, count_launches
 from rank_pool import RETIRED
+from shared_runs import STATS
 
 # torch_npu (or any other out-of-tree backend) must never be auto-imported in tests.
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
@@ -46,6 +64,9 @@ def pytest_terminal_summary(terminalreporter):
     suite's cost is mostly launches, so the count is kept in sight."""
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(LAUNCHES.items()))
     terminalreporter.write_sep("=", f"process launches: {sum(LAUNCHES.values())} ({kinds})")
+    terminalreporter.write_line(
+        f"shared runs: {STATS['computed']} computed, {STATS['shared']} reused (tests/shared_runs.py)"
+    )
     if RETIRED:
         why = ", ".join(f"{k} {n}" for k, n in RETIRED.most_common())
         terminalreporter.write_line(f"rank pools retired: {why}")

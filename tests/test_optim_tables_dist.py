@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from launcher import run_distributed
+from shared_runs import shared_run
 from test_parallelisms_parity import (
     _assert_matches,
     _config,
@@ -123,7 +124,7 @@ def test_table_optimizer_parity_1_2_4_ranks(tmp_path, name):
     opt = {"optimizer": {"table_optimizer": name}, "training": {"steps": 3}}
     base = _with(_config(str(tmp_path / "ref"), 1, "full", {}), opt)
     init = _initial_weights(base)
-    ref = run_distributed(_train, 1, base)[0]
+    ref = shared_run(_train, 1, base)[0]
     assert ref["losses"][-1] < ref["losses"][0], "reference run did not learn"
     tables = [n for n in init if ".table." in n]
     assert all((ref["weights"][n] != init[n]).any() for n in tables)
