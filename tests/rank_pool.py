@@ -1,14 +1,16 @@
 """Persistent forked gloo ranks: one pool per world size runs successive test functions.
 
-Forking fresh ranks for every call costs the fork, the gloo rendezvous, and, worse, every cold
-cache of the child (DTensor's sharding propagation, lazily imported modules, the test module
-itself). A pool keeps `world` ranks with a joined default process group and hands each of them
+Forking fresh ranks for every call costs the fork of a large process, the gloo rendezvous, the
+modules each child imports lazily (the test module itself among them) and the teardown. A pool
+keeps `world` ranks with a joined default process group and hands each of them
 `fn(rank, world, *args)` in turn (tests/launcher.py's run_distributed decides when).
 
-Between two calls a rank puts back what a test may have changed: os.environ and the working
-directory (the parent's, sent with each call), signal handlers, every process group but the
-default one, the default group's timeout, torch's default dtype, grad mode, determinism flag and
-thread count, dynamo's caches and the NVMe page files. A call that fails, or that leaves the
+Between two calls a rank puts back what a test may have changed: module and class attributes
+that the call rebound (a rank function that patches the code it checks; see Bindings),
+os.environ and the working directory (the parent's, sent with each call), signal handlers,
+every process group but the default one (and DTensor's caches, which name them), the default
+group's timeout, torch's default dtype, grad mode, determinism flag and thread count, dynamo's
+caches and the NVMe page files. A call that fails, or that leaves the
 default process group destroyed or a new thread running, retires the pool: the next call forks
 new ranks. A pool also retires after MAX_CALLS calls, to bound what leaks past the reset.
 """
@@ -32,6 +34,12 @@ from typing import Any
 MAX_CALLS = 40
 # Pools are kept for these world sizes (an 8-rank pool would hold 8 idle processes' memory).
 POOLED_WORLDS = (1, 2, 4)
+# Module and class attributes a rank function may rebind (tests patch the code they check inside
+# the rank): the project's packages and the test modules fully, these torch modules' functions.
+_PROJECT = ("engram", "parallelisms", "runner", "recipes", "planner", "scripts", "benchmarks")
+_TORCH = ("torch", "torch.cuda", "torch.distributed", "torch.distributed.checkpoint", "logging")
+# Threads that may stay between calls: they hold no test's state.
+_IDLE_THREADS = ("tqdm_monitor",)
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM)
 _DEFAULT_PG_TIMEOUT = timedelta(minutes=30)  # init_process_group's default for gloo
 
@@ -45,6 +53,46 @@ def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
         "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(world),
     }
+
+
+def _patchable(name: str) -> bool:
+    top = name.split(".")[0]
+    return top in _PROJECT or top.startswith("test_") or name in _TORCH
+
+
+class Bindings:
+    """The attributes of the patchable modules (and of the project's classes) as they were when
+    each module was first seen; `restore` rebinds whatever a call rebound since."""
+
+    def __init__(self) -> None:
+        self.saved: dict[tuple, tuple[Any, dict]] = {}
+
+    def add_new_modules(self) -> None:
+        import sys
+
+        for name, mod in list(sys.modules.items()):
+            if mod is None or ("m", name) in self.saved or not _patchable(name):
+                continue
+            attrs = dict(vars(mod))
+            self.saved[("m", name)] = (mod, attrs)
+            if name in _TORCH:
+                continue
+            for value in attrs.values():
+                if isinstance(value, type) and value.__module__ == name:
+                    self.saved[("c", name, value.__qualname__)] = (value, dict(vars(value)))
+
+    def restore(self) -> None:
+        import types
+
+        for key, (owner, attrs) in self.saved.items():
+            now = vars(owner)
+            for name, old in attrs.items():
+                new = now.get(name, old)
+                if new is old or isinstance(new, types.ModuleType):
+                    continue
+                if key[1] in _TORCH and not callable(old):
+                    continue  # torch's own state (lazily set globals), not a patch
+                setattr(owner, name, old)
 
 
 def _put_back(torch: Any, dist: Any, signals: dict, threads: set) -> str:
@@ -82,8 +130,28 @@ def _put_back(torch: Any, dist: Any, signals: dict, threads: set) -> str:
         if pg is not world:
             dist.destroy_process_group(pg)
     c10d._set_pg_timeout(_DEFAULT_PG_TIMEOUT, None)
-    left = [t.name for t in threading.enumerate() if t.is_alive() and t not in threads]
+    _stop_host_worker()
+    deadline = time.monotonic() + 2.0  # an executor collected above lets its threads go
+    left = []
+    for t in threading.enumerate():
+        if t in threads or t.name.startswith(_IDLE_THREADS):
+            continue
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            left.append(t.name)
     return f"threads left running: {', '.join(left)}" if left else ""
+
+
+def _stop_host_worker() -> None:
+    """The host-table worker is one per process and remembers a failed job (every later job
+    fails): stopped between calls, the next call starts a new one, as a fresh process would."""
+    import sys
+
+    for name, mod in list(sys.modules.items()):
+        worker = getattr(mod, "HOST_WORKER", None) if name.endswith("host_worker") else None
+        if worker is not None and worker._pool is not None:
+            worker._pool.shutdown(wait=True)
+            worker._pool, worker._pid, worker._pending, worker._failed = None, -1, [], None
 
 
 def _serve(rank: int, world: int, port: int, conn: Any, parent_end: Any) -> None:
@@ -97,12 +165,15 @@ def _serve(rank: int, world: int, port: int, conn: Any, parent_end: Any) -> None
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=_DEFAULT_PG_TIMEOUT)
     signals = {s: signal.getsignal(s) for s in _SIGNALS}
     threads = set(threading.enumerate())
+    bindings = Bindings()
     try:
         while True:
+            bindings.add_new_modules()
             try:
                 fn, args, env, cwd = pickle.loads(conn.recv_bytes())
             except EOFError:
                 return
+            bindings.add_new_modules()  # the test module the call came from
             os.environ.clear()
             os.environ.update(env)
             os.environ.update(rank_env)
@@ -114,6 +185,7 @@ def _serve(rank: int, world: int, port: int, conn: Any, parent_end: Any) -> None
             except BaseException:  # reported to the parent, which raises it
                 reply = (False, traceback.format_exc())
             try:
+                bindings.restore()
                 retire = _put_back(torch, dist, signals, threads) if reply[0] else "failed"
             except BaseException as e:
                 retire = f"put back failed: {e!r}"
