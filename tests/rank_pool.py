@@ -60,6 +60,35 @@ def _patchable(name: str) -> bool:
     return top in _PROJECT or top.startswith("test_") or name in _TORCH
 
 
+class Loggers:
+    """Every logger's handlers, level and propagation as at the start; `restore` puts them back
+    (train() sets up the "engram" logger; a test may add a handler that collects records)."""
+
+    def __init__(self) -> None:
+        self.saved = {name: self._state(lg) for name, lg in self._loggers()}
+
+    @staticmethod
+    def _loggers() -> list:
+        import logging
+
+        items = list(logging.Logger.manager.loggerDict.items())
+        return [
+            ("", logging.getLogger()),
+            *((n, lg) for n, lg in items if isinstance(lg, logging.Logger)),
+        ]
+
+    @staticmethod
+    def _state(lg: Any) -> tuple:
+        return list(lg.handlers), lg.level, lg.propagate, lg.disabled
+
+    def restore(self) -> None:
+        for name, lg in self._loggers():
+            handlers, level, propagate, disabled = self.saved.get(name, ([], 0, True, False))
+            lg.handlers[:] = handlers
+            lg.setLevel(level)
+            lg.propagate, lg.disabled = propagate, disabled
+
+
 class Bindings:
     """The attributes of the patchable modules (and of the project's classes) as they were when
     each module was first seen; `restore` rebinds whatever a call rebound since."""
@@ -86,6 +115,12 @@ class Bindings:
 
         for key, (owner, attrs) in self.saved.items():
             now = vars(owner)
+            if key[0] == "m" and key[1] not in _TORCH:  # e.g. a log-once cache: empty again
+                for value in list(now.values()):
+                    if callable(getattr(value, "cache_clear", None)) and hasattr(
+                        value, "__wrapped__"
+                    ):
+                        value.cache_clear()
             for name, old in attrs.items():
                 new = now.get(name, old)
                 if new is old or isinstance(new, types.ModuleType):
@@ -165,7 +200,7 @@ def _serve(rank: int, world: int, port: int, conn: Any, parent_end: Any) -> None
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=_DEFAULT_PG_TIMEOUT)
     signals = {s: signal.getsignal(s) for s in _SIGNALS}
     threads = set(threading.enumerate())
-    bindings = Bindings()
+    bindings, loggers = Bindings(), Loggers()
     try:
         while True:
             bindings.add_new_modules()
@@ -186,6 +221,7 @@ def _serve(rank: int, world: int, port: int, conn: Any, parent_end: Any) -> None
                 reply = (False, traceback.format_exc())
             try:
                 bindings.restore()
+                loggers.restore()
                 retire = _put_back(torch, dist, signals, threads) if reply[0] else "failed"
             except BaseException as e:
                 retire = f"put back failed: {e!r}"
