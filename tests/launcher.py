@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -146,12 +147,44 @@ def run_distributed(
 
     Raises with the failing rank's traceback if any rank fails, and on timeout (a hang).
     """
-    if not fresh and not parent_patched() and os.environ.get("TEST_FRESH_RANKS") != "1":
-        from rank_pool import run_pooled
+    start = time.monotonic()
+    try:
+        if not fresh and not parent_patched() and os.environ.get("TEST_FRESH_RANKS") != "1":
+            from rank_pool import run_pooled
 
-        pooled = run_pooled(fn, world_size, args, timeout)
-        if pooled is not None:
-            return pooled
+            pooled = run_pooled(fn, world_size, args, timeout)
+            if pooled is not None:
+                return pooled
+        return _run_forked(fn, world_size, args, timeout)
+    finally:
+        _log_call(fn, world_size, args, time.monotonic() - start)
+
+
+def _log_call(fn: Callable[..., Any], world_size: int, args: tuple, seconds: float) -> None:
+    """TEST_RUN_LOG=FILE: one JSON line per call (test, function, world, seconds, config key),
+    to find runs that several tests compute alike (candidates for shared_runs.shared_run)."""
+    path = os.environ.get("TEST_RUN_LOG")
+    if not path:
+        return
+    import hashlib
+    import json
+
+    from shared_runs import run_key
+
+    raw = next((a for a in args if isinstance(a, dict) and "job" in a), None)
+    key = run_key(fn, world_size, raw, args[1:]) if raw is not None and args[0] is raw else None
+    line = {
+        "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+        "fn": f"{fn.__module__}.{fn.__qualname__}",
+        "world": world_size,
+        "seconds": round(seconds, 2),
+        "key": hashlib.sha1(key.encode()).hexdigest()[:12] if key else None,
+    }
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def _run_forked(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) -> list[Any]:
     # DTensor and the profiler import torch._dynamo lazily (2-4 s); do it once before forking.
     import torch._dynamo  # noqa: F401
 
