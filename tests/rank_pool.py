@@ -329,7 +329,11 @@ def run_pooled(fn: Any, world: int, args: tuple, timeout: float) -> list[Any] | 
         if pool is not None:
             pool.close(kill=True)
         pool = RankPool(world)
-    results, reusable = pool.run(payload, timeout)
+    try:
+        results, reusable = pool.run(payload, timeout)
+    except BaseException:  # a failed rank, a hang, or the run interrupted mid-call
+        pool.close(kill=True)
+        raise
     if reusable:
         _POOLS[world] = pool
     else:
