@@ -16,6 +16,7 @@ import pytest
 import torch
 from launcher import run_distributed
 from shared_runs import shared_run
+from small_job import small_job
 from test_parallelisms_parity import (
     _assert_matches,
     _config,
@@ -137,24 +138,15 @@ def test_table_optimizer_parity_1_2_4_ranks(tmp_path, name):
 
 
 def _resume_raw(folder: str, world: int, name: str, load_step: int) -> dict:
-    return {
-        "job": {"dump_folder": folder, "run_name": "resume", "device": "cpu", "seed": 5},
-        "model": {"flavor": "debug"},
-        "engram": {
-            "layer_ids": [1],
-            "n_head_per_ngram": 2,
-            "vocab_size_per_ngram": [1009, 997],
-            "n_embed_per_ngram": 32,
-            "init": "paper",
-        },
-        "training": {"seq_len": 32, "local_batch_size": 4 // world, "steps": 4},
-        "data": {"synthetic_num_entities": 64},
-        "optimizer": {"table_optimizer": name},
+    extra = {
+        "job": {"seed": 5},
+        "training": {"local_batch_size": 4 // world},
+        "optimizer": {"lr": 3e-4, "table_optimizer": name},
         "lr_scheduler": {"warmup_steps": 1},
-        "parallelism": {"dp_shard": world},
         "checkpoint": {"enable": True, "interval": 2, "keep_latest_k": 0, "load_step": load_step},
-        "metrics": {"enable_tensorboard": False},
+        "metrics": {"log_freq": 1},
     }
+    return small_job(folder, "resume", world, 4, extra)
 
 
 def _train_losses(rank: int, world: int, raw: dict) -> dict:
