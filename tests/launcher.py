@@ -213,16 +213,22 @@ def _run_forked(fn: Callable[..., Any], world_size: int, args: tuple, timeout: f
             if p.is_alive():
                 p.kill()
     if errors:
-        # A rank killed by a signal (a segfault in a collective) reports nothing itself; its peers
-        # then fail with "connection closed by peer". Name it first: that is where to look.
-        died = [
-            f"rank {r} died with signal {signal.Signals(-p.exitcode).name} (its own stack, if "
-            "any, is in the captured stderr: faulthandler)"
-            for r, p in enumerate(procs)
-            if p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGKILL
-        ]
-        raise RuntimeError("\n".join(died + errors))
+        raise rank_failure(procs, errors)
     return [results[r] for r in range(world_size)]
+
+
+def rank_failure(procs: list[Any], errors: list[str]) -> RuntimeError:
+    """The error run_distributed raises when ranks failed (`errors`: their reports).
+
+    A rank killed by a signal (a segfault in a collective) reports nothing itself; its peers
+    then fail with "connection closed by peer". Name it first: that is where to look."""
+    died = [
+        f"rank {r} died with signal {signal.Signals(-p.exitcode).name} (its own stack, if "
+        "any, is in the captured stderr: faulthandler)"
+        for r, p in enumerate(procs)
+        if p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGKILL
+    ]
+    return RuntimeError("\n".join(died + errors))
 
 
 def _isolated_worker(fn, args, kwargs, queue):

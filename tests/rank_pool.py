@@ -286,14 +286,10 @@ class RankPool:
                     errors.append(f"rank {rank} failed:\n{payload_back}")
                     break
         if errors:
+            from launcher import rank_failure
+
             self.close(kill=True)
-            died = [
-                f"rank {r} died with signal {signal.Signals(-p.exitcode).name} (its own stack, if "
-                "any, is in the captured stderr: faulthandler)"
-                for r, p in enumerate(self.procs)
-                if p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGKILL
-            ]
-            raise RuntimeError("\n".join(died + errors))
+            raise rank_failure(self.procs, errors)
         if not retire and self.calls >= MAX_CALLS:
             retire = f"served {MAX_CALLS} calls"
         if retire:
