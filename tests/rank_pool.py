@@ -225,7 +225,10 @@ def _serve(rank: int, world: int, port: int, conn: Any, parent_end: Any) -> None
                 retire = _put_back(torch, dist, signals, threads) if reply[0] else "failed"
             except BaseException as e:
                 retire = f"put back failed: {e!r}"
-            conn.send((*reply, retire))
+            try:
+                conn.send((*reply, retire))
+            except (BrokenPipeError, ConnectionResetError):
+                return  # the parent gave up on this pool (another rank failed first)
             if retire:
                 return
     finally:
