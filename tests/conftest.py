@@ -43,14 +43,16 @@ def _engram_logs_reach_caplog():
 @pytest.fixture(autouse=True)
 def _pooled_ranks_see_no_patches(request):
     """Pooled ranks (tests/rank_pool.py) were forked before this test: while it has monkeypatched
-    anything here, run_distributed forks fresh ranks, which inherit the patches."""
-    if "monkeypatch" not in request.fixturenames:
-        yield
-        return
-    mp = request.getfixturevalue("monkeypatch")
-    launcher.parent_patched = lambda: bool(
-        mp._setattr or mp._setitem or mp._savesyspath is not None or mp._cwd is not None
-    )
+    anything here, or reads the ranks' output through capfd, run_distributed and run_isolated fork
+    fresh processes, which inherit the patches and the captured file descriptors."""
+    names = request.fixturenames
+    if "capfd" in names or "capfdbinary" in names:
+        launcher.parent_patched = lambda: True
+    elif "monkeypatch" in names:
+        mp = request.getfixturevalue("monkeypatch")
+        launcher.parent_patched = lambda: bool(
+            mp._setattr or mp._setitem or mp._savesyspath is not None or mp._cwd is not None
+        )
     yield
     launcher.parent_patched = lambda: False
 

@@ -125,7 +125,7 @@ def remove_page_files() -> None:
 
 
 # Set by conftest for the running test: True while it has monkeypatched anything in this (the
-# parent) process, which pooled ranks forked earlier would not see.
+# parent) process, or captures file descriptors, which pooled ranks forked earlier would not see.
 parent_patched: Callable[[], bool] = lambda: False  # noqa: E731
 
 
@@ -246,9 +246,21 @@ def _isolated_worker(fn, args, kwargs, queue):
 
 
 def run_isolated(fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any) -> Any:
-    """Run `fn(*args, **kwargs)` in one forked process and return its result (or re-raise its
+    """Run `fn(*args, **kwargs)` in another process and return its result (or re-raise its
     exception). For code that leaves process-global torch.distributed state behind (a fake
-    process group, DeviceMesh caches), which later forked ranks would otherwise inherit."""
+    process group, DeviceMesh caches), which later forked ranks would otherwise inherit.
+
+    The process is a pooled one without a process group (tests/rank_pool.py, which puts its
+    state back after each call), on the same terms as run_distributed's ranks; else forked."""
+    if not parent_patched() and os.environ.get("TEST_FRESH_RANKS") != "1":
+        from rank_pool import ISOLATED, run_pooled
+
+        pooled = run_pooled(fn, ISOLATED, args, timeout, kwargs)
+        if pooled is not None:
+            ((ok, payload),) = pooled
+            if not ok:
+                raise payload
+            return payload
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     proc = ctx.Process(target=_isolated_worker, args=(fn, args, kwargs, queue))

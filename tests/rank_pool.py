@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -34,6 +35,7 @@ from typing import Any
 MAX_CALLS = 40
 # Pools are kept for these world sizes (an 8-rank pool would hold 8 idle processes' memory).
 POOLED_WORLDS = (1, 2, 4)
+ISOLATED = 0  # the "world size" of run_isolated's pool: one process, no process group
 # Module and class attributes a rank function may rebind (tests patch the code they check inside
 # the rank): the project's packages and the test modules fully, these torch modules' functions.
 _PROJECT = ("engram", "parallelisms", "runner", "recipes", "planner", "scripts", "benchmarks")
@@ -97,8 +99,6 @@ class Bindings:
         self.saved: dict[tuple, tuple[Any, dict]] = {}
 
     def add_new_modules(self) -> None:
-        import sys
-
         for name, mod in list(sys.modules.items()):
             if mod is None or ("m", name) in self.saved or not _patchable(name):
                 continue
@@ -130,7 +130,7 @@ class Bindings:
                 setattr(owner, name, old)
 
 
-def _put_back(torch: Any, dist: Any, signals: dict, threads: set) -> str:
+def _put_back(torch: Any, dist: Any, signals: dict, threads: set, world: int) -> str:
     """Undo what a call may have changed; why this rank cannot serve another call, or ""."""
     gc.collect()  # FSDP's groups sit in reference cycles that hold process groups
     signal.alarm(0)
@@ -140,12 +140,14 @@ def _put_back(torch: Any, dist: Any, signals: dict, threads: set) -> str:
     torch.set_grad_enabled(True)
     torch.use_deterministic_algorithms(False)
     torch.set_num_threads(1)
-    if "torch._dynamo" in __import__("sys").modules:
+    if "torch._dynamo" in sys.modules:
         torch._dynamo.reset()
     from launcher import remove_page_files
 
     remove_page_files()
-    if not dist.is_initialized():
+    if world == ISOLATED and dist.is_initialized():  # e.g. a fake group the call left behind
+        dist.destroy_process_group()
+    if world != ISOLATED and not dist.is_initialized():
         return "process group destroyed"
     # DTensor's sharding cache keys meshes by value and hands back the mesh (so its groups) of
     # the call that filled it: emptied before the groups it names go.
@@ -160,11 +162,12 @@ def _put_back(torch: Any, dist: Any, signals: dict, threads: set) -> str:
     _redistribute._gen_transform_infos.cache_clear()
     _redistribute._planner_cache.clear()
     c10d = dist.distributed_c10d
-    world = c10d._get_default_group()
-    for pg in list(c10d._world.pg_map):
-        if pg is not world:
-            dist.destroy_process_group(pg)
-    c10d._set_pg_timeout(_DEFAULT_PG_TIMEOUT, None)
+    if world != ISOLATED:
+        default = c10d._get_default_group()
+        for pg in list(c10d._world.pg_map):
+            if pg is not default:
+                dist.destroy_process_group(pg)
+        c10d._set_pg_timeout(_DEFAULT_PG_TIMEOUT, None)
     _stop_host_worker()
     deadline = time.monotonic() + 2.0  # an executor collected above lets its threads go
     left = []
@@ -180,13 +183,30 @@ def _put_back(torch: Any, dist: Any, signals: dict, threads: set) -> str:
 def _stop_host_worker() -> None:
     """The host-table worker is one per process and remembers a failed job (every later job
     fails): stopped between calls, the next call starts a new one, as a fresh process would."""
-    import sys
-
     for name, mod in list(sys.modules.items()):
         worker = getattr(mod, "HOST_WORKER", None) if name.endswith("host_worker") else None
         if worker is not None and worker._pool is not None:
             worker._pool.shutdown(wait=True)
             worker._pool, worker._pid, worker._pending, worker._failed = None, -1, [], None
+
+
+def _call(fn: Any, rank: int, world: int, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    """(True, result) or (False, what the parent raises from): a rank's traceback text, or
+    run_isolated's exception itself."""
+    from launcher import _to_picklable
+
+    try:
+        if world == ISOLATED:
+            return True, fn(*args, **kwargs)
+        return True, _to_picklable(fn(rank, world, *args))
+    except BaseException as e:  # reported to the parent, which raises it
+        if world != ISOLATED:
+            return False, traceback.format_exc()
+        try:
+            pickle.dumps(e)
+            return False, e
+        except Exception:
+            return False, RuntimeError(traceback.format_exc())
 
 
 def _serve(rank: int, world: int, port: int, conn: Any, parent_end: Any) -> None:
@@ -195,9 +215,10 @@ def _serve(rank: int, world: int, port: int, conn: Any, parent_end: Any) -> None
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    rank_env = _rank_env(rank, world, port)
+    rank_env = _rank_env(rank, world, port) if world != ISOLATED else {}
     os.environ.update(rank_env)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=_DEFAULT_PG_TIMEOUT)
+    if world != ISOLATED:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=_DEFAULT_PG_TIMEOUT)
     signals = {s: signal.getsignal(s) for s in _SIGNALS}
     threads = set(threading.enumerate())
     bindings, loggers = Bindings(), Loggers()
@@ -205,7 +226,7 @@ def _serve(rank: int, world: int, port: int, conn: Any, parent_end: Any) -> None
         while True:
             bindings.add_new_modules()
             try:
-                fn, args, env, cwd = pickle.loads(conn.recv_bytes())
+                fn, args, kwargs, env, cwd = pickle.loads(conn.recv_bytes())
             except EOFError:
                 return
             bindings.add_new_modules()  # the test module the call came from
@@ -213,16 +234,16 @@ def _serve(rank: int, world: int, port: int, conn: Any, parent_end: Any) -> None
             os.environ.update(env)
             os.environ.update(rank_env)
             os.chdir(cwd)
-            try:
-                from launcher import _to_picklable
-
-                reply = (True, _to_picklable(fn(rank, world, *args)))
-            except BaseException:  # reported to the parent, which raises it
-                reply = (False, traceback.format_exc())
+            reply = _call(fn, rank, world, args, kwargs)
+            sys.stdout.flush()  # a fresh process would flush at its exit
+            sys.stderr.flush()
             try:
                 bindings.restore()
                 loggers.restore()
-                retire = _put_back(torch, dist, signals, threads) if reply[0] else "failed"
+                # A failed rank may have left its peers inside a collective; an isolated call
+                # that raised is an outcome (tests expect refusals), its state is put back.
+                failed = not reply[0] and world != ISOLATED
+                retire = "failed" if failed else _put_back(torch, dist, signals, threads, world)
             except BaseException as e:
                 retire = f"put back failed: {e!r}"
             try:
@@ -240,7 +261,8 @@ def _serve(rank: int, world: int, port: int, conn: Any, parent_end: Any) -> None
 
 
 class RankPool:
-    """`world` forked ranks joined in one gloo group, serving calls until retired."""
+    """`world` forked ranks joined in one gloo group (or, for ISOLATED, one process without a
+    process group), serving calls until retired."""
 
     def __init__(self, world: int) -> None:
         from launcher import free_port
@@ -248,7 +270,7 @@ class RankPool:
         ctx = mp.get_context("fork")
         port = free_port()
         self.world, self.calls, self.conns, self.procs = world, 0, [], []
-        for rank in range(world):
+        for rank in range(max(world, 1)):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=_serve, args=(rank, world, port, theirs, ours))
             proc.start()
@@ -269,6 +291,7 @@ class RankPool:
         errors: list[str] = []
         retire = ""
         pending = dict(enumerate(self.conns))
+        isolated: list[tuple[bool, Any]] = []
         deadline = time.monotonic() + timeout
         while pending and not errors:
             ready = wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
@@ -283,7 +306,9 @@ class RankPool:
                     errors.append(f"rank {rank} failed:\nits process ended without a result")
                     break
                 retire = retire or why
-                if ok:
+                if self.world == ISOLATED:
+                    isolated.append((ok, payload_back))
+                elif ok:
                     results[rank] = payload_back
                 else:
                     errors.append(f"rank {rank} failed:\n{payload_back}")
@@ -297,6 +322,8 @@ class RankPool:
             retire = f"served {MAX_CALLS} calls"
         if retire:
             RETIRED[retire[:120]] += 1
+        if self.world == ISOLATED:
+            return isolated, not retire
         return [results[r] for r in range(self.world)], not retire
 
     def close(self, kill: bool = False) -> None:
@@ -314,13 +341,16 @@ _POOLS: dict[int, RankPool] = {}
 RETIRED: Counter[str] = Counter()
 
 
-def run_pooled(fn: Any, world: int, args: tuple, timeout: float) -> list[Any] | None:
-    """Results by rank, or None where a pool cannot take the call (that world size is not
-    pooled, or fn/args do not pickle): the caller then forks fresh ranks."""
-    if world not in POOLED_WORLDS:
+def run_pooled(
+    fn: Any, world: int, args: tuple, timeout: float, kwargs: dict | None = None
+) -> list[Any] | None:
+    """Results by rank (for ISOLATED: [(ok, result or exception)]), or None where a pool
+    cannot take the call (that world size is not pooled, or fn/args do not pickle): the caller
+    then forks fresh ranks."""
+    if world not in (*POOLED_WORLDS, ISOLATED):
         return None
     try:
-        payload = pickle.dumps((fn, args, dict(os.environ), os.getcwd()))
+        payload = pickle.dumps((fn, args, kwargs or {}, dict(os.environ), os.getcwd()))
     except Exception:  # a local function or an unpicklable argument: fork fresh ranks
         return None
     pool = _POOLS.pop(world, None)
