@@ -45,7 +45,7 @@ from planner.tables import replicated_tables
 from planner.tier_results import TierAssumptions
 
 # The default budget per device type: the usable memory the device reports to PyTorch (about
-# 61 GiB of a "64 GB" Atlas A2 / A3), not the nameplate; engram/runtime/device_specs.py has the
+# 60.96 GiB of a "64 GB" Atlas A2), not the nameplate; engram/runtime/device_specs.py has the
 # figures and their sources. Other device types (cpu) are budgeted as a 64 GB NPU.
 DEVICE_MEMORY_GIB = {name: spec.usable_memory_gib for name, spec in DEVICE_SPECS.items()}
 
