@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from engram.config import load_config  # noqa: E402
 from engram.runtime.distributed import init_distributed  # noqa: E402
+from engram.runtime.logs import init_logging  # noqa: E402
 from parallelisms.parallel_dims import parallel_dims_from_config  # noqa: E402
 from runner.trial_step import Trial  # noqa: E402
 
@@ -56,7 +57,7 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    init_distributed("cpu")
+    init_logging(init_distributed("cpu")[0])
     rows = []
     for flavor in args.flavors.split(","):
         variants = {"eager": make_variant(flavor, False, args)}

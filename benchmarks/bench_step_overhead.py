@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from engram.config import load_config  # noqa: E402
 from engram.runtime.distributed import init_distributed  # noqa: E402
+from engram.runtime.logs import init_logging  # noqa: E402
 from parallelisms.parallel_dims import parallel_dims_from_config  # noqa: E402
 from runner.trial_step import Trial  # noqa: E402
 
@@ -62,7 +63,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    init_distributed("cpu")
+    init_logging(init_distributed("cpu")[0])
     rows = []
     for flavor in args.flavors.split(","):
         base, eng = make_variant(flavor, False, args), make_variant(flavor, True, args)

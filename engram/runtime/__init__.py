@@ -10,6 +10,8 @@
   the match beside it; MFU's denominator, or a GEMM measured on cpu).
 - `host_worker.py`: the host thread that runs host-resident table work, and the marker
   that says a tensor lives in host memory (`is_host_resident`).
+- `logs.py`: one console format for every logger of the repository ("[rank0] 12:00:00 WARNING
+  ..."), set once at process start (`init_logging`).
 - `faults.py`: deterministic fault points for tests (`ENGRAM_FAULTS`: kill -9 or an I/O error
   at the n-th pass of a named point); nothing happens unless the variable is set.
 
