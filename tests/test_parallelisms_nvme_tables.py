@@ -164,6 +164,18 @@ def test_nvme_needs_dirs_and_a_row_sparse_optimizer():
         )
     with pytest.raises(ConfigError, match="lazy_adam or rowwise_adagrad"):
         config_from_dict({"engram": {"table_location": "nvme", "nvme_dirs": ["/tmp"]}})
+    # NVMe settings without table_location = "nvme" were ignored (the DeepSpeed recipe refused
+    # them by its own rule): both recipes now read the config's one check.
+    for setting in (
+        {"nvme_dirs": ["/tmp"]},
+        {"nvme_host_cache_gib": 8.0},
+        {"nvme_create_dirs": True},
+    ):
+        (name,) = setting
+        for location in ("device", "host"):
+            with pytest.raises(ConfigError, match=rf'engram.{name} is set .* = "{location}".*'
+                               r'set table_location = "nvme" or remove'):  # fmt: skip
+                config_from_dict({"engram": {"table_location": location, **setting}})
 
 
 def _train(rank: int, world: int, raw: dict) -> dict:
