@@ -23,28 +23,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engram.config import load_config  # noqa: E402
 from engram.runtime.distributed import init_distributed  # noqa: E402
 from engram.runtime.logs import init_logging  # noqa: E402
-from parallelisms.parallel_dims import parallel_dims_from_config  # noqa: E402
-from runner.trial_step import Trial  # noqa: E402
+from runner.trial_step import Trial, one_process_trial  # noqa: E402
 
 
 def make_variant(flavor: str, compiled: bool, args) -> Trial:
-    cfg = load_config(
+    return one_process_trial(
         [
             "--job.config_file=train_configs/debug_model.toml",
-            "--job.device=cpu",
             f"--model.flavor={flavor}",
-            f"--training.seq_len={args.seq}",
-            f"--training.local_batch_size={args.batch}",
             f"--compile.enable={compiled}",
             f"--compile.backend={args.backend}",
+            f"--training.seq_len={args.seq}",
+            f"--training.local_batch_size={args.batch}",
         ]
     )
-    dims = parallel_dims_from_config(cfg, 1)
-    dims.build_mesh("cpu")
-    return Trial(cfg, dims, torch.device("cpu"))
 
 
 def main() -> None:

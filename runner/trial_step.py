@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engram.config import JobConfig
+from engram.config import JobConfig, load_config
 from engram.data.tokenizer import load_tokenizer
 from engram.hashing.ngram import engram_table_rows
 from engram.models.args import MODEL_FLAVORS
@@ -31,7 +31,7 @@ from engram.runtime import device as dev
 from engram.runtime.device_specs import Peak, resolve_peak
 from engram.train.flops import FlopCount, model_flops
 from engram.train.nonfinite import NonFiniteGuard
-from parallelisms.parallel_dims import ParallelDims, axis_divisors
+from parallelisms.parallel_dims import ParallelDims, axis_divisors, parallel_dims_from_config
 from runner.model_parts import build_model_parts
 from runner.step import TrainStep
 
@@ -202,6 +202,15 @@ class Trial:
             dev.synchronize(self.device)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         return TimedStep(wall, cpu, float(result.loss))
+
+
+def one_process_trial(argv: list[str]) -> Trial:
+    """A Trial of the config `argv` loads (`--job.config_file ...` and overrides) on this
+    process's cpu, at world size 1 (the process group already initialised)."""
+    cfg = load_config(["--job.device=cpu", *argv])
+    dims = parallel_dims_from_config(cfg, 1)
+    dims.build_mesh("cpu")
+    return Trial(cfg, dims, torch.device("cpu"))
 
 
 def run_trial_step(
