@@ -29,6 +29,8 @@ class EngineStep(TrainStep):
     """TrainStep with the DeepSpeed engine's forward / backward, clip and update. The optimizers
     are the tables' own (the engine holds the dense one); `schedulers` cover both."""
 
+    prefetches_tables = False  # host / NVMe tables are refused here (deepspeed_settings.py)
+
     def __init__(
         self,
         cfg: JobConfig,
@@ -48,7 +50,6 @@ class EngineStep(TrainStep):
         )  # fmt: skip
         self.engine = engine
         self.table_params = table_params
-        self.prefetch = False
 
     def cut(self, batch: Batch) -> Batch:
         return batch  # cp = 1 (check_layout)

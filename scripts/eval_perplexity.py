@@ -24,12 +24,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engram.checkpoint.deepspeed_folder import read_deepspeed_step  # noqa: E402
 from engram.config import load_config  # noqa: E402
 from engram.data.loader import build_dataloader  # noqa: E402
 from engram.inference import SOURCES, build_for_generation, load_weights  # noqa: E402
 from engram.runtime import device as dev  # noqa: E402
 from engram.runtime.logs import init_logging  # noqa: E402
-from runner.deepspeed_files import read_deepspeed_step  # noqa: E402
 
 
 @torch.no_grad()
