@@ -41,7 +41,7 @@ def _config(tmp: Path, name: str, world: int, location: str) -> Path:
     engram = {"table_location": location, "vocab_size_per_ngram": [200003, 199999]}
     if location == "nvme":  # a rank's shard is ~10x its host cache: pages go back and forth
         engram |= {"nvme_dirs": [str(tmp / "nvme_a"), str(tmp / "nvme_b")],
-                   "nvme_host_cache_gib": 5 / world / 1024}  # fmt: skip
+                   "nvme_create_dirs": True, "nvme_host_cache_gib": 5 / world / 1024}  # fmt: skip
     raw = small_job(str(tmp), name, world, STEPS, {
         "engram": engram,
         "optimizer": {"table_optimizer": "lazy_adam"},
