@@ -29,14 +29,14 @@ from runner.trial_step import Trial, one_process_trial  # noqa: E402
 
 
 def make_variant(flavor: str, compiled: bool, args) -> Trial:
+    shape = [f"--model.flavor={flavor}", f"--training.seq_len={args.seq}"]
+    shape.append(f"--training.local_batch_size={args.batch}")
     return one_process_trial(
         [
             "--job.config_file=train_configs/debug_model.toml",
-            f"--model.flavor={flavor}",
+            *shape,
             f"--compile.enable={compiled}",
             f"--compile.backend={args.backend}",
-            f"--training.seq_len={args.seq}",
-            f"--training.local_batch_size={args.batch}",
         ]
     )
 

@@ -32,14 +32,10 @@ WARMUP = 2
 
 
 def make_variant(flavor: str, engram: bool, args) -> Trial:
+    shape = [f"--model.flavor={flavor}", f"--training.seq_len={args.seq}"]
+    shape.append(f"--training.local_batch_size={args.batch}")
     return one_process_trial(
-        [
-            "--job.config_file=train_configs/debug_model.toml",
-            f"--model.flavor={flavor}",
-            f"--engram.enabled={engram}",
-            f"--training.seq_len={args.seq}",
-            f"--training.local_batch_size={args.batch}",
-        ]
+        ["--job.config_file=train_configs/debug_model.toml", *shape, f"--engram.enabled={engram}"]
     )
 
 
