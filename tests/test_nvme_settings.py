@@ -84,6 +84,7 @@ def _train_raises(raw: dict) -> str:
     return "trained"
 
 
+@pytest.mark.slow
 def test_the_recipe_refuses_at_start_before_any_page_file(tmp_path):
     """Through recipes/train.py: a mistyped drive is refused before the model is materialised
     (no directory, no page file anywhere under the run's folder)."""
