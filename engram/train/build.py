@@ -28,7 +28,8 @@ from engram.models.builder import build_hasher, build_model_from_config
 from engram.runtime import device as dev
 from engram.runtime.affinity import pin_to_device_numa
 from engram.runtime.distributed import init_distributed
-from engram.train.metrics import init_logger, logger
+from engram.runtime.logs import init_logging
+from engram.train.metrics import logger
 from engram.train.table_check import warn_if_tables_collide
 from engram.train.throughput import log_device_memory
 
@@ -57,7 +58,7 @@ def init_process(cfg: JobConfig) -> Process:
     env = dev.apply_device_env(device_type, cfg.job.deterministic, longest)  # before HCCL / alloc
     rank, local_rank, world_size = init_distributed(device_type, timeout_s=init_timeout)
     device = dev.local_device(device_type, local_rank)
-    init_logger(rank)
+    init_logging(rank)
     log_device_memory(device)  # total / free beside the usable figure, before anything is placed
     affinity = pin_to_device_numa(device, cfg.job.cpu_affinity)
     logger.info(
@@ -83,6 +84,19 @@ def build_meta_model(cfg: JobConfig) -> tuple[Tokenizer, NgramHasher | None, nn.
     if hasher is not None:
         logger.info(f"Engram hashing: {hasher}")
         warn_if_tables_collide(hasher)
+    if cfg.model.attn_mask_type == "block_causal":
+        b, t = cfg.training.local_batch_size, cfg.training.seq_len
+        mask = (
+            f"a bool [B, T, T] mask, {b * t * t / 2**20:.1f} MiB per local batch, and an "
+            "additive copy of it saved per layer"
+            if cfg.model.attn_backend == "sdpa"
+            else "a block mask (no T x T tensor)"
+        )
+        logger.info(
+            f"attention: block_causal over the packed documents of segment_ids "
+            f"({cfg.model.attn_backend}: {mask}); RoPE restarts per document, the Engram "
+            "ShortConv stops at document starts"
+        )
     return tokenizer, hasher, model
 
 
