@@ -145,6 +145,9 @@ def _put_back(torch: Any, dist: Any, signals: dict, threads: set, world: int) ->
     from launcher import remove_page_files
 
     remove_page_files()
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if getattr(comm, "cdb", None) is not None:  # DeepSpeed keeps its groups process-wide
+        return "deepspeed initialised"
     if world == ISOLATED and dist.is_initialized():  # e.g. a fake group the call left behind
         dist.destroy_process_group()
     if world != ISOLATED and not dist.is_initialized():
