@@ -51,3 +51,40 @@ def test_run_train_debug_model_learns(tmp_path):
     acc.Reload()
     assert len(acc.Scalars("loss")) == 60
     assert len(acc.Scalars("mfu_indicative")) == 60 and len(acc.Scalars("data_pct")) == 60
+
+
+@pytest.mark.slow
+def test_a_copied_recipe_runs_its_own_loop(tmp_path):
+    """As a user works: copy recipes/train.py, add a metric in its loop, run the copy through
+    TRAIN_SCRIPT=... ./run_train.sh; the metric is in metrics.jsonl next to the step's loss."""
+    recipe = (ROOT / "recipes" / "train.py").read_text()
+    anchor = "            run.end_step(step, out)\n"
+    assert recipe.count(anchor) == 1, "the recipe's loop no longer ends its step this way"
+    added = '            run.metrics.log(step, {"twice_the_loss": 2 * out.loss})\n'
+    script = tmp_path / "my_train.py"
+    script.write_text(recipe.replace(anchor, anchor + added))
+    env = {
+        **os.environ,
+        "CONFIG_FILE": "train_configs/debug_model.toml",
+        "TRAIN_SCRIPT": str(script),
+        "MASTER_PORT": str(free_port()),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    small = ["--training.steps=3", "--training.local_batch_size=2", "--training.seq_len=32",
+             "--data.eval_batches=1", "--metrics.log_freq=1", "--metrics.enable_tensorboard=false"]  # fmt: skip
+    proc = subprocess.run(
+        ["./run_train.sh", f"--job.dump_folder={tmp_path}", *small],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [
+        json.loads(line) for line in (tmp_path / "debug/metrics.jsonl").read_text().splitlines()
+    ]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    mine = {r["step"]: r["twice_the_loss"] for r in records if "twice_the_loss" in r}
+    assert sorted(mine) == sorted(losses) == [1, 2, 3], records
+    assert all(mine[s] == pytest.approx(2 * losses[s], rel=1e-6) for s in mine), (mine, losses)
