@@ -47,7 +47,7 @@ from engram.checkpoint.step_folders import StepFolders
 from engram.checkpoint.table_delta import TableDeltas
 from engram.checkpoint.writer import CheckpointWriter, PendingSave
 from engram.config import Checkpoint
-from engram.runtime.host_worker import wait_host_work
+from engram.rowstore.host_worker import wait_host_work
 
 logger = logging.getLogger("engram")
 

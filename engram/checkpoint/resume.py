@@ -38,7 +38,7 @@ from engram.checkpoint.step_folders import StepFolders
 from engram.checkpoint.streamed_dcp import StreamedLoadPlanner
 from engram.checkpoint.table_delta import TableDeltas, chain_of, chain_problems
 from engram.config import Checkpoint
-from engram.runtime.streamed_columns import streamed_columns
+from engram.rowstore.streamed_columns import streamed_columns
 
 logger = logging.getLogger("engram")
 

@@ -35,7 +35,7 @@ from engram.checkpoint.dcp_io import TensorsOnlySavePlanner
 from engram.checkpoint.folder import write_json
 from engram.checkpoint.streamed_dcp import StreamedSavePlanner, StreamedWriter
 from engram.checkpoint.table_delta import TableDeltas
-from engram.runtime.streamed_columns import streamed_columns
+from engram.rowstore.streamed_columns import streamed_columns
 
 
 class SavePart(Protocol):
