@@ -94,8 +94,8 @@ class TrainRun:
         self.cfg, self.proc, self.checkpointer = cfg, proc, checkpointer
         self.state, self.flops, self.start_step = state, flops, start_step
         self.metrics = MetricsLogger(cfg.run_folder, cfg.metrics, proc.rank, cfg.to_dict())
-        self.guard = NonFiniteGuard(cfg.training.max_nonfinite_steps,
-                                    checkpointer.last_good_checkpoint)  # fmt: skip
+        last_good = checkpointer.last_good_checkpoint
+        self.guard = NonFiniteGuard(cfg.training.max_nonfinite_steps, last_good)
         self.eval_losses: dict[int, float] = {}
         self.last_step = start_step  # the last step ended (an early stop ends before the config's)
 
@@ -109,8 +109,9 @@ class TrainRun:
         cfg, proc, device = self.cfg, self.proc, self.proc.device
         self.train_step, self.make_eval_loader = train_step, make_eval_loader
         self.data = ReadAhead(loader, cfg.training.grad_accum_steps, device, cfg.training.steps)
-        profile = maybe_profile(cfg.profiling, cfg.run_folder, proc.rank, proc.device_type,
-                                self.start_step)  # fmt: skip
+        profile = maybe_profile(
+            cfg.profiling, cfg.run_folder, proc.rank, proc.device_type, self.start_step
+        )
         throughput = Throughput(self.flops, device, proc.world_size, cfg.metrics.peak_tflops)
         dp_size = train_step.dims.dp_size
         self.progress = Progress(cfg, dp_size, self.state, self.metrics, loader, device, throughput)
