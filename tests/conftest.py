@@ -9,11 +9,14 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 @pytest.fixture(autouse=True)
 def _engram_logs_reach_caplog():
-    """An in-process train() runs init_logger, which stops propagation and writes to the stdout
+    """An in-process train() runs init_logging, which stops propagation and writes to the stdout
     of the test that ran it; later tests' caplog needs the records to propagate again."""
-    log = logging.getLogger("engram")
-    for h in list(log.handlers):
-        log.removeHandler(h)
-    log.propagate = True
-    log.setLevel(logging.NOTSET)
+    from engram.runtime.logs import LOGGERS
+
+    for name in LOGGERS:
+        log = logging.getLogger(name)
+        for h in list(log.handlers):
+            log.removeHandler(h)
+        log.propagate = True
+        log.setLevel(logging.NOTSET)
     yield
