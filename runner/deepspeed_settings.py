@@ -98,6 +98,12 @@ REFUSED = {
 }
 
 IRRELEVANT = {
+    # The config refuses them unless engram.table_location = "nvme", which is refused above
+    # (engram/config/model.py Engram: the same check for both recipes).
+    **dict.fromkeys(
+        ("engram.nvme_dirs", "engram.nvme_host_cache_gib", "engram.nvme_create_dirs"),
+        'read only with engram.table_location = "nvme": refused by the config otherwise',
+    ),
     **dict.fromkeys(
         (
             "pipeline.schedule",
@@ -122,10 +128,6 @@ IRRELEVANT = {
     ),
     "engram.host_memory_gib": 'read only with engram.table_location = "host", refused here',
     "data.eval_max_new_tokens": "read only with data.eval_exact_match, refused here",
-    **dict.fromkeys(
-        ("engram.nvme_dirs", "engram.nvme_host_cache_gib"),
-        'read only with engram.table_location = "nvme", refused here',
-    ),
 }
 
 

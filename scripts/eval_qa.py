@@ -56,7 +56,7 @@ from engram.inference.qa import (  # noqa: E402
 )
 from engram.models.lora import merge_lora_  # noqa: E402
 from engram.runtime import device as dev  # noqa: E402
-from engram.train.metrics import init_logger  # noqa: E402
+from engram.runtime.logs import init_logging  # noqa: E402
 
 
 def ours(cfg: JobConfig, args: argparse.Namespace, asker: Asker, items: list[Question]):
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> ExactMatch:
     if args.limit < 0 or args.max_new_tokens < 1:
         parser.error("--limit must be >= 0 and --max_new_tokens >= 1")
     cfg = load_config(rest)
-    init_logger(0)
+    init_logging(0)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     asker = Asker(cfg, tokenizer)
     items = questions(cfg, tokenizer, args.split, args.limit)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engram.config import load_config  # noqa: E402
 from engram.inference.export_run import export_checkpoint  # noqa: E402
-from engram.train.metrics import init_logger  # noqa: E402
+from engram.runtime.logs import init_logging  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     )
     ns, rest = parser.parse_known_args(argv)
     cfg = load_config(rest)
-    init_logger(0)
+    init_logging(0)
     files = export_checkpoint(cfg, ns.out, ns.step, ns.merged, ns.engram_only, ns.overwrite)
     for f in files:
         print(f"wrote {f}")
