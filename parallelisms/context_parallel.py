@@ -23,9 +23,10 @@ backward is the reverse all-to-all; all_gather_single_autograd: the backward red
 a key's gradient sums every rank's queries). Hash ids are computed by the loader from the whole
 sequence, so n-grams crossing a chunk boundary are exact; RoPE reads the global positions.
 
-What else cp touches: FSDP shards over dp_shard x cp (parallelisms/fsdp.py), the tables are
-row-sharded over dp x cp x tp with the gradient scale 1 / (dp x cp) (parallelize.py), the loss
-divides each rank's token sum by the valid tokens of the whole sample (engram/train/loss.py).
+What else cp touches: FSDP shards over dp_shard x cp and sums the gradients (parallelisms/fsdp.py),
+the tables are row-sharded over dp x cp x tp (parallelize.py), and the cp ranks count the step's
+target tokens with the dp ranks: each divides its pieces' token sum by that one count
+(engram/train/loss.py TargetTokens).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ runner/engine_step.py EngineStep under DeepSpeed). Per step, in order:
                  stays that of the batches completed steps consumed (DataLoader.hold)
     the step     CP cut, host-table prefetch, forward / backward per micro-batch (the PP schedule
                  under PP), clip, the non-finite guard, the update (TrainStep)
-    log          loss, gradient norm, learning rate; on log steps throughput and memory
+    log          loss (the step's token mean), gradient norm, learning rate, target tokens; on
+                 log steps throughput and memory
     evaluate     every data.eval_every steps and at the last (through the step's cut and loss)
     save         the checkpoint manager's interval; never at a skipped step
 
@@ -92,7 +93,9 @@ def train_loop(cfg: JobConfig, run: RunParts, train_step: TrainStep) -> TrainRes
                 batches, ahead = data.take(step)
             out = train_step(batches, step, ahead)
             profiler.step()
-            progress.record(step, out.loss, out.grad_norm, out.lr, run.guard.total)
+            progress.record(
+                step, out.loss, out.grad_norm, out.lr, run.guard.total, out.target_tokens
+            )
             if eval_due(cfg, step):
                 loss = train_step.evaluate(run.make_eval_loader(), cfg.data.eval_batches, device)
                 run.result.eval_losses[step] = loss

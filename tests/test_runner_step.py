@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PIECES = {
     "split_batch", "forward_backward", "pipeline_forward_backward", "prefetch_host_tables",
-    "clip_grad_norm_", "clip_engine_and_tables_", "step_optimizers", "dp_mean",
+    "clip_grad_norm_", "clip_engine_and_tables_", "step_optimizers", "ranks_sum",
 }  # fmt: skip
 THE_STEP = {"runner/step.py", "runner/engine_step.py"}
 # Benchmarks that time one piece in isolation, not a training step: the CP cut and attention
