@@ -28,7 +28,7 @@ from engram.data.loader import DataLoader
 from engram.runtime.distributed import destroy_distributed, set_pg_timeouts
 from engram.runtime.host_worker import wait_host_work
 from engram.train.build import Process
-from engram.train.evaluate import eval_due
+from engram.train.evaluate import eval_batches, eval_due
 from engram.train.flops import FlopCount
 from engram.train.metrics import MetricsLogger
 from engram.train.nonfinite import NonFiniteGuard
@@ -97,7 +97,7 @@ def train_loop(cfg: JobConfig, run: RunParts, train_step: TrainStep) -> TrainRes
                 step, out.loss, out.grad_norm, out.lr, run.guard.total, out.target_tokens
             )
             if eval_due(cfg, step):
-                loss = train_step.evaluate(run.make_eval_loader(), cfg.data.eval_batches, device)
+                loss = train_step.evaluate(run.make_eval_loader(), eval_batches(cfg), device)
                 run.result.eval_losses[step] = loss
                 run.metrics.log(step, {"eval_loss": loss})
             # Never at a skipped step: a save there could prune the last good checkpoint.

@@ -59,7 +59,7 @@ def cut_config(
         or load_tokenizer(cfg.model.tokenizer_path).vocab_size
     )
     changes: dict[str, object] = {"n_layers": layers, "vocab_size": vocab}
-    training = dataclasses.replace(cfg.training, grad_accum_steps=1)
+    training = dataclasses.replace(cfg.training, grad_accum_steps=1, global_batch_size=0)
     engram = cfg.engram
     if cpu:
         head_div = axis_divisors(tp, True, cp=cp, cp_method=cfg.parallelism.cp_method).heads

@@ -22,6 +22,14 @@ from engram.train.step import (
 )
 
 
+def eval_batches(cfg: JobConfig) -> int:
+    """Loader batches per evaluation: data.eval_batches, each a global batch when
+    training.global_batch_size is set (grad_accum_steps loader batches): the same held-out
+    sequences at every number of ranks."""
+    t = cfg.training
+    return cfg.data.eval_batches * (t.grad_accum_steps if t.global_batch_size else 1)
+
+
 def eval_due(cfg: JobConfig, step: int) -> bool:
     d = cfg.data
     if d.eval_batches <= 0:
