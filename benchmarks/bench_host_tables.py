@@ -20,7 +20,7 @@ cache `--cache_gib` split over its two tables; the columns are then (base, other
 and the byte columns are the host path's; a line per NVMe run gives its page counts over the
 whole run (pages read, of them paged in ahead of their step, written back, and the pins that
 waited for a page-in still in flight). `nvme:syscalls`: NVMe tables with the store's page I/O by
-preadv / pwritev on its I/O threads instead of native AIO batches (parallelisms/engram_tables/
+preadv / pwritev on its I/O threads instead of native AIO batches (engram/rowstore/
 linux_aio.py). Every location after the first gets its own row against the first, all of them
 alternating within each repeat.
 """
@@ -67,11 +67,11 @@ def _raw(folder: str, name: str, world: int, variant: str, steps: int, nvme: dic
 
 
 def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
-    import parallelisms.engram_tables.nvme_store as nvme_store
-    import parallelisms.engram_tables.row_store as rs
+    import engram.rowstore.memory as rs
+    import engram.rowstore.page_io as page_io
     from engram.config import config_from_dict
     from engram.optim.lazy_adam import RowSparseOptimizer
-    from engram.runtime.host_worker import is_host_resident
+    from engram.rowstore.host_worker import is_host_resident
     from recipes.train import train
 
     moved = {"h2d": 0, "d2h": 0}
@@ -89,7 +89,7 @@ def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
         return rg
 
     if raw.pop("bench_page_io") == "syscalls":
-        nvme_store.aio_available = lambda: "off (benchmark variant nvme:syscalls)"
+        page_io.aio_available = lambda: "off (benchmark variant nvme:syscalls)"
     rs._gather = counted_gather
     RowSparseOptimizer._row_grad = staticmethod(counted_row_grad)
     cfg = config_from_dict(raw)

@@ -1,6 +1,6 @@
 """Page I/O cost of the NVMe row store's two engines on one disk: 4 KiB pages at random offsets
 of an O_DIRECT file, written and read by a loop of os.pwritev / os.preadv (a syscall per page,
-the store's fallback) and by native AIO batches (parallelisms/engram_tables/linux_aio.py, the
+the store's fallback) and by native AIO batches (engram/rowstore/linux_aio.py, the
 default), wall and CPU time per page (CPU: this process, kernel time included).
 
     python benchmarks/bench_page_io.py --dir DIR [--pages 6000 --file_gib 1 --repeats 2]
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parallelisms.engram_tables.linux_aio import DEPTH, AioContexts, aio_available  # noqa: E402
+from engram.rowstore.linux_aio import DEPTH, AioContexts, aio_available  # noqa: E402
 
 PAGE = 4096
 

@@ -14,7 +14,7 @@ from engram.config import ConfigError, JobConfig
 from engram.config.table_optimizers import table_memory_bytes
 from engram.data.tokenizer import load_tokenizer
 from engram.models.builder import build_model, flavor_args
-from parallelisms.engram_tables import STAGING_CHUNK_BYTES
+from engram.rowstore.memory import STAGING_CHUNK_BYTES
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_model

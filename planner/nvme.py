@@ -2,7 +2,7 @@
 node, the host cache and everything else the host holds per node, the page reads and writes a
 step needs against the drives' IOPS and bandwidth, and drive endurance.
 
-Counted as parallelisms/engram_tables/nvme_store.py lays a shard out: one fp32 record per row
+Counted as engram/rowstore/nvme_store.py lays a shard out: one fp32 record per row
 (the weight, then the row-sparse optimizer's state columns), whole records in 4 KiB pages
 (`page_layout`), so a rank's page files hold ceil(rows / rows_per_page) pages per table.
 
@@ -21,8 +21,8 @@ import dataclasses
 
 from engram.config import JobConfig
 from engram.config.table_optimizers import table_optimizer_spec
-from parallelisms.engram_tables.nvme_store import page_layout
-from parallelisms.engram_tables.row_store import STAGING_CHUNK_BYTES
+from engram.rowstore.memory import STAGING_CHUNK_BYTES
+from engram.rowstore.nvme_store import page_layout
 from planner.results import GIB, RankMemory
 from planner.tier_results import NvmeTier, TierAssumptions
 

@@ -8,7 +8,7 @@ last few steps, so I steps touch u x (1 + (I - 1) x (1 - reuse_window)) rows, at
 each saved row carries an int64 id. Time: bytes per node / --checkpoint_write_gbs.
 
 Host memory of a full save of NVMe tables (engram/checkpoint/streamed_dcp.py): a synchronous
-save reads one chunk of one column at a time per rank (CHUNK_BYTES, engram/runtime/
+save reads one chunk of one column at a time per rank (CHUNK_BYTES, engram/rowstore/
 streamed_columns.py), so ranks_per_node x CHUNK_BYTES per node; checkpoint.async_mode =
 "async" reads every column out whole (the full table bytes per node) and DCP's staging copies
 it again (counted with the NVMe tier's host memory: planner/measure.py async_staging_bytes),
@@ -18,7 +18,7 @@ refused when both exceed the host's memory.
 from __future__ import annotations
 
 from engram.config import JobConfig
-from engram.runtime.streamed_columns import CHUNK_BYTES
+from engram.rowstore.streamed_columns import CHUNK_BYTES
 from planner.nvme import record_bytes, step_rows
 from planner.results import GIB, RankMemory
 from planner.tier_results import TableCheckpoint, TierAssumptions

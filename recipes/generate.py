@@ -13,7 +13,7 @@ config, tokenizer and Engram hasher; engram/inference/build.py), then its weight
               (engram/checkpoint/ find_checkpoint / load_model_checkpoint). DCP reshards: a
               checkpoint saved by N ranks (FSDP2 shards, row-sharded Engram tables) loads into
               this unsharded model. A step of recipes/train_deepspeed.py is read as
-              scripts/export_hf.py reads it (runner/deepspeed_files.py: zero_to_fp32 +
+              scripts/export_hf.py reads it (engram/checkpoint/deepspeed_folder.py: zero_to_fp32 +
               the tables' DCP shards). When the run has checkpoints, a damaged one is an
               error, never a fallback to hf / init.
   hf          the Hugging Face folder in `model.hf_checkpoint` (backbone; Engram keeps its init)
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engram.checkpoint.deepspeed_folder import read_deepspeed_step
 from engram.checkpoint.fingerprint import config_fingerprint
 from engram.config import JobConfig, load_config
 from engram.data.tokenizer import load_tokenizer
@@ -50,7 +51,6 @@ from engram.inference import (
 )
 from engram.runtime import device as dev
 from engram.train.metrics import init_logger
-from runner.deepspeed_files import read_deepspeed_step
 
 logger = logging.getLogger("engram")
 

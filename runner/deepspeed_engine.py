@@ -20,7 +20,7 @@ only its loop:
   is committed with the table shards in one step folder; `convert_to_universal` (the command
   scripts/deepspeed_universal.py) adds DeepSpeed's universal format to a step folder, which
   the engine loads at another world size. Every read of DeepSpeed's files (resume,
-  conversion) runs inside runner/deepspeed_files.py `weights_only_loads`: no pickled
+  conversion) runs inside engram/checkpoint/deepspeed_folder.py `weights_only_loads`: no pickled
   code runs; reading a step folder into an unsharded model is there too.
 
 The engine gets a torch optimizer through DeepSpeed's client-optimizer path
@@ -50,6 +50,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from engram.checkpoint import CheckpointError, add_to_manifest, read_manifest, verify_checkpoint
+from engram.checkpoint.deepspeed_folder import (
+    ENGINE_TAG,
+    is_deepspeed_step,
+    register_at,
+    weights_only_loads,
+)
 from engram.config import Comm, ConfigError, JobConfig
 from engram.hf.load import HFLoadPlan, load_hf_backbone, plan_hf_load
 from engram.models.table_grad import row_grad, scale_row_grads_
@@ -59,12 +65,6 @@ from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.engram_tables import ShardedEngramTable
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import convert_model, engram_halo, shard_engram_tables
-from runner.deepspeed_files import (
-    ENGINE_TAG,
-    is_deepspeed_step,
-    register_at,
-    weights_only_loads,
-)
 from runner.deepspeed_save import save_bounded
 from runner.deepspeed_settings import check_settings as check_layout
 

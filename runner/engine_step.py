@@ -27,7 +27,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from engram.config import JobConfig
 from engram.train.loss import LanguageModelLoss, TargetTokens
 from engram.train.nonfinite import NonFiniteGuard
-from engram.train.step import step_optimizers
+from engram.train.step import model_inputs, step_optimizers
 from parallelisms.parallel_dims import ParallelDims
 from runner.deepspeed_engine import clip_engine_and_tables_, engine_update_discarded
 from runner.step import Batch, TrainStep
@@ -36,6 +36,8 @@ from runner.step import Batch, TrainStep
 class EngineStep(TrainStep):
     """TrainStep with the DeepSpeed engine's forward / backward, clip and update. The optimizers
     are the tables' own (the engine holds the dense one); `schedulers` cover both."""
+
+    prefetches_tables = False  # host / NVMe tables are refused here (deepspeed_settings.py)
 
     def __init__(
         self,
@@ -56,7 +58,6 @@ class EngineStep(TrainStep):
         )  # fmt: skip
         self.engine = engine
         self.table_params = table_params
-        self.prefetch = False
 
     def cut(self, batch: Batch) -> Batch:
         return batch  # cp = 1 (check_layout)
@@ -66,7 +67,7 @@ class EngineStep(TrainStep):
         undo_mean = float(self.dims.dp_size)  # the engine averages its gradients over dp
         loss_share = torch.zeros((), device=batches[0]["labels"].device)
         for micro, batch in enumerate(batches):
-            logits = engine(batch["input_ids"], hash_ids=batch.get("hash_ids"))
+            logits = engine(batch["input_ids"], **model_inputs(batch))
             loss = self.loss_fn(logits, batch["labels"], tokens.divisor)
             # gradients reduced at the last micro-batch; no division by accumulation steps
             engine.backward(loss * undo_mean, scale_wrt_gas=False)

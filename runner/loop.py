@@ -25,8 +25,8 @@ import torch.distributed as dist
 from engram.checkpoint import CheckpointManager, TrainState
 from engram.config import JobConfig
 from engram.data.loader import DataLoader
+from engram.rowstore.host_worker import wait_host_work
 from engram.runtime.distributed import destroy_distributed, set_pg_timeouts
-from engram.runtime.host_worker import wait_host_work
 from engram.train.build import Process
 from engram.train.evaluate import eval_batches, eval_due
 from engram.train.flops import FlopCount

@@ -65,6 +65,10 @@ class TrainStep:
     """One optimizer step over this rank's model parts (see the module docstring). Subclasses
     replace the engine's parts (forward_backward, clip, update), never the order."""
 
+    prefetches_tables = True
+    """Whether host / NVMe table rows are prefetched (when the run has such tables): a subclass
+    whose engine cannot hold them sets False."""
+
     def __init__(
         self,
         cfg: JobConfig,
@@ -88,7 +92,9 @@ class TrainStep:
         self.pp_group = dims.mesh("pp").get_group() if dims.pp_enabled else None
         # Host / NVMe tables: every lookup's rows are prefetched, under any layout
         # (parallelisms/table_prefetch.py says which ids each lookup sees).
-        self.prefetch = cfg.engram.enabled and cfg.engram.table_location != "device"
+        self.prefetch = (
+            self.prefetches_tables and cfg.engram.enabled and cfg.engram.table_location != "device"
+        )
         self.pieces = self.pp.microbatches if self.pp is not None else 1  # per batch, under PP
 
     def __call__(

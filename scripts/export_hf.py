@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engram.checkpoint import find_checkpoint  # noqa: E402
+from engram.checkpoint.deepspeed_folder import is_deepspeed_step, load_deepspeed_weights  # noqa: E402
 from engram.checkpoint.fingerprint import config_fingerprint  # noqa: E402
 from engram.config import load_config, to_toml  # noqa: E402
 from engram.hf.export import check_not_run_folder, export, prepare_output_folder  # noqa: E402
@@ -44,7 +45,6 @@ from engram.hf.peft import export_peft  # noqa: E402
 from engram.inference import build_for_generation, load_checkpoint_weights  # noqa: E402
 from engram.models.lora import merge_lora_  # noqa: E402
 from engram.train.metrics import init_logger  # noqa: E402
-from runner.deepspeed_files import is_deepspeed_step, load_deepspeed_weights  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
             tokenizer=tokenizer,
             hasher=hasher,
             config_toml=to_toml(cfg),
+            chat_template=cfg.data.chat_template,
         )
     for f in files:
         print(f"wrote {f}")

@@ -1,4 +1,4 @@
-"""Streamed NVMe table checkpoints (engram/runtime/streamed_columns.py, engram/checkpoint/
+"""Streamed NVMe table checkpoints (engram/rowstore/streamed_columns.py, engram/checkpoint/
 streamed_dcp.py): a full save reads an NVMe table's columns out of its store one row chunk at
 a time (at most CHUNK_BYTES of table data in host memory), a table delta's DCP part reads none
 of them, and a resume writes the stored chunks into the store. Counted on the stores (every
@@ -23,9 +23,9 @@ def _counted_train(rank: int, world: int, raw: dict) -> dict:
     table chunks held at once; the largest write of rows into a store (here: the init)."""
     import engram.checkpoint.manager as manager
     import engram.models.init as init
-    import engram.runtime.streamed_columns as sc
+    import engram.rowstore.streamed_columns as sc
     from engram.checkpoint.streamed_dcp import StreamedWriter
-    from parallelisms.engram_tables.nvme_store import NvmeRowStore
+    from engram.rowstore.nvme_store import NvmeRowStore
 
     sc.CHUNK_BYTES = CHUNK
     init.CHUNK_NUMEL = CHUNK // 4  # the init's chunks too (its values change alike everywhere)

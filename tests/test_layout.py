@@ -35,6 +35,7 @@ TOP_LEVEL = ("engram", "parallelisms", "runner", "planner", "recipes", "scripts"
 ENTRY_POINTS = ("recipes", "scripts", "benchmarks")
 LAYERS = (
     "engram.runtime",
+    "engram.rowstore",
     "engram.config",
     "engram.data",
     "engram.hashing",
@@ -254,6 +255,38 @@ def test_imports_go_down_the_layers(imports):
     assert not bad, "\n".join(bad)
 
 
+# The storage under a table shard: parallelisms/ uses the row stores, never their files or I/O.
+STORAGE_INTERNALS = tuple(
+    f"engram.rowstore.{m}" for m in ("page_files", "page_io", "page_cache", "linux_aio")
+)
+
+
+def storage_reaches(imports: list[Import]) -> list[str]:
+    return [
+        f"{imp.where()}: parallelisms/ imports {imp.target} (use the row store, engram/rowstore/)"
+        for imp in imports
+        if imp.importer.split(".")[0] == "parallelisms" and imp.target in STORAGE_INTERNALS
+    ]
+
+
+def test_parallelisms_use_row_stores_not_page_files_or_aio(imports):
+    bad = storage_reaches(imports)
+    assert not bad, "\n".join(bad)
+
+
+# Entry points that read a run's weights without training (a DeepSpeed step folder included).
+READERS_WITHOUT_RUNNER = ("recipes.generate", "scripts.export_hf", "scripts.eval_perplexity")
+
+
+def test_generation_and_export_read_runs_without_the_runner(imports):
+    bad = [
+        imp.where()
+        for imp in imports
+        if imp.importer in READERS_WITHOUT_RUNNER and imp.target.split(".")[0] == "runner"
+    ]
+    assert not bad, "read step folders through engram/checkpoint/:\n" + "\n".join(bad)
+
+
 def test_engram_has_no_loose_modules():
     loose = sorted(p.name for p in (ROOT / "engram").glob("*.py") if p.name != "__init__.py")
     assert not loose, f"engram/ holds loose modules {loose}: move each into the room it serves"
@@ -399,3 +432,20 @@ def test_checker_finds_a_cycle_and_names_its_imports(tmp_path):
         ("parallelisms.b", "parallelisms.c", 2),
         ("parallelisms.c", "parallelisms.a", 1),
     ]
+
+
+def test_checker_finds_parallelisms_reaching_into_page_files(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "engram/__init__.py": "",
+            "engram/rowstore/__init__.py": "",
+            "engram/rowstore/page_files.py": "",
+            "engram/rowstore/linux_aio.py": "",
+            "engram/rowstore/nvme_store.py": "from engram.rowstore import page_files\n",
+            "parallelisms/nvme.py": "from engram.rowstore.nvme_store import S\n",  # allowed
+            "parallelisms/bad.py": "from engram.rowstore.linux_aio import AioContexts\n",
+        },
+    )
+    (bad,) = storage_reaches(repo_imports(root))
+    assert "parallelisms/bad.py:1" in bad and "engram.rowstore.linux_aio" in bad

@@ -1,4 +1,4 @@
-"""Native AIO batches (parallelisms/engram_tables/linux_aio.py) against plain reads of the same
+"""Native AIO batches (engram/rowstore/linux_aio.py) against plain reads of the same
 file: scattered pages written and read back in batches longer than one submission, each I/O's
 result reported (an error as -errno, a read past the end as a short count)."""
 
@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from parallelisms.engram_tables.linux_aio import DEPTH, AioContexts, aio_available
+from engram.rowstore.linux_aio import DEPTH, AioContexts, aio_available
 
 PAGE = 4096
 

@@ -1,5 +1,5 @@
-"""The NVMe row store under failures (parallelisms/engram_tables/page_files.py, nvme_store.py,
-engram/runtime/faults.py): page files left by a kill -9 are swept by the next store without
+"""The NVMe row store under failures (engram/rowstore/page_files.py, page_io.py,
+nvme_store.py, engram/runtime/faults.py): page files left by a kill -9 are swept by the next store without
 touching a live store's; files are preallocated, so a drive that cannot hold them fails at
 start, naming the fix; ENOSPC / EIO mid-write-back is an error that names the fix and surfaces
 on the host worker's next result and wait (the main thread), failing every later job."""
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engram.rowstore import page_files
+from engram.rowstore.host_worker import HostWorker
+from engram.rowstore.nvme_store import NvmeRowStore
 from engram.runtime import faults
-from engram.runtime.host_worker import HostWorker
-from parallelisms.engram_tables import page_files
-from parallelisms.engram_tables.nvme_store import NvmeRowStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,7 @@ def test_dead_runs_page_files_are_swept_live_ones_kept(tmp_path, caplog):
     killed = subprocess.run(
         [sys.executable, "-c",
          "import os, signal, sys; sys.path.insert(0, sys.argv[1]);"
-         "from parallelisms.engram_tables.nvme_store import NvmeRowStore as S;"
+         "from engram.rowstore.nvme_store import NvmeRowStore as S;"
          "s = S(5000, {'weight': 8}, sys.argv[2:], 4 * 4096, name='dead');"
          "print(' '.join(s.paths), flush=True); os.kill(os.getpid(), signal.SIGKILL)",
          str(ROOT), *map(str, dirs)],

@@ -45,9 +45,9 @@ from test_parallelisms_parity import _config as parity_config
 from torch.distributed.tensor import DTensor
 
 from engram.checkpoint import CheckpointError
+from engram.checkpoint.deepspeed_folder import load_deepspeed_weights
 from engram.config import ConfigError, config_from_dict, load_config
 from engram.models.transformer import clean_fqn
-from runner.deepspeed_files import load_deepspeed_weights
 
 pytest.importorskip("deepspeed")
 ROOT = Path(__file__).resolve().parents[1]

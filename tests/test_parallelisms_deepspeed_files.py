@@ -30,7 +30,7 @@ from engram.config import config_from_dict
 pytest.importorskip("deepspeed")
 from test_parallelisms_deepspeed import _config, _unsharded_model  # noqa: E402
 
-from runner.deepspeed_files import load_deepspeed_weights, weights_only_loads  # noqa: E402
+from engram.checkpoint.deepspeed_folder import load_deepspeed_weights, weights_only_loads  # noqa: E402
 
 
 class _Payload:
@@ -166,11 +166,11 @@ def _generate_reads_deepspeed(raw: dict, full, root: str) -> dict:
     from test_parallelisms_deepspeed import _full
 
     import recipes.generate as generate
+    from engram.checkpoint.deepspeed_folder import read_deepspeed_step
     from engram.checkpoint.fingerprint import config_fingerprint
     from engram.config import to_toml
     from engram.inference import build_for_generation, load_weights
     from engram.models.transformer import clean_fqn
-    from runner.deepspeed_files import read_deepspeed_step
 
     cfg = config_from_dict(raw)
     trained = {clean_fqn(n): _full(p) for n, p in full.engine.module.named_parameters()}

@@ -52,8 +52,8 @@ def _train(
     worker sees the rows before the update."""
     from torch.distributed.tensor import DTensor
 
+    import engram.rowstore.memory as rs
     import parallelisms.engram_tables.host as ht
-    import parallelisms.engram_tables.row_store as rs
     import recipes.train as recipe
     from engram.optim.lazy_adam import RowSparseOptimizer
 
@@ -377,7 +377,7 @@ def _planner_checks() -> None:
 
 def test_host_worker_failure_fails_later_jobs():
     """A gather queued after a failed update must not run on stale rows."""
-    from engram.runtime.host_worker import HostWorker
+    from engram.rowstore.host_worker import HostWorker
 
     worker = HostWorker()
     worker.submit(lambda: 1 / 0)

@@ -1,6 +1,6 @@
 """NVMe-resident Engram tables (engram.table_location = "nvme", parallelisms/engram_tables/nvme.py
-over nvme_store.py): the row store alone (pages, cache, pins, write-back, O_DIRECT, page-ins
-racing updates and evictions) and training bitwise equal to device tables (losses, grad norms,
+over engram/rowstore/nvme_store.py): the row store alone (pages, cache, pins, write-back,
+O_DIRECT, page-ins racing updates and evictions) and training bitwise equal to device tables (losses, grad norms,
 every table row) over 6 steps at 1 and 2 gloo ranks for both row-sparse optimizers, with a host
 cache many times smaller than the table, on the local disk (pytest's tmp dir), so pages are
 evicted and read back mid-run, and each step's pages paged in while the step before runs (the
@@ -15,8 +15,8 @@ from launcher import run_distributed
 from test_parallelisms_host_tables import _raw, _same
 
 from engram.config import ConfigError, config_from_dict
-from parallelisms.engram_tables import nvme_store
-from parallelisms.engram_tables.nvme_store import NvmeRowStore, page_layout
+from engram.rowstore import page_io
+from engram.rowstore.nvme_store import NvmeRowStore, page_layout
 
 # Big enough that a step's rows are a small share of the pages: 800k rows x 16 (51 MB of fp32
 # weights per table, 3x with lazy_adam's moments) against a host cache of 5 MiB / ranks (a
@@ -63,7 +63,7 @@ def test_row_store_roundtrip_eviction_and_pins(tmp_path, monkeypatch, engine):
     store.pin(torch.tensor([0, 1]))  # page 0, held while everything else streams through
     for r in range(0, rows, 97):
         store.read_rows(torch.tensor([r]))
-    assert 0 in store._where
+    assert 0 in store.cache.where
     with pytest.raises(RuntimeError, match="nvme_host_cache_gib"):
         store.pin(torch.arange(0, rows, store.rows_per_page))  # a "step" larger than the cache
     store.release_all()
@@ -75,7 +75,7 @@ def test_row_store_roundtrip_eviction_and_pins(tmp_path, monkeypatch, engine):
 def _page_io(monkeypatch, engine: str) -> None:
     """Page I/O by native AIO batches (the default where O_DIRECT works) or by preadv / pwritev."""
     if engine == "syscalls":
-        monkeypatch.setattr(nvme_store, "aio_available", lambda: "off for this test")
+        monkeypatch.setattr(page_io, "aio_available", lambda: "off for this test")
 
 
 @pytest.mark.parametrize("engine", ["aio", "syscalls"])
@@ -90,19 +90,19 @@ def test_page_in_racing_updates_and_evictions_returns_current_rows(tmp_path, mon
     rows, dim = 320, 64  # 16 rows a page, 20 pages, 6 cached
     store = NvmeRowStore(rows, {"weight": dim}, [str(tmp_path / "a"), str(tmp_path / "b")],
                          cache_bytes=6 * 4096)  # fmt: skip
-    assert (store._aio is not None) == (engine == "aio" and _direct_io_works(tmp_path))
+    assert (store.io.aio is not None) == (engine == "aio" and _direct_io_works(tmp_path))
     w = torch.randn(rows, dim)
     store.load({"weight": w})
     store.flush()  # clean: only the page-in's write-backs below are slow to reach the disk
     # write-backs slower than reads: a read that did not wait would win
-    if store._aio is not None:
-        run = store._aio.run
+    if store.io.aio is not None:
+        run = store.io.aio.run
 
         def slow_batch(fds, addrs, offsets, nbytes, write):
             time.sleep(0.3 if write else 0.05)
             return run(fds, addrs, offsets, nbytes, write)
 
-        monkeypatch.setattr(store._aio, "run", slow_batch)
+        monkeypatch.setattr(store.io.aio, "run", slow_batch)
     else:
         real = {"preadv": os.preadv, "pwritev": os.pwritev}
 
@@ -121,13 +121,13 @@ def test_page_in_racing_updates_and_evictions_returns_current_rows(tmp_path, mon
     w[step_n] += 1.0
     store.write_rows(step_n, w[step_n])
     store.release_all()
-    for p in [p for p in store._where if p > 1]:  # pages 0, 1 are the least recently used
+    for p in [p for p in store.cache.where if p > 1]:  # pages 0, 1 are the least recently used
         store.read_rows(torch.tensor([p * page]))
     store.page_in_now(torch.arange(4 * page, 6 * page))  # pages 4, 5: evicts dirty pages 0, 1
-    assert set(store._writing) == {0, 1} and set(store._loading) == {4, 5}
+    assert set(store.cache.writing) == {0, 1} and set(store.cache.loading) == {4, 5}
     assert torch.equal(store.read_rows(torch.tensor([3, page + 5])), w[[3, page + 5]])
     store.page_in_now(torch.arange(10 * page, 11 * page))  # page 10, read in flight
-    assert 10 in store._loading
+    assert 10 in store.cache.loading
     w[10 * page : 11 * page] = -7.0
     store.write_rows(torch.arange(10 * page, 11 * page), w[10 * page : 11 * page])
     assert store.page_in_waits >= 1 and store.paged_in == 3
@@ -169,7 +169,7 @@ def test_nvme_needs_dirs_and_a_row_sparse_optimizer():
 def _train(rank: int, world: int, raw: dict) -> dict:
     import recipes.train as recipe
     from engram.optim.lazy_adam import RowSparseOptimizer
-    from engram.runtime.host_worker import row_store_of
+    from engram.rowstore.host_worker import row_store_of
     from parallelisms.engram_tables import NvmeShardedEngramTable
 
     update = RowSparseOptimizer._update
@@ -178,7 +178,7 @@ def _train(rank: int, world: int, raw: dict) -> dict:
     def checked(self, p, hyper, rows, g):
         store = row_store_of(p)
         if store is not None and rows.numel():
-            unpinned[0] += any(page not in store._pins for page in store._pages(rows))
+            unpinned[0] += any(page not in store.cache.pins for page in store._pages(rows))
         update(self, p, hyper, rows, g)
 
     RowSparseOptimizer._update = checked

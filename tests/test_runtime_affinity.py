@@ -80,7 +80,7 @@ def _in_child(fn, *args) -> object:
 
 
 def _pin_and_report(root: str) -> tuple[str, set[int], set[int]]:
-    from engram.runtime.host_worker import HOST_WORKER
+    from engram.rowstore.host_worker import HOST_WORKER
 
     message = pin_to_device_numa(torch.device("cpu"), "numa", Path(root), address=ADDRESS)
     # the host-table worker thread, started after the pinning, inherits it

@@ -13,7 +13,7 @@ from torch import nn
 from engram.config import ConfigError, config_from_dict
 from engram.config.table_locations import TABLE_LOCATION_SPECS, TABLE_LOCATIONS
 from engram.optim.builder import build_table_optimizer
-from engram.runtime.host_worker import mark_host_resident, table_location_of
+from engram.rowstore.host_worker import mark_host_resident, table_location_of
 
 
 def test_every_location_has_a_row_store():

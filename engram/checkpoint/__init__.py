@@ -16,6 +16,9 @@ One file per job, lowest first (a file imports only files above it in this list)
 - `folder.py`: the step-folder format: names, manifest (write, read, verify, add to), pruning
   one step, fingerprint comparison, and reading one checkpoint in one process
   (`find_checkpoint`, `load_model_checkpoint`: generation and export).
+- `deepspeed_folder.py`: a DeepSpeed step folder (recipes/train_deepspeed.py): telling one
+  apart, reading DeepSpeed's files weights-only, and reading one into an unsharded model
+  (export, generation); imported by name, not part of the API below.
 - `save_errors.py`: the message of a failed save (full disk: free and needed bytes).
 - `manager.py`: `CheckpointManager` (save / async save / load / prune / resume).
 - `fingerprint.py`: what of the config a checkpoint must agree with to be resumed.

@@ -71,8 +71,8 @@ from engram.checkpoint.table_delta import (
     chain_record,
 )
 from engram.config import Checkpoint
-from engram.runtime.host_worker import wait_host_work
-from engram.runtime.streamed_columns import streamed_columns
+from engram.rowstore.host_worker import wait_host_work
+from engram.rowstore.streamed_columns import streamed_columns
 
 logger = logging.getLogger("engram")
 

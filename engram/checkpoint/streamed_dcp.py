@@ -1,6 +1,6 @@
 """DCP planners that move row-store table columns one row chunk at a time.
 
-Inside `streamed_columns()` an NVMe table's state dict holds placeholders (engram/runtime/
+Inside `streamed_columns()` an NVMe table's state dict holds placeholders (engram/rowstore/
 streamed_columns.py). The save planner splits each placeholder's local rows into write items
 of at most CHUNK_BYTES (chunks of the same DCP tensor, at their global row offsets: any world
 size and table location loads them, as any sharded tensor) and reads a chunk out of the store
@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from engram.checkpoint.dcp_io import TensorsOnlyLoadPlanner, TensorsOnlySavePlanner
-from engram.runtime import streamed_columns
-from engram.runtime.streamed_columns import ColumnSource, source_of
+from engram.rowstore import streamed_columns
+from engram.rowstore.streamed_columns import ColumnSource, source_of
 
 __all__ = ["StreamedLoadPlanner", "StreamedSavePlanner", "StreamedWriter", "chunk_rows"]
 

@@ -35,8 +35,8 @@ from engram.checkpoint.errors import CheckpointError
 from engram.models.transformer import WRAPPER_PREFIXES
 from engram.optim.lazy_adam import RowSparseOptimizer
 from engram.optim.touched_rows import TouchedRows
-from engram.runtime.host_worker import row_store_of, wait_host_work
-from engram.runtime.streamed_columns import streamed_columns
+from engram.rowstore.host_worker import row_store_of, wait_host_work
+from engram.rowstore.streamed_columns import streamed_columns
 
 DELTA_FILE = "table_delta.rank{}.pt"
 CHAIN_KEY = "table_chain"
@@ -101,7 +101,7 @@ class WithoutTables(Stateful):
     """A state whose state dict leaves out the table keys (a delta's DCP part); loading it
     keeps the current table values (replayed from base + deltas) and sets the rest. Row-store
     (NVMe) tables' columns are never read out for it: their state dicts hold placeholders
-    (engram/runtime/streamed_columns.py), left out, or handed back to the load unchanged."""
+    (engram/rowstore/streamed_columns.py), left out, or handed back to the load unchanged."""
 
     def __init__(self, inner: Any, drop: Callable[[str], bool]) -> None:
         self.inner, self.drop = inner, drop

@@ -1,13 +1,10 @@
 """Where the Engram table shards live, stated once: each location (engram.table_location) and
 which table optimizers it supports.
 
-Read by the config check (engram/config/schema.py), the table sharding
-(parallelisms/engram_tables/sharding.py), the optimizer builder (engram/optim/builder.py) and the
-row-store room (parallelisms/engram_tables/sharding.py pairs each location here with its
-table class and row store). It sits
-in the config layer, not next to the row stores, because the config checks it when a TOML is
-read and engram/config may not import parallelisms (tests/test_layout.py); the row-store room
-checks at import that its backends are exactly these locations.
+Read by the config check (engram/config/schema.py), the optimizer builder
+(engram/optim/builder.py) and the table sharding, which pairs each location here with its table
+class and its row store (engram/rowstore/) and checks at import that its backends are exactly
+these locations. It sits in the config layer because the config checks it when a TOML is read.
 """
 
 from __future__ import annotations

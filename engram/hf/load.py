@@ -38,7 +38,7 @@ from engram.models.hf_config import CONFIG_FILE, HFConfigError, args_from_hf_con
 from engram.models.init import local_view
 from engram.models.lora import is_lora_param
 from engram.models.transformer import clean_fqn
-from engram.runtime.host_worker import row_store_of
+from engram.rowstore.host_worker import row_store_of
 
 logger = logging.getLogger("engram")
 

@@ -28,8 +28,8 @@ logger = logging.getLogger("engram")
 SOURCES = ("auto", "checkpoint", "hf", "init")
 
 # Reads a step folder another engine wrote (model, step folder, fingerprint) -> True when it
-# was one of its own and is read; e.g. runner/deepspeed_files.py read_deepspeed_step,
-# passed by the recipes (engram/ does not import parallelisms/).
+# was one of its own and is read; e.g. engram/checkpoint/deepspeed_folder.py read_deepspeed_step,
+# passed by the callers that read DeepSpeed steps (reading one needs the deepspeed package).
 StepReader = Callable[[nn.Module, Path, dict], bool]
 EXPORT = "python scripts/export_hf.py --out <folder> --job.config_file <the run's TOML>"
 
@@ -59,7 +59,7 @@ def load_checkpoint_weights(
         raise CheckpointError(
             f"checkpoint {path} was written by {engine} (recipes/train_deepspeed.py), which "
             "this caller cannot read: it reads DCP step folders only. Pass "
-            "read_step=runner.deepspeed_files.read_deepspeed_step to load_weights "
+            "read_step=engram.checkpoint.deepspeed_folder.read_deepspeed_step to load_weights "
             "(recipes/generate.py and scripts/eval_perplexity.py do), or export the step once "
             f"and load the folder with transformers:\n  {EXPORT}"
         )

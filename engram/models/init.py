@@ -22,7 +22,7 @@ from torch.distributed.tensor._utils import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from engram.runtime.host_worker import row_store_of
+from engram.rowstore.host_worker import row_store_of
 
 # Elements per generated chunk (~4 MiB of fp32): big enough to be fast, small enough that a
 # shard never generates much more than it keeps.

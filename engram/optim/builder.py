@@ -28,8 +28,8 @@ from engram.config.table_optimizers import table_optimizer_spec
 from engram.models.engram import is_engram_param, is_table_param
 from engram.models.lora import is_lora_param
 from engram.models.table_grad import row_grad_norm_sq, scale_row_grads_
+from engram.rowstore.host_worker import table_location_of
 from engram.runtime.distributed import shard_groups
-from engram.runtime.host_worker import table_location_of
 
 
 def is_trainable(name: str, mode: str) -> bool:

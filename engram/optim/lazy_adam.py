@@ -29,9 +29,9 @@ from torch.distributed.tensor import DTensor
 
 from engram.models.table_grad import clear_row_grad, coalesce_rows, row_grad
 from engram.optim.touched_rows import TouchedRows
+from engram.rowstore.host_worker import HOST_WORKER, is_host_resident, row_store_of, wait_host_work
+from engram.rowstore.streamed_columns import ColumnSource, placeholder, source_of, streaming
 from engram.runtime.distributed import placed_like
-from engram.runtime.host_worker import HOST_WORKER, is_host_resident, row_store_of, wait_host_work
-from engram.runtime.streamed_columns import ColumnSource, placeholder, source_of, streaming
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -59,9 +59,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Collect every table's row gradient and the group's hyper-parameters now, then update:
-        here, or for host-resident tables (parallelisms/engram_tables/host.py) on the host
-        worker, which overlaps the next forward (its later gathers queue behind the update:
-        exact)."""
+        here, or for tables outside device memory (engram.table_location host / nvme) on the
+        host worker (engram/rowstore/host_worker.py), which overlaps the next forward (its later
+        gathers queue behind the update: exact)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -133,7 +133,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         out = super().state_dict()
         # A table in a row store: its state columns, read out, as the tensors a host table holds
         # (DCP saves and reshards them alike; the store's files are not the checkpoint), or
-        # while a checkpoint streams, placeholders (engram/runtime/streamed_columns.py).
+        # while a checkpoint streams, placeholders (engram/rowstore/streamed_columns.py).
         for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
             store = row_store_of(p)
             if store is not None and i in out["state"]:

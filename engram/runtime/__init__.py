@@ -1,4 +1,4 @@
-"""The process runtime: which device, which process group, which background worker.
+"""The process runtime: which device, which process group, which CPUs.
 
 - `device.py`: cpu / cuda / npu selection, lazy `torch_npu`, per-device settings and the
   device module's calls (synchronize, memory stats).
@@ -8,8 +8,7 @@
   name the device reports, or the planner's --device) with the device type's figure as the
   fallback, with sources (the planner's default budget; the recipe logs the measured total and
   the match beside it; MFU's denominator, or a GEMM measured on cpu).
-- `host_worker.py`: the host thread that runs host-resident table work, and the marker
-  that says a tensor lives in host memory (`is_host_resident`).
+- `affinity.py`: pins the process to its device's NUMA node (job.cpu_affinity = "numa").
 - `faults.py`: deterministic fault points for tests (`ENGRAM_FAULTS`: kill -9 or an I/O error
   at the n-th pass of a named point); nothing happens unless the variable is set.
 

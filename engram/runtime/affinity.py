@@ -3,7 +3,7 @@
 Why: the host side of a step (op dispatch, the host-table worker thread, the data-loader workers
 that hash ids) slows down when the OS moves it across sockets away from the device's PCIe root;
 the Ascend launch scripts pin each rank near its NPU for this reason. The main thread is pinned
-at start-up, before the host-table worker thread (engram/runtime/host_worker.py) and the
+at start-up, before the host-table worker thread (engram/rowstore/host_worker.py) and the
 data-loader workers exist: Linux threads and child processes inherit their creator's affinity,
 so they run on the same node.
 

@@ -17,7 +17,7 @@ deterministic where the call order is (the points sit on sequential paths: a pag
 batch runs after the previous one finished).
 
 Points (grep `faults.point(`): `nvme.page_write`, after each page an NVMe row store wrote back
-(parallelisms/engram_tables/nvme_store.py).
+(engram/rowstore/page_io.py).
 
 With ENGRAM_FAULTS unset `point` is one dict lookup that finds nothing: nothing to pay on the
 paths it sits on.

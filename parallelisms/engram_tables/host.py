@@ -19,8 +19,8 @@ queues the gathers, so the lookups find their rows staged; a lookup refuses stag
 than its own. Activation checkpointing does not re-run a lookup: the recompute replays the
 rows of the original forward (no collective, no gather).
 
-The shard is read through its row store (row_store.py, the host backend: gathers on the host
-worker; accelerator specifics there: page-locked staging, side-stream copies).
+The shard is read through its row store (engram/rowstore/memory.py, the host backend: gathers on
+the host worker; accelerator specifics there: page-locked staging, side-stream copies).
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ import torch.distributed as dist
 from torch import nn
 
 from engram.models.table_grad import accumulate_row_grad, coalesce_rows
+from engram.rowstore.host_worker import mark_host_resident, wait_host_work
+from engram.rowstore.interface import RowStore
+from engram.rowstore.memory import HostRowStore, on_device
 from engram.runtime.distributed import placed_like
-from engram.runtime.host_worker import mark_host_resident, wait_host_work
 from parallelisms.engram_tables.lookup import ShardedEngramTable
 from parallelisms.engram_tables.routing import (
     LookupRoute,
@@ -48,7 +50,6 @@ from parallelisms.engram_tables.routing import (
     route_ids,
     save_route,
 )
-from parallelisms.engram_tables.row_store import HostRowStore, on_device
 
 __all__ = ["HostShardedEngramTable", "host_table_modules", "lookups_off_queue"]
 
@@ -154,8 +155,9 @@ class HostShardedEngramTable(ShardedEngramTable):
         """The route of a prefetch (nvme.py takes one routed a step ahead)."""
         return self._route(ids)
 
-    def row_store(self) -> HostRowStore:
-        """The shard's row store (the host backend: parallelisms/engram_tables/row_store.py)."""
+    def row_store(self) -> RowStore:
+        """The shard's row store (here the host backend, engram/rowstore/memory.py; nvme.py's
+        the NVMe one)."""
         return HostRowStore(self.weight.to_local().detach())
 
     def _route(self, ids: torch.Tensor) -> LookupRoute:

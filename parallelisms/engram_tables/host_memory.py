@@ -8,9 +8,9 @@ import os
 from torch import nn
 
 from engram.config.table_optimizers import table_memory_bytes
+from engram.rowstore.memory import STAGING_CHUNK_BYTES
 from parallelisms.engram_tables.host import host_table_modules
 from parallelisms.engram_tables.nvme import NvmeShardedEngramTable
-from parallelisms.engram_tables.row_store import STAGING_CHUNK_BYTES
 
 __all__ = ["check_host_memory", "host_table_bytes", "mem_available_bytes"]
 

@@ -1,9 +1,10 @@
 """NVMe-resident Engram table shards (engram.table_location = "nvme").
 
 The host table's lookup (host.py: route on the device, gather on the FIFO host worker, rows
-all-to-all back) over an NVMe row store (nvme_store.py) instead of a host tensor: each rank's
-shard rows and their row-sparse optimizer state live in page files under engram.nvme_dirs, with
-a host cache of engram.nvme_host_cache_gib in front (split over the rank's NVMe tables).
+all-to-all back) over an NVMe row store (engram/rowstore/nvme_store.py) instead of a host
+tensor: each rank's shard rows and their row-sparse optimizer state live in page files under
+engram.nvme_dirs, with a host cache of engram.nvme_host_cache_gib in front (split over the
+rank's NVMe tables).
 
 - Prefetch (the batch's hash ids, at the start of a step, as for host tables) pins the rows a
   lookup needs in the cache on the worker; the row-sparse optimizer updates them there
@@ -13,9 +14,9 @@ a host cache of engram.nvme_host_cache_gib in front (split over the rank's NVMe 
 - Page-in ahead: with the loader read ahead (runner/loop.py), the step routes the next step's
   ids while it runs (`page_in_ahead`, called per lookup by parallelisms/table_prefetch.py
   `page_in_nvme_tables`: the collective, in the same order on every rank) and the
-  store starts reading their uncached pages on its I/O pool (nvme_store.py `page_in`, whose
-  docstring has the exactness argument); the next step's prefetch takes that route instead of
-  routing again.
+  store starts reading their uncached pages on its I/O pool (the store's `page_in`; the
+  exactness argument is engram/rowstore/page_cache.py's docstring); the next step's prefetch
+  takes that route instead of routing again.
 - The weight parameter keeps its shape and placement but no rows: its local piece is a
   zero-stride view of one element. `to_empty` of the meta-built table creates the store, and
   the layout-independent init (engram/models/init.py) writes its row chunks straight into it:
@@ -25,10 +26,10 @@ a host cache of engram.nvme_host_cache_gib in front (split over the rank's NVMe 
 - Checkpoints: the module's state dict reads the weight from the store and the optimizer's reads
   its state columns (`snapshot`), as tensors placed like a host table's, so DCP saves, loads and
   reshards them alike; loading writes them back into the store. The checkpointer streams them
-  instead (engram/runtime/streamed_columns.py): placeholders in the state dicts, and DCP moves
+  instead (engram/rowstore/streamed_columns.py): placeholders in the state dicts, and DCP moves
   one row chunk at a time between the store and the files. The page files are scratch and
   are deleted when the process ends; files a killed run left are removed by the next run's
-  stores (page_files.py).
+  stores (engram/rowstore/page_files.py).
 """
 
 from __future__ import annotations
@@ -43,16 +44,16 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from engram.config.table_optimizers import table_optimizer_spec
-from engram.runtime.distributed import placed_like
-from engram.runtime.host_worker import (
+from engram.rowstore.host_worker import (
     HOST_WORKER,
     attach_row_store,
     mark_host_resident,
     wait_host_work,
 )
-from engram.runtime.streamed_columns import ColumnSource, placeholder, source_of, streaming
+from engram.rowstore.nvme_store import NvmeRowStore
+from engram.rowstore.streamed_columns import ColumnSource, placeholder, source_of, streaming
+from engram.runtime.distributed import placed_like
 from parallelisms.engram_tables.host import HostShardedEngramTable
-from parallelisms.engram_tables.nvme_store import NvmeRowStore
 
 __all__ = ["NvmeSettings", "NvmeShardedEngramTable", "remove_page_files"]
 
@@ -168,7 +169,7 @@ class NvmeShardedEngramTable(HostShardedEngramTable):
         if key in missing:
             missing.remove(key)
 
-    def row_store(self) -> NvmeRowStore:  # type: ignore[override]
+    def row_store(self) -> NvmeRowStore:
         return self.spill()
 
     def prefetch(self, ids: torch.Tensor) -> None:
@@ -228,7 +229,8 @@ def _weight_from_store(module, state_dict, prefix, local_metadata):
 def remove_page_files() -> None:
     """Close this process's NVMe row stores and delete their page files (scratch). Runs at
     exit; a launcher whose processes end by os._exit (multiprocessing's forked workers) calls
-    it itself. A killed process leaves its files to the next store's sweep (page_files.py)."""
+    it itself. A killed process leaves its files to the next store's sweep
+    (engram/rowstore/page_files.py)."""
     mine = [store for pid, store in _STORES if pid == os.getpid()]  # not a forking parent's
     _STORES[:] = [(pid, store) for pid, store in _STORES if pid != os.getpid()]
     for store in mine:

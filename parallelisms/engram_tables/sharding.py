@@ -13,12 +13,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from engram.config.table_locations import TABLE_LOCATIONS, table_location_spec
+from engram.rowstore.interface import RowStore
+from engram.rowstore.memory import DeviceRowStore, HostRowStore
+from engram.rowstore.nvme_store import NvmeRowStore
 from parallelisms.engram_tables.host import HostShardedEngramTable
 from parallelisms.engram_tables.lookup import ShardedEngramTable
 from parallelisms.engram_tables.nvme import NvmeSettings, NvmeShardedEngramTable
-from parallelisms.engram_tables.nvme_store import NvmeRowStore
 from parallelisms.engram_tables.routing import LookupSettings, local_row_range
-from parallelisms.engram_tables.row_store import DeviceRowStore, HostRowStore, RowStore
 
 __all__ = ["LOCATION_BACKENDS", "apply_engram_table_sharding"]
 

@@ -1,4 +1,4 @@
-"""The host worker of host-resident Engram tables (engram.table_location = "host").
+"""The host worker of Engram tables outside device memory (table_location "host" or "nvme").
 
 One FIFO thread per process runs every host-side job of every host table: the row-sparse
 optimizer's update of a host shard and the host-side gathers of rows for later lookups. FIFO
@@ -23,6 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from engram.rowstore.interface import ColumnRowStore
 
 # The marker's attribute name on a parameter; read and written only by the functions below.
 _HOST_RESIDENT = "_engram_host_resident"
@@ -49,13 +51,13 @@ def table_location_of(param: torch.Tensor) -> str:
 _ROW_STORE = "_engram_row_store"
 
 
-def attach_row_store(param: torch.Tensor, store: Any) -> None:
+def attach_row_store(param: torch.Tensor, store: ColumnRowStore) -> None:
     """Give a table parameter the row store that holds its rows and row-sparse optimizer state
-    (parallelisms/engram_tables/nvme_store.py); the row-sparse optimizers update through it."""
+    (the NVMe backend, nvme_store.py); the row-sparse optimizers update through it."""
     setattr(param, _ROW_STORE, store)
 
 
-def row_store_of(param: torch.Tensor) -> Any | None:
+def row_store_of(param: torch.Tensor) -> ColumnRowStore | None:
     """The row store `attach_row_store` gave this parameter, or None (its tensors hold it)."""
     return getattr(param, _ROW_STORE, None)
 

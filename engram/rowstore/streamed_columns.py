@@ -1,6 +1,6 @@
 """Streamed table columns: checkpoint NVMe tables without holding a shard in host memory.
 
-An NVMe table's rows and optimizer state live in a row store (parallelisms/engram_tables/
+An NVMe table's rows and optimizer state live in a row store (a `ColumnRowStore`,
 nvme_store.py), not in tensors. Inside `streamed_columns()` (the checkpointer's synchronous
 saves, its loads, and a table delta's DCP part) their state dicts hold placeholders instead of
 columns read out of the store: a zero-stride view of one element, placed like the table (a
@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
+from engram.rowstore.host_worker import HOST_WORKER
+from engram.rowstore.interface import ColumnRowStore
 from engram.runtime.distributed import placed_like
-from engram.runtime.host_worker import HOST_WORKER
 
 CHUNK_BYTES = 64 << 20
 """The most bytes of one table column a streamed save reads out of a store at once (one DCP
@@ -40,7 +41,7 @@ class ColumnSource:
     Reads and writes run on the host worker, behind every queued update and prefetch: the store
     is used from that one thread only."""
 
-    store: Any
+    store: ColumnRowStore
     name: str
 
     @property

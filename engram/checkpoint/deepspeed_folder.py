@@ -12,7 +12,8 @@ three data classes DeepSpeed stores besides those, are allowed for its duration 
 else in a file is refused with a CheckpointError before any of it is built.
 
 Also here: telling a DeepSpeed step folder apart, and reading one into an unsharded model
-(export, generation).
+(export, generation, evaluation: they need no runner/). The engine itself (runner/
+deepspeed_engine.py) saves and resumes its folders with the same names and reader.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from engram.checkpoint import CheckpointError, ModelState, check_fingerprint, dcp_load
-from engram.checkpoint.dcp_io import unpickler_reason
+from engram.checkpoint.dcp_io import dcp_load, unpickler_reason
+from engram.checkpoint.errors import CheckpointError
+from engram.checkpoint.folder import check_fingerprint
+from engram.checkpoint.state import ModelState
 from engram.models.engram import EngramTable
 from engram.models.transformer import clean_fqn
 

@@ -1,26 +1,11 @@
-"""The row-store interface under the Engram table shards, and its backends by
-engram.table_location (engram/config/table_locations.py states which optimizers each supports).
+"""The memory backends of the row store (engram/rowstore/interface.py): a table shard's rows in
+device memory or in host memory (engram.table_location "device", "host").
 
-A store holds the rows of one rank's table shard. A lookup and an optimizer update see a table
-only through it:
-
-    read_rows(idx)          the rows `idx` (local row numbers), now
-    write_rows(idx, rows)   overwrite them (unique idx)
-    prefetch(idx, device)   a Future of the rows `idx` on `device`, queued behind every earlier
-                            write (so it reads the rows as updated: the exactness argument);
-                            pinned unless pin=False
-    page_in(idx)            start bringing rows `idx` of a later step resident (queued behind
-                            every earlier write, returns at once; a hint: values never depend on
-                            it); nothing for memory stores, whose rows are all resident
-    pin(idx) / release(idx) keep rows resident between a prefetch and their last use
-    release_all()           end every pin (the optimizer, after the step's update)
-    snapshot()              the whole shard, after every queued write (checkpoints)
-
-Backends: `DeviceRowStore` (the shard tensor in device memory: reads and writes are index ops,
-pin / release are no-ops) and `HostRowStore` (the shard in host memory: reads for the device
-are host-side gathers into page-locked staging on the FIFO host worker,
-engram/runtime/host_worker.py, copied to the device on a side stream); the NVMe backend is
-nvme_store.py. sharding.py pairs each engram.table_location with its backend.
+`DeviceRowStore`: the shard tensor in device memory: reads and writes are index ops, pin /
+release are no-ops. `HostRowStore`: the shard in host memory: reads for the device are host-side
+gathers into page-locked staging on the FIFO host worker (engram/rowstore/host_worker.py),
+copied to the device on a side stream. The NVMe backend is nvme_store.py;
+parallelisms/engram_tables/sharding.py pairs each engram.table_location with its backend.
 """
 
 from __future__ import annotations
@@ -29,13 +14,13 @@ from concurrent.futures import Future
 
 import torch
 
-from engram.runtime.host_worker import HOST_WORKER, wait_host_work
+from engram.rowstore.host_worker import HOST_WORKER, wait_host_work
+from engram.rowstore.interface import RowStore
 
 __all__ = [
     "STAGING_CHUNK_BYTES",
     "DeviceRowStore",
     "HostRowStore",
-    "RowStore",
     "on_device",
     "pin_staging",
 ]
@@ -44,36 +29,6 @@ __all__ = [
 # request up to one, so a power of two wastes nothing) and under 128 MB (Ascend registers host
 # memory with the runtime in pieces below 128 MB).
 STAGING_CHUNK_BYTES = 64 * 2**20
-
-
-class RowStore:
-    """The rows of one table shard (see the module docstring). Subclasses state where they live."""
-
-    location: str
-
-    def read_rows(self, idx: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def write_rows(self, idx: torch.Tensor, rows: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def prefetch(self, idx: torch.Tensor, device: torch.device, pin: bool = True) -> Future:
-        raise NotImplementedError
-
-    def page_in(self, idx: torch.Tensor) -> None:
-        """Start bringing rows `idx` resident ahead of their step (memory stores: nothing)."""
-
-    def pin(self, idx: torch.Tensor) -> None:
-        """Keep rows `idx` resident until `release` (memory stores hold every row: nothing)."""
-
-    def release(self, idx: torch.Tensor) -> None:
-        """End a `pin`."""
-
-    def release_all(self) -> None:
-        """End every pin."""
-
-    def snapshot(self) -> torch.Tensor:
-        raise NotImplementedError
 
 
 class DeviceRowStore(RowStore):
