@@ -21,6 +21,10 @@ def _run_train(tmp_path: Path, ngpu: int, *args: str) -> tuple[subprocess.Comple
         "CONFIG_FILE": "train_configs/debug_model.toml",
         "MASTER_PORT": str(free_port()),
         "NGPU": str(ngpu),
+        # As torchrun gives each of several ranks: one thread. The NGPU=1 and NGPU=2 runs then
+        # sum in the same order, and on this shared 2-core box a 2-thread rank spin-waits (the
+        # 60-step run took 3 to 27 s per step at a load average of ~10, and timed out).
+        "OMP_NUM_THREADS": "1",
     }
     proc = subprocess.run(
         ["./run_train.sh", f"--job.dump_folder={tmp_path}", "--metrics.log_freq=1", *args],
