@@ -26,6 +26,7 @@ DP 2's step-1 gradient is off by 2.3e-1 and the test fails (measured).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -79,22 +80,23 @@ class _Masked:
             yield batch
 
 
-def _patch_run(store: dict) -> None:
-    """In this (forked) rank: both recipes read masked data, and each step's clip first copies
-    the step-1 gradients (full tensors) into `store` (a collective: every rank calls it)."""
+@contextlib.contextmanager
+def _patched(store: dict):
+    """In this rank, for one run: both recipes read masked data, and the step's clip first
+    copies the step-1 gradients (full tensors) into `store` (a collective: every rank calls
+    it). Put back afterwards (a rank runs several trainings)."""
     import recipes.train
     import recipes.train_deepspeed
     from runner.engine_step import EngineStep
     from runner.step import TrainStep
 
+    real_build = recipes.train.build_loaders
+    real_clips = {cls: cls.clip for cls in (TrainStep, EngineStep)}
+
     def masked_loaders(*args, **kwargs):
         train, make_eval = real_build(*args, **kwargs)
         store["train_loader"] = masked = _Masked(train)
         return masked, lambda: _Masked(make_eval())
-
-    real_build = recipes.train.build_loaders
-    recipes.train.build_loaders = masked_loaders
-    recipes.train_deepspeed.build_loaders = masked_loaders
 
     def capture(real):
         def clip(self):
@@ -104,8 +106,15 @@ def _patch_run(store: dict) -> None:
 
         return clip
 
-    TrainStep.clip = capture(TrainStep.clip)
-    EngineStep.clip = capture(EngineStep.clip)
+    recipes.train.build_loaders = recipes.train_deepspeed.build_loaders = masked_loaders
+    for cls, real in real_clips.items():
+        cls.clip = capture(real)
+    try:
+        yield
+    finally:
+        recipes.train.build_loaders = recipes.train_deepspeed.build_loaders = real_build
+        for cls, real in real_clips.items():
+            cls.clip = real
 
 
 def _grads(step) -> dict:
@@ -132,12 +141,12 @@ def _grads(step) -> dict:
 
 def _run(raw: dict, deepspeed: bool = False) -> dict:
     store: dict = {}
-    _patch_run(store)
     if deepspeed:
         from recipes.train_deepspeed import train
     else:
         from recipes.train import train
-    result = train(config_from_dict(raw))
+    with _patched(store):
+        result = train(config_from_dict(raw))
     grads = store["grads"]
     if deepspeed:  # the tables by name
         names = [clean_fqn(n) for n, _ in result.tables.named_parameters()]
