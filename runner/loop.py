@@ -18,11 +18,12 @@ Per step, in order:
     the step     CP cut, host-table prefetch, forward / backward per micro-batch (the PP schedule
                  under PP), clip, the non-finite guard, the update (runner/step.py TrainStep, or
                  runner/engine_step.py EngineStep under DeepSpeed)
-    end_step     the profiler's step; record (loss, gradient norm, learning rate; on log steps
-                 throughput and memory: engram/train/progress.py); evaluate every
-                 data.eval_every steps and at the last (the held-out loss through the step's
-                 cut and loss; with data.eval_exact_match the exact match of greedy answers to
-                 held-out questions, runner/exact_match.py); save
+    end_step     the profiler's step; record (loss: the step's token mean, gradient norm,
+                 learning rate, target tokens; on log steps throughput and memory:
+                 engram/train/progress.py); evaluate every data.eval_every steps and at the last
+                 (the held-out loss through the step's cut and loss; with data.eval_exact_match
+                 the exact match of greedy answers to held-out questions, runner/exact_match.py);
+                 save
                  at the checkpoint manager's interval, never at a skipped step; then the next
                  timing window starts, and after the first step the process groups get their
                  training timeout (start-up is over)
@@ -46,7 +47,7 @@ from engram.inference.export_run import export_at_end
 from engram.rowstore.host_worker import wait_host_work
 from engram.runtime.distributed import destroy_distributed, set_pg_timeouts
 from engram.train.build import Process
-from engram.train.evaluate import eval_due
+from engram.train.evaluate import eval_batches, eval_due
 from engram.train.flops import FlopCount
 from engram.train.metrics import MetricsLogger
 from engram.train.nonfinite import NonFiniteGuard
@@ -137,7 +138,9 @@ class TrainRun:
     def end_step(self, step: int, out: StepResult) -> None:
         """After the step: record, evaluate, save, end the step (the module docstring)."""
         self.profiler.step()
-        self.progress.record(step, out.loss, out.grad_norm, out.lr, self.guard.total)
+        self.progress.record(
+            step, out.loss, out.grad_norm, out.lr, self.guard.total, out.target_tokens
+        )
         if eval_due(self.cfg, step):
             self.evaluate(step)
         self.save(step, out)
@@ -152,7 +155,7 @@ class TrainRun:
         exact match of greedy answers to held-out questions (eval_exact_match, eval_questions)."""
         loss = None
         if self.cfg.data.eval_batches > 0:
-            loader, n = self.make_eval_loader(), self.cfg.data.eval_batches
+            loader, n = self.make_eval_loader(), eval_batches(self.cfg)
             loss = self.train_step.evaluate(loader, n, self.proc.device)
             self.eval_losses[step] = loss
             self.metrics.log(step, {"eval_loss": loss})

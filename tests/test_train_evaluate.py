@@ -45,11 +45,6 @@ def _held_out_loss(rank: int, world: int) -> tuple[float, float, int]:
     return got, total, sum(TARGETS[rank])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="evaluate is the mean of per-batch means until the step's token-mean loss (branch "
-    "sftloss) lands; then this passes: remove the marker",
-)
 def test_held_out_loss_is_the_token_mean_of_every_batch_of_every_rank():
     results = run_distributed(_held_out_loss, 2)
     token_mean = sum(r[1] for r in results) / sum(r[2] for r in results)
