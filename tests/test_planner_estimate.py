@@ -366,7 +366,7 @@ def test_sft_lora_configs_plan_within_usable_memory(path):
     """The 32B LoRA + Engram SFT configs (packed conversations, block-causal SDPA mask; 4K rows
     at FSDP 64, 32K rows at CP 2 x FSDP 32) at 64 ranks keep at least 10% of the usable memory
     of a 64 GB NPU free, and their headers state the planned peak."""
-    cfg = load_config(["--job.config_file", path])
+    cfg = _cfg(path)
     assert cfg.training.mode == "lora" and cfg.model.attn_mask_type == "block_causal"
     budget = usable_memory_gib("npu")
     est = run_isolated(estimate, cfg, 64, ranks=[0], device_memory_gib=budget, timeout=600)
