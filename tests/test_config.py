@@ -16,7 +16,10 @@ CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("train_configs").g
 
 def test_there_are_shipped_configs():
     names = {p.name for p in CONFIGS}
-    assert {"debug_model.toml", "32b_npu.toml", "32b_gpu.toml", "8b_gpu.toml"} <= names
+    assert {
+        "debug_model.toml", "debug_sft.toml", "32b_npu.toml", "32b_gpu.toml", "8b_gpu.toml",
+        "32b_npu_sft_lora.toml", "32b_npu_sft_lora_32k.toml",
+    } <= names  # fmt: skip
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
