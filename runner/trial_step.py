@@ -30,6 +30,7 @@ from engram.runtime import device as dev
 from engram.runtime.device_specs import Peak, resolve_peak
 from engram.train.flops import FlopCount, model_flops
 from parallelisms.parallel_dims import ParallelDims, axis_divisors
+from runner.loop import ReadAhead
 from runner.model_parts import build_model_parts
 from runner.step import TrainStep
 
@@ -154,6 +155,17 @@ def _synthetic_batch(cfg: JobConfig, vocab: int, seed: int, device) -> dict[str,
     return {k: v.to(device) for k, v in batch.items()}
 
 
+class _Batches(list):
+    """Synthetic batches as the loop's ReadAhead reads a loader (nothing to hold: no loader
+    state is checkpointed here)."""
+
+    def hold(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
 def run_trial_step(
     cfg: JobConfig, dims: ParallelDims, device: torch.device, steps: int = 2
 ) -> TrialStep:
@@ -172,13 +184,18 @@ def run_trial_step(
     model_parts, loss_fn, pp = build_model_parts(meta, cfg, dims, device)
     optimizers = [opt for part in model_parts for opt in build_optimizers(part, cfg)]
     train_step = TrainStep(cfg, dims, model_parts, loss_fn, optimizers, [], pp=pp)
-    # Whole samples, one per dp rank (the cp ranks of a replica share it; the step cuts it).
-    batch = _synthetic_batch(cfg, vocab, 1000 + dims.mesh("dp").get_local_rank(), device)
+    # Whole samples, one per dp rank and step (the cp ranks of a replica share it; the step cuts
+    # it), read one step ahead as the loop reads them: NVMe tables page in step N + 1's rows
+    # while step N runs, as in training.
+    dp_rank = dims.mesh("dp").get_local_rank()
+    batches = [_synthetic_batch(cfg, vocab, 1000 + dp_rank + 7919 * i, "cpu") for i in range(steps)]
+    data = ReadAhead(_Batches(batches), 1, device, steps)
     with loss_fn.context():
         for i in range(steps):
             dev.synchronize(device)
             t0, c0 = time.perf_counter(), time.process_time()
-            train_step([batch], i + 1)
+            now, ahead = data.take(i + 1)
+            train_step(now, i + 1, ahead)
             dev.synchronize(device)
             step_time, cpu_time = time.perf_counter() - t0, time.process_time() - c0
     if device.type == "cpu":

@@ -47,7 +47,9 @@ def page_layout(record_bytes: int) -> tuple[int, int]:
 class NvmeRowStore(ColumnRowStore):
     """Rows [rows, columns...] of one shard in page files under `dirs`, cached in `cache_bytes`
     of host memory (see the module docstring). `columns`: name -> width in fp32 values (0: one
-    value per row, read as shape [n]); the first is the weight."""
+    value per row, read as shape [n]); the first is the weight. `name` names its files; `label`
+    (the table's name in the model) and `row0` (the shard's first row in the table) name its
+    rows in errors."""
 
     location = "nvme"
 
@@ -60,6 +62,8 @@ class NvmeRowStore(ColumnRowStore):
         name: str = "table",
         threads: int = 4,
         direct: bool = True,
+        label: str = "",
+        row0: int = 0,
     ) -> None:
         if not columns or not dirs:
             raise ValueError("an NVMe row store needs at least one column and one directory")
@@ -78,7 +82,10 @@ class NvmeRowStore(ColumnRowStore):
                 f"NVMe host cache of {cache_bytes} B holds no {self.page_bytes} B page: raise "
                 "engram.nvme_host_cache_gib"
             )
-        self.io = PageIO(self.pages, self.page_bytes, self.cache_pages, dirs, name, threads, direct)
+        self.io = PageIO(
+            self.pages, self.page_bytes, self.cache_pages, dirs, name, threads, direct,
+            self.rows_per_page, row0, label or name,
+        )  # fmt: skip
         self.cache = PageCache(self.io, self.pages, self.cache_pages)
         self.pins_taken = 0
         self.read_out_bytes = self.read_out_peak = 0  # columns read out (checkpoints)

@@ -59,8 +59,8 @@ class PageBuffer:
 
 class PageIO:
     """`pages` pages of `page_bytes` in page files under `dirs`, and `cache_pages` slots of
-    host memory they move into and out of (see the module docstring). `rows_per_page` and
-    `row0` (the shard's first global row) only name rows in errors."""
+    host memory they move into and out of (see the module docstring). `rows_per_page`, `row0`
+    (the shard's first row in the table) and `label` (the table) only name rows in errors."""
 
     def __init__(
         self,
@@ -73,8 +73,9 @@ class PageIO:
         direct: bool,
         rows_per_page: int = 1,
         row0: int = 0,
+        label: str = "",
     ) -> None:
-        self.pages, self.page_bytes, self.name = pages, page_bytes, name
+        self.pages, self.page_bytes, self.label = pages, page_bytes, label or name
         self.rows_per_page, self.row0 = rows_per_page, row0
         self.fds, self.paths, reasons = [], [], set()
         self.aio = None  # native AIO batches (linux_aio.py): O_DIRECT files only
@@ -197,7 +198,7 @@ class PageIO:
         fd_i, pos = page % len(self.fds), (page // len(self.fds)) * self.page_bytes
         r0 = self.row0 + page * self.rows_per_page
         raise PageChecksumError(
-            f"NVMe Engram table {self.name}: page {page} of {self.paths[fd_i]} (bytes {pos}-"
+            f"NVMe Engram table {self.label}: page {page} of {self.paths[fd_i]} (bytes {pos}-"
             f"{pos + self.page_bytes - 1}; rows {r0}-{r0 + self.rows_per_page - 1} of the table) "
             f"is not what this run wrote there (checksum mismatch; {len(bad)} of {len(pages)} "
             "pages of this batch): the page file was changed or damaged behind the run (another "
