@@ -160,7 +160,7 @@ def test_a_page_changed_behind_the_store_stops_it_by_name(tmp_path):
     # the checksum: modulo-2^64 wrap-around as in integer arithmetic, and the page in it
     page = torch.randint(-(2**62), 2**62, (1, 512), dtype=torch.int64)
     keys = __import__("engram.rowstore.page_sums", fromlist=["_keys"])._keys(512).tolist()
-    want = (sum(a * b for a, b in zip(page[0].tolist(), keys[:-1], strict=True)) + 5 * keys[-1])
+    want = sum(a * b for a, b in zip(page[0].tolist(), keys[:-1], strict=True)) + 5 * keys[-1]
     want = ((want % 2**64) >> 32) - (2**32 if (want % 2**64) >> 63 else 0)
     got = page_sums(page.view(torch.float32), torch.tensor([0]), torch.tensor([5]))
     assert int(got[0]) == want and int(page_sums(page.view(torch.float32), torch.tensor([0]),
