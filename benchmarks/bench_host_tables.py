@@ -30,7 +30,8 @@ ranks, median over its runs: at init (before step 1: the layout-independent init
 tables) and per step after it (pages read, of them paged in ahead of their step, written back,
 and the pins that waited for a page-in still in flight). `nvme:syscalls`: NVMe tables with the
 store's page I/O by preadv / pwritev on its I/O threads instead of native AIO batches
-(engram/rowstore/linux_aio.py).
+(engram/rowstore/linux_aio.py); `nvme:nochecksum`: without the page checksums (what they cost,
+engram/rowstore/page_sums.py).
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ def _store_pages(model_parts) -> dict[str, int]:
 
 
 def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
+    import torch
+
     import engram.rowstore.memory as rs
     import engram.rowstore.page_io as page_io
     import runner.step as step_mod
@@ -163,8 +166,11 @@ def _worker(rank: int, world: int, raw: dict, warmup: int) -> dict:
             acct["steps"] += 1
         return out
 
-    if raw.pop("bench_page_io") == "syscalls":
+    variant = raw.pop("bench_page_io")
+    if variant == "syscalls":
         page_io.aio_available = lambda: "off (benchmark variant nvme:syscalls)"
+    if variant == "nochecksum":  # what the page checksums cost: the same store without them
+        page_io.page_sums = lambda buf, slots, pages: torch.zeros(len(slots), dtype=torch.int32)
     rs._gather = counted_gather
     RowSparseOptimizer._row_grad = staticmethod(counted_row_grad)
     HostShardedEngramTable._staged_rows = timed_staged_rows

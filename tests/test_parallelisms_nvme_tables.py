@@ -16,7 +16,7 @@ from test_parallelisms_host_tables import _raw, _same
 
 from engram.config import ConfigError, config_from_dict
 from engram.rowstore import page_io
-from engram.rowstore.nvme_store import NvmeRowStore, page_layout
+from engram.rowstore.nvme_store import INDEX_BYTES_PER_PAGE, NvmeRowStore, page_layout
 
 # Big enough that a step's rows are a small share of the pages: 800k rows x 16 (51 MB of fp32
 # weights per table, 3x with lazy_adam's moments) against a host cache of 5 MiB / ranks (a
@@ -51,6 +51,10 @@ def test_row_store_roundtrip_eviction_and_pins(tmp_path, monkeypatch, engine):
         cache_bytes=4 * 4096,
     )  # fmt: skip
     assert store.direct == _direct_io_works(tmp_path)  # else buffered, with the reason logged
+    # the host memory it keeps per page besides the cache (the planner's page index term)
+    index = (store.cache.slot_of, store.io.sums, store.io.written, store.cache.writing)
+    assert all(len(t) == store.pages for t in index)
+    assert sum(t.element_size() for t in index) == INDEX_BYTES_PER_PAGE
     w, m, s = torch.randn(rows, dim), torch.randn(rows, dim), torch.rand(rows)
     store.load({"weight": w, "exp_avg": m, "sum": s})
     assert store.writes > 0 and store.cached_bytes <= 4 * 4096  # evicted pages went to disk

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.futures import Future
+from torch.storage import _get_dtype_from_pickle_storage_type
 
 from engram.checkpoint.dcp_io import RestrictedFileSystemReader
 from engram.rowstore import streamed_columns
@@ -76,7 +77,7 @@ class _LayoutUnpickler(pickle.Unpickler):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return lambda storage, offset, shape, stride, *rest: (*storage, offset, shape, stride)
         if module == "torch" and name.endswith("Storage"):
-            return getattr(torch, name).dtype
+            return _get_dtype_from_pickle_storage_type(name)
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
         raise pickle.UnpicklingError(f"{module}.{name}")

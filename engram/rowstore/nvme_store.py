@@ -32,9 +32,13 @@ from engram.rowstore.linux_aio import DEPTH
 from engram.rowstore.page_cache import PageCache
 from engram.rowstore.page_io import PageBuffer, PageIO
 
-__all__ = ["PAGE_BYTES", "NvmeRowStore", "page_layout"]
+__all__ = ["INDEX_BYTES_PER_PAGE", "PAGE_BYTES", "NvmeRowStore", "page_layout"]
 
 PAGE_BYTES = 4096  # the logical block size O_DIRECT aligns offsets, lengths and buffers to
+INDEX_BYTES_PER_PAGE = 10
+"""Host memory a store keeps per page of its files besides the cache: the page's slot (int32,
+page_cache.py), its checksum (int32), whether it was ever written and whether its write-back is
+in flight (a bool each)."""
 
 
 def page_layout(record_bytes: int) -> tuple[int, int]:
@@ -155,6 +159,10 @@ class NvmeRowStore(ColumnRowStore):
     def read_columns(self, idx: torch.Tensor, names: list[str] | None = None) -> dict:
         """{column: its rows `idx`} (copies; a width-0 column as shape [n])."""
         self.cache.load(self._pages(idx))
+        return self._gather(idx, names)
+
+    def _gather(self, idx: torch.Tensor, names: list[str] | None = None) -> dict:
+        """read_columns of rows whose pages are cached."""
         rec = self._records()[self._record_index(idx)]
         out = {}
         for col in names or list(self.columns):
@@ -198,9 +206,13 @@ class NvmeRowStore(ColumnRowStore):
         return HOST_WORKER.submit(self._read_to, idx, device, pin)
 
     def _read_to(self, idx: torch.Tensor, device: torch.device, pin: bool):
+        pages = self._pages(idx)
+        self.cache.load(pages)
         if pin:
-            self.pin(idx)
-        return self.read_rows(idx).to(device), None
+            self.pins_taken += 1
+            self.cache.hold(pages)
+        weight = next(iter(self.columns))
+        return self._gather(idx, [weight])[weight].to(device), None
 
     def page_in(self, idx: torch.Tensor) -> Future:
         """Queued on the host worker (behind every queued update): `page_in_now`."""

@@ -70,12 +70,13 @@ class PageCache:
 
     def __init__(self, io: PageIO, pages: int, cache_pages: int) -> None:
         self.io, self.cache_pages = io, cache_pages
-        self.slot_of = torch.full((pages,), -1, dtype=torch.long)  # page -> slot, or -1
+        self.slot_of = torch.full((pages,), -1, dtype=torch.int32)  # page -> slot, or -1
         self.page_of = torch.full((cache_pages,), -1, dtype=torch.long)  # slot -> page, or -1
         self.last_use = torch.zeros(cache_pages, dtype=torch.long)  # the clock at its last use
         self.dirty = torch.zeros(cache_pages, dtype=torch.bool)
         self.pins = torch.zeros(cache_pages, dtype=torch.int32)
         self.loading = torch.zeros(cache_pages, dtype=torch.long)  # its page-in task, or 0
+        self.writing = torch.zeros(pages, dtype=torch.bool)  # evicted, its write-back in flight
         self.tasks: dict[int, _Task] = {}
         self._clock = 0
         self._task_ids = 0
@@ -110,6 +111,7 @@ class PageCache:
                 self.page_in_waits += 1
             task.future.result()
             self.loading[task.slots] = 0
+            self.writing[task.written] = False
             self.last_use[task.slots] = self._clock
 
     def _reap(self) -> None:
@@ -123,7 +125,8 @@ class PageCache:
         self._reap()
         slots = self.slot_of[pages]
         ids = set(torch.unique(self.loading[slots[slots >= 0]]).tolist()) - {0}
-        ids |= {i for i, t in self.tasks.items() if bool(torch.isin(t.written, pages).any())}
+        if bool(self.writing[pages].any()):  # (the tasks that write pages back: few)
+            ids |= {i for i, t in self.tasks.items() if len(t.written)}
         self.settle(sorted(ids))
 
     # -- slots ------------------------------------------------------------------------------
@@ -151,7 +154,7 @@ class PageCache:
         return pages, dirty
 
     def _map(self, pages: torch.Tensor, slots: torch.Tensor) -> None:
-        self.slot_of[pages] = slots
+        self.slot_of[pages] = slots.to(torch.int32)
         self.page_of[slots] = pages
         self.last_use[slots] = self._clock
 
@@ -196,6 +199,7 @@ class PageCache:
             future = self.io.start(victim_pages[v][write], victims[v][write], missing[a:b],
                                    slots[a:b])  # fmt: skip
             self.loading[slots[a:b]] = self._task_ids
+            self.writing[victim_pages[v][write]] = True
             self.tasks[self._task_ids] = _Task(future, slots[a:b], victim_pages[v][write])
         self.paged_in += len(missing)
 

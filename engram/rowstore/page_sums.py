@@ -38,10 +38,12 @@ def page_sums(buf: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor) -> to
     words = buf.view(torch.int64)
     keys = _keys(words.shape[1])
     out = torch.empty(len(slots), dtype=torch.int32)
+    scratch = torch.empty(min(_CHUNK, len(slots)), words.shape[1], dtype=torch.int64)
     for lo in range(0, len(slots), _CHUNK):
         s, p = slots[lo : lo + _CHUNK], pages[lo : lo + _CHUNK]
-        total = (words[s] * keys[:-1]).sum(1) + p * keys[-1]  # int64: wraps modulo 2^64
-        out[lo : lo + _CHUNK] = (total >> 32).to(torch.int32)
+        part = torch.index_select(words, 0, s, out=scratch[: len(s)])  # no temporaries
+        total = part.mul_(keys[:-1]).sum(1).add_(p * keys[-1])  # int64: wraps modulo 2^64
+        out[lo : lo + _CHUNK] = total.bitwise_right_shift_(32).to(torch.int32)
     return out
 
 
