@@ -43,6 +43,7 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
         "docs/host_tables.md)",
         "reuse_last_step": "share of a step's rows touched the step before (measured)",
         "reuse_window": "share of a step's rows touched in the last few steps (measured)",
+        "reuse_source": "where the reuse figures were measured: tokenizer and corpus (printed)",
         "checkpoint_write_gbs": "GB/s a node writes checkpoints at",
     }
     for f in dataclasses.fields(TierAssumptions):
@@ -184,7 +185,8 @@ def nvme_markdown(t: NvmeTier | None) -> list[str]:
         + (f"{gib(t.host_bytes)} GiB" if t.host_bytes else "(host memory not stated)")
         + f"; cache {gib(t.cache_bytes_per_rank)} GiB per rank",
         f"- per step: {t.step_rows_per_table:,} rows per table per rank (measured reuse "
-        f"{a.reuse_last_step:.0%} from the last step); {t.pages_read_per_step:,} pages read and "
+        f"{a.reuse_last_step:.0%} from the last step; reuse from {a.reuse_source}); "
+        f"{t.pages_read_per_step:,} pages read and "
         f"as many written back per node: {t.io_seconds_per_step:.2f} s of I/O per "
         f"{a.step_time_s} s step ({a.nvme_read_kiops:g}k / {a.nvme_write_kiops:g}k IOPS, "
         f"{a.nvme_read_gbs:g} / {a.nvme_write_gbs:g} GB/s per drive)",

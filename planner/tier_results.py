@@ -30,6 +30,9 @@ class TierAssumptions:
     reuse_window: float = 0.757
     """Share of a step's rows touched in the last few steps (measured 76-80% over 4 steps):
     new rows per step over a save interval are (1 - this) of a step's rows."""
+    reuse_source: str = "TBD"
+    """Where the three reuse figures above were measured (the tokenizer and the corpus): the
+    plan prints it beside them."""
     checkpoint_write_gbs: float = 5.0
     """GB/s a node writes checkpoint files at (to the checkpoint folder's storage)."""
 
