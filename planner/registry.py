@@ -130,6 +130,7 @@ NO_MEMORY_EFFECT = frozenset(
         "job.cpu_affinity",  # which host CPUs the rank's threads run on
         *("comm.init_timeout_s", "comm.train_timeout_s"),  # how long a collective may wait
         "compile.allow_on_npu",  # an opt-in; compile itself is estimated as eager
+        "engram.nvme_create_dirs",  # whether a missing page-file directory is created at start
         "lora.alpha",  # a scale factor
         "lora.init_a",  # the adapters' initial values, not their size
         "model.hf_checkpoint",  # loaded into the same parameters

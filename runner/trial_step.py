@@ -1,5 +1,6 @@
-"""One real training step of a config's cut on this rank, with the recipe's own pieces: for
-scripts/check_cluster.py's `real_step` row on a new cluster.
+"""Real training steps of a config (or its cut) on this rank, through the recipe's one step
+(`Trial`): for scripts/check_cluster.py's `real_step` row on a new cluster, bench_mfu and the
+benchmarks that compare two variants of a step (bench_compile, bench_step_overhead).
 
 The cut keeps the config's layout, precision, activation checkpointing, loss and optimizers and
 `layers` decoder layers of its model (one Engram layer among them, with its full tables). On
@@ -20,16 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
-from engram.config import JobConfig
+from engram.config import JobConfig, load_config
 from engram.data.tokenizer import load_tokenizer
 from engram.hashing.ngram import engram_table_rows
 from engram.models.args import MODEL_FLAVORS
 from engram.models.builder import build_model, flavor_args
-from engram.optim.builder import build_optimizers
+from engram.optim.builder import build_lr_schedulers, build_optimizers
 from engram.runtime import device as dev
 from engram.runtime.device_specs import Peak, resolve_peak
 from engram.train.flops import FlopCount, model_flops
-from parallelisms.parallel_dims import ParallelDims, axis_divisors
+from engram.train.nonfinite import NonFiniteGuard
+from parallelisms.parallel_dims import ParallelDims, axis_divisors, parallel_dims_from_config
 from runner.loop import ReadAhead
 from runner.model_parts import build_model_parts
 from runner.step import TrainStep
@@ -43,6 +45,12 @@ def _multiple(n: int, k: int) -> int:
     return max(k, -(-n // k) * k)
 
 
+def vocab_size(cfg: JobConfig) -> int:
+    """The model's vocabulary: its flavor's, the config's, else its tokenizer's (debug flavors)."""
+    fixed = flavor_args(cfg.model).vocab_size or cfg.model.vocab_size
+    return fixed or load_tokenizer(cfg.model.tokenizer_path).vocab_size
+
+
 def cut_config(
     cfg: JobConfig, layers: int, cpu: bool, tp: int = 1, pp: int = 1, cp: int = 1
 ) -> tuple[JobConfig, str]:
@@ -54,11 +62,7 @@ def cut_config(
     a sentence saying what was cut."""
     args = flavor_args(cfg.model)
     # Debug flavors take the vocabulary from the tokenizer; the cut fixes it (no tokenizer read later).
-    vocab = (
-        args.vocab_size
-        or cfg.model.vocab_size
-        or load_tokenizer(cfg.model.tokenizer_path).vocab_size
-    )
+    vocab = vocab_size(cfg)
     changes: dict[str, object] = {"n_layers": layers, "vocab_size": vocab}
     training = dataclasses.replace(cfg.training, grad_accum_steps=1)
     engram = cfg.engram
@@ -155,9 +159,26 @@ def _synthetic_batch(cfg: JobConfig, vocab: int, seed: int, device) -> dict[str,
     return {k: v.to(device) for k, v in batch.items()}
 
 
-class _Batches(list):
-    """Synthetic batches as the loop's ReadAhead reads a loader (nothing to hold: no loader
-    state is checkpointed here)."""
+@dataclass
+class TimedStep:
+    wall_s: float
+    cpu_s: float
+    """This process's CPU time (all threads) during the step."""
+    loss: float
+
+
+class _SyntheticLoader:
+    """A synthetic batch per step (seeded by the step), read as the loop reads a loader
+    (nothing to hold: no loader state is checkpointed here)."""
+
+    def __init__(self, cfg: JobConfig, vocab: int, seed: int) -> None:
+        self.cfg, self.vocab, self.seed = cfg, vocab, seed
+
+    def __iter__(self):
+        step = 0
+        while True:
+            yield _synthetic_batch(self.cfg, self.vocab, self.seed + 7919 * step, "cpu")
+            step += 1
 
     def hold(self) -> None:
         pass
@@ -166,46 +187,78 @@ class _Batches(list):
         pass
 
 
+class Trial:
+    """`cfg`'s model built with the recipe's placement and stepped by the recipe's one step
+    (runner/step.py TrainStep with the recipe's schedules and non-finite guard: the
+    context-parallel cut, the pipeline schedule under PP, the loss, clip, the guard, the update)
+    on synthetic batches, one per step, read one step ahead with the loop's ReadAhead: NVMe
+    tables page in step N + 1's rows while step N runs, as in training. What the trial step,
+    bench_mfu and the benchmarks that compare two variants (compile on / off, Engram on / off;
+    interleaved step by step) time."""
+
+    def __init__(self, cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None:
+        self.device = device
+        rows = engram_table_rows(cfg.engram) if cfg.engram.enabled else {}
+        meta = build_model(
+            cfg.model, cfg.engram, vocab_size(cfg), rows, "meta", max_seq_len=cfg.training.seq_len
+        )
+        self.flops = model_flops(meta, cfg)
+        self.model_parts, self.loss_fn, pp = build_model_parts(meta, cfg, dims, device)
+        optimizers = [opt for part in self.model_parts for opt in build_optimizers(part, cfg)]
+        self.train_step = TrainStep(
+            cfg, dims, self.model_parts, self.loss_fn, optimizers,
+            build_lr_schedulers(optimizers, cfg), pp=pp,
+            guard=NonFiniteGuard(cfg.training.max_nonfinite_steps),
+        )  # fmt: skip
+        # Whole samples, one per dp rank (the cp ranks of a replica share it; the step cuts it).
+        seed = 1000 + dims.mesh("dp").get_local_rank()
+        loader = _SyntheticLoader(cfg, meta.args.vocab_size, seed)
+        self.data = ReadAhead(loader, 1, device, last_step=2**62)  # (no last step: always ahead)
+        self.steps = 0
+
+    def timed_step(self) -> TimedStep:
+        """One optimizer step, timed (wall and CPU) from the batch on the device to the update
+        (the next step's batch read before the clock starts, as the loop's data time)."""
+        self.steps += 1
+        batches, ahead = self.data.take(self.steps)
+        with self.loss_fn.context():
+            dev.synchronize(self.device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            result = self.train_step(batches, self.steps, ahead)
+            dev.synchronize(self.device)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return TimedStep(wall, cpu, float(result.loss))
+
+
+def one_process_trial(argv: list[str]) -> Trial:
+    """A Trial of the config `argv` loads (`--job.config_file ...` and overrides) on this
+    process's cpu, at world size 1 (the process group already initialised)."""
+    cfg = load_config(["--job.device=cpu", *argv])
+    dims = parallel_dims_from_config(cfg, 1)
+    dims.build_mesh("cpu")
+    return Trial(cfg, dims, torch.device("cpu"))
+
+
 def run_trial_step(
     cfg: JobConfig, dims: ParallelDims, device: torch.device, steps: int = 2
 ) -> TrialStep:
-    """Build `cfg`'s model (a cut: see cut_config) with the recipe's placement, then `steps`
-    optimizer steps of the recipe's own step (runner/step.py TrainStep: the context-parallel
-    cut, the pipeline schedule under PP, clip, update) on synthetic batches; the last one is
-    timed (the first pays for allocations and kernel selection)."""
+    """Build `cfg`'s model (a cut: see cut_config) and run `steps` steps of the recipe's own
+    step on a synthetic batch (Trial); the last one is timed (the first pays for allocations
+    and kernel selection)."""
     dev.reset_peak_memory(device)
     rss_before = current_rss_bytes()
-    meta = build_model(
-        cfg.model, cfg.engram, 0, engram_table_rows(cfg.engram) if cfg.engram.enabled else {},
-        "meta", max_seq_len=cfg.training.seq_len,
-    )  # fmt: skip
-    flops = model_flops(meta, cfg)
-    vocab = meta.args.vocab_size
-    model_parts, loss_fn, pp = build_model_parts(meta, cfg, dims, device)
-    optimizers = [opt for part in model_parts for opt in build_optimizers(part, cfg)]
-    train_step = TrainStep(cfg, dims, model_parts, loss_fn, optimizers, [], pp=pp)
-    # Whole samples, one per dp rank and step (the cp ranks of a replica share it; the step cuts
-    # it), read one step ahead as the loop reads them: NVMe tables page in step N + 1's rows
-    # while step N runs, as in training.
-    dp_rank = dims.mesh("dp").get_local_rank()
-    batches = [_synthetic_batch(cfg, vocab, 1000 + dp_rank + 7919 * i, "cpu") for i in range(steps)]
-    data = ReadAhead(_Batches(batches), 1, device, steps)
-    with loss_fn.context():
-        for i in range(steps):
-            dev.synchronize(device)
-            t0, c0 = time.perf_counter(), time.process_time()
-            now, ahead = data.take(i + 1)
-            train_step(now, i + 1, ahead)
-            dev.synchronize(device)
-            step_time, cpu_time = time.perf_counter() - t0, time.process_time() - c0
+    trial = Trial(cfg, dims, device)
+    for _ in range(steps):
+        timed = trial.timed_step()
     if device.type == "cpu":
         peak = max(0, dev.peak_memory_bytes(device)[0] - rss_before)
     else:
         peak = dev.peak_memory_bytes(device)[0]
     t = cfg.training
-    tokens_per_s = t.local_batch_size * t.seq_len * dims.dp_size / step_time
-    tflops = flops.per_token * tokens_per_s / dims.world_size / 1e12
+    tokens_per_s = t.local_batch_size * t.seq_len * dims.dp_size / timed.wall_s
+    tflops = trial.flops.per_token * tokens_per_s / dims.world_size / 1e12
     peak_spec = resolve_peak(device.type, dev.device_name(device), cfg.metrics.peak_tflops)
     return TrialStep(
-        step_time, cpu_time, peak, flops, peak_spec, tflops, 100 * tflops / peak_spec.tflops
-    )
+        timed.wall_s, timed.cpu_s, peak, trial.flops, peak_spec, tflops,
+        100 * tflops / peak_spec.tflops,
+    )  # fmt: skip

@@ -17,6 +17,7 @@ import dataclasses
 import pytest
 import torch
 from launcher import run_distributed
+from shared_runs import shared_run
 
 from engram.config import ConfigError, Engram, config_from_dict
 from engram.models.args import ModelArgs, get_model_args
@@ -214,7 +215,7 @@ def test_cp_layouts_match_single_process(tmp_path):
         key = f"{engram['engram'].get('enabled', True)}-{steps}"
         if key not in refs:
             raw = _recipe_raw(str(tmp_path / f"ref-{key}"), 1, {}, engram, steps)
-            refs[key] = (run_distributed(_train, 1, raw)[0], _initial_weights(raw))
+            refs[key] = (shared_run(_train, 1, raw)[0], _initial_weights(raw))
         ref, init = refs[key]
         raw = _with(_recipe_raw(str(tmp_path / label), world, layout, engram, steps), extra)
         results = run_distributed(_train, world, raw)
@@ -235,7 +236,7 @@ def test_ulysses_cp4_and_cp2_x_tp2_step_1(tmp_path):
     from test_parallelisms_parity import _train
 
     mid = {**ENGRAM_0_2, "model": {"flavor": "mid"}}
-    (ref,) = run_distributed(_train, 1, _recipe_raw(str(tmp_path / "ref"), 1, {}, mid, 1))
+    (ref,) = shared_run(_train, 1, _recipe_raw(str(tmp_path / "ref"), 1, {}, mid, 1))
     for label, layout in (("cp4", {"cp": 4}), ("cp2_x_tp2", {"cp": 2, "tp": 2})):
         raw = _recipe_raw(str(tmp_path / label), 4, layout, mid, 1)
         for rank, got in enumerate(run_distributed(_train, 4, raw)):
@@ -363,7 +364,7 @@ def test_cp_composes_with_host_tables_compile_and_lora(tmp_path):
 
     for label, (both, cp_only) in COMPOSED.items():
         ref_raw = _with(_recipe_raw(str(tmp_path / f"ref-{label}"), 1, {}, ENGRAM_0_2, 3), both)
-        ref, init = run_distributed(_train, 1, ref_raw)[0], _initial_weights(ref_raw)
+        ref, init = shared_run(_train, 1, ref_raw)[0], _initial_weights(ref_raw)
         raw = _recipe_raw(str(tmp_path / label), 2, {"cp": 2}, ENGRAM_0_2, 3)
         raw = _with(_with(raw, both), cp_only)
         for rank, got in enumerate(run_distributed(_train, 2, raw)):

@@ -224,7 +224,7 @@ def test_cp_composes_with_pipeline_and_host_tables():
 )
 def test_long_context_npu_configs_fit_usable_memory_with_10_percent_free(path):
     """The shipped CP configs, planned against the usable memory of a 64 GB Atlas A2 / A3
-    (engram/runtime/device_specs.py: 61.0 GiB), keep at least 10% of it free, without TP or
+    (engram/runtime/device_specs.py: 60.96 GiB), keep at least 10% of it free, without TP or
     CPU offload."""
     cfg = _cfg(path)
     p = cfg.parallelism

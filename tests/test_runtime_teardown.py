@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
-from tests.launcher import run_distributed
+from launcher import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +41,8 @@ def _train_then_destroy(rank: int, world: int, dump: str) -> tuple[int, int]:
 
 
 def test_destroy_distributed_frees_fsdp_state(tmp_path: Path) -> None:
-    results = run_distributed(_train_then_destroy, 2, str(tmp_path))
+    # fresh ranks: the check counts FSDP objects alive in the process, from zero
+    results = run_distributed(_train_then_destroy, 2, str(tmp_path), fresh=True)
     assert results == [(0, 0), (0, 0)], (
         "FSDP parameter groups / modules outlive destroy_distributed: their process groups "
         f"would be torn down during interpreter shutdown (per rank: {results})"

@@ -135,6 +135,10 @@ class Engram:
     """With table_location = nvme: host memory per rank for the cache of table pages (GiB),
     split over the rank's tables. A step's rows are pinned in it from prefetch to their update,
     so they must fit; the run fails naming this setting otherwise."""
+    nvme_create_dirs: bool = False
+    """With table_location = nvme: create an engram.nvme_dirs entry that does not exist yet
+    (its parent must: a drive's mount point). false: a missing entry is refused at start, so a
+    mistyped or unmounted path never fills whatever disk holds it."""
 
     def __post_init__(self) -> None:
         check(
@@ -186,6 +190,17 @@ class Engram:
             'engram.table_location = "nvme" needs engram.nvme_dirs: directories on local disks '
             'for the table page files, e.g. nvme_dirs = ["/mnt/nvme0/engram"]',
         )
+        if self.table_location != "nvme":
+            nvme_only = {  # setting -> its default: read only with table_location = "nvme"
+                "nvme_dirs": [], "nvme_host_cache_gib": 1.0, "nvme_create_dirs": False
+            }  # fmt: skip
+            for name, default in nvme_only.items():
+                check(
+                    getattr(self, name) == default,
+                    f"engram.{name} is set ({getattr(self, name)!r}) but engram.table_location "
+                    f'= "{self.table_location}": it is read only with table_location = "nvme"; '
+                    f'set table_location = "nvme" or remove engram.{name}',
+                )
         check(
             self.table_location in TABLE_LOCATIONS,
             f"engram.table_location must be one of {', '.join(TABLE_LOCATIONS)}, "

@@ -20,6 +20,8 @@ backend (sharding.py `LOCATION_BACKENDS`).
     AIO with O_DIRECT, else preadv / pwritev, on a small thread pool).
 - `page_files.py`: the NVMe store's page files: created locked and preallocated, files of dead
   runs swept, page I/O errors that name the fix.
+- `nvme_checks.py`: the start-time refusals of the NVMe settings by name
+  (`check_nvme_settings`: missing, duplicate, unwritable directories; the host cache's size).
 - `linux_aio.py`: batched native Linux AIO (io_submit / io_getevents) for O_DIRECT pages.
 - `host_worker.py`: the one FIFO thread per process that runs every host-side table job (the
   exactness argument of host and NVMe tables), and the markers on a table parameter (where its

@@ -9,6 +9,8 @@
   fallback, with sources (the planner's default budget; the recipe logs the measured total and
   the match beside it; MFU's denominator, or a GEMM measured on cpu).
 - `affinity.py`: pins the process to its device's NUMA node (job.cpu_affinity = "numa").
+- `logs.py`: one console format for every logger of the repository ("[rank0] 12:00:00 WARNING
+  ..."), set once at process start (`init_logging`).
 - `faults.py`: deterministic fault points for tests (`ENGRAM_FAULTS`: kill -9 or an I/O error
   at the n-th pass of a named point); nothing happens unless the variable is set.
 
