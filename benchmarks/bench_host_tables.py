@@ -225,6 +225,15 @@ def _nvme_dir(args: argparse.Namespace) -> Path:
     return folder
 
 
+def pair_ratios(base: list[float], other: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of other / base step times, pair by pair (run i of each location ran
+    back to back, so a change of the machine's load hits both sides of a pair alike)."""
+    if len(base) != len(other) or not base:
+        raise ValueError(f"pairs need as many runs of each location: {len(base)} vs {len(other)}")
+    ratios = [o / b for o, b in zip(other, base, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def _median_dict(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
@@ -289,12 +298,13 @@ def _measure(args, base: str, others: list[str], nvme: dict, runs_dir: str, rows
         h2d, d2h = (statistics.median(r[k] for r in host) / 2**20 for k in ("h2d", "d2h"))
         b = statistics.median(r["step"] for r in runs[base])
         for loc in others:
-            ratios = [o["step"] / p["step"] for o, p in zip(runs[loc], runs[base], strict=True)]
+            mid, lo, hi = pair_ratios(
+                [r["step"] for r in runs[base]], [r["step"] for r in runs[loc]]
+            )
             o = statistics.median(r["step"] for r in runs[loc])
             rows.append(
-                f"| {world} | {loc} | {len(ratios)} | {b:.3f} | {o:.3f} | "
-                f"**{statistics.median(ratios):.3f}** ({min(ratios):.3f}-{max(ratios):.3f}) | "
-                f"{h2d:.2f} | {d2h:.2f} |"
+                f"| {world} | {loc} | {len(runs[loc])} | {b:.3f} | {o:.3f} | "
+                f"**{mid:.3f}** ({lo:.3f}-{hi:.3f}) | {h2d:.2f} | {d2h:.2f} |"
             )
         for loc in (base, *others):
             cpu = _median_dict([r["cpu"] for r in runs[loc]])
