@@ -2,7 +2,7 @@
 measuring Engram table row reuse at the 32B configs' vocabulary size (bench_table_reuse.py
 --bpe_vocab). Not a tokenizer to train with: only its size and shape match Qwen2.5's.
 
-    python benchmarks/local_bpe.py --corpus FILES... --out outputs/tokenizers/local_bpe151k
+    python benchmarks/local_bpe.py --corpus FILES... --out outputs/tokenizers/local_bpe_vim_node
 
 Shape (as Qwen2.5's tokenizer.json): NFC normalization, Qwen2's pre-tokenizer regex split then
 byte-level bytes, a BPE of `vocab` - 22 tokens (151,643 for Qwen2.5's 151,665), then Qwen2.5's
