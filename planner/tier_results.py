@@ -23,14 +23,15 @@ class TierAssumptions:
     step_time_s: float = 30.0
     """The step time the I/O must fit in (the prefetch overlaps it with compute)."""
     unique_rows_per_step: int = 132_000
-    """Distinct rows of one table a step touches per owner rank (measured max 131,743 at 64
-    ranks on a 1.56B-row table with a 77k-token byte-level BPE; 28k with the 2k debug
-    tokenizer: docs/host_tables.md, "Row reuse on real text")."""
-    reuse_last_step: float = 0.265
-    """Share of a step's rows touched in the step before (measured 26.5% on the 1.56B-row
-    table)."""
-    reuse_window: float = 0.448
-    """Share of a step's rows touched in the last few steps (measured 44.8% over 4 steps):
+    """Distinct rows of one table a step touches per owner rank (measured max 132,035 at 64
+    ranks on the 1T config's 7.8B-row tables, 131,743 on 1.56B-row ones, with a 77k-token
+    byte-level BPE; 28k with the 2k debug tokenizer: docs/host_tables.md, "Row reuse on real
+    text")."""
+    reuse_last_step: float = 0.264
+    """Share of a step's rows touched in the step before (measured 26.4% on the 1T config's
+    tables, 26.5% on 1.56B-row ones)."""
+    reuse_window: float = 0.444
+    """Share of a step's rows touched in the last few steps (measured 44.4% over 4 steps):
     new rows per step over a save interval are (1 - this) of a step's rows."""
     reuse_source: str = (
         "a 77,166-token byte-level BPE of Qwen2.5's shape (benchmarks/local_bpe.py; the local "
