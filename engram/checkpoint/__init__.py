@@ -21,7 +21,8 @@ One file per job, lowest first (a file imports only files above it in this list)
   (export, generation); imported by name, not part of the API below.
 - `save_errors.py`: the message of a failed save (full disk: free and needed bytes).
 - `streamed_dcp.py`: the DCP planners and writer that move NVMe tables' columns one row chunk
-  at a time.
+  at a time; `streamed_read.py`: the reader that loads them into the store a window of whole
+  records at a time, every column together, from where the stored chunks sit in the files.
 - `step_folder_ops.py`: `StepFolders`, every path operation on the folder of step folders (list,
   make and remove a save's tmp folder, publish, prune, clean up leftovers).
 - `save_plan.py`: a save as a plan (`SavePlan`: the parts it writes, the record it commits);
