@@ -296,6 +296,7 @@ def estimate(
         device_memory_gib = DEVICE_MEMORY_GIB.get(cfg.job.device, DEVICE_MEMORY_GIB["npu"])
     cfg = _planning_config(cfg)
     dims = parallel_dims_from_config(cfg, world_size)  # validates the degrees up front
+    cfg = cfg.at_dp(dims.dp_size)  # training.global_batch_size -> grad_accum_steps, as the recipe
     n_micro, no_sync = _micro_batches(cfg, dims, sync_every_micro_batch)
     table_rows = engram_table_rows(cfg.engram)
     vocab_size = tokenizer_vocab_size(cfg)

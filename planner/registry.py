@@ -59,6 +59,8 @@ MODELLED = {  # setting -> where the planner models it
         ("training.seq_len", "training.local_batch_size", "training.grad_accum_steps"),
         "activations, fsdp_buffers (no-sync accumulation), comm",
     ),
+    "training.global_batch_size": "estimate (grad_accum_steps derived at the world size, "
+    "JobConfig.at_dp, as the recipe), layouts (the global batch --compare holds)",
     "training.loss_chunks": "activations.loss_bytes (one chunk of logits, engram/train/loss.py)",
     "optimizer.name": "measure (AdamW: two fp32 moments)",
     "optimizer.table_optimizer": "tables (engram/config/table_optimizers.py)",

@@ -48,6 +48,7 @@ def train(cfg: JobConfig) -> TrainResult:
     proc = init_process(cfg)
     device = proc.device
     dims = parallel_dims_from_config(cfg, proc.world_size)
+    cfg = cfg.at_dp(dims.dp_size)  # training.global_batch_size -> grad_accum_steps
     dev.warn_npu_gaps(proc.device_type, dims.tp, dims.pp)
     dims.build_mesh(proc.device_type)
     dp_mesh = dims.mesh("dp")  # the loader's rank space: the cp ranks of a replica share a sample

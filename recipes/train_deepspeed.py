@@ -60,6 +60,7 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
     deepspeed.init_distributed(dist_backend=dev.dist_backend(proc.device_type))
     device, stage = proc.device, cfg.deepspeed.zero_stage
     dims = parallel_dims_from_config(cfg, proc.world_size)
+    cfg = cfg.at_dp(dims.dp_size)  # training.global_batch_size -> grad_accum_steps
     dims.build_mesh(proc.device_type)
     dp_mesh = dims.mesh("dp")
     dp_rank, dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()

@@ -33,7 +33,7 @@ HONOURED = frozenset(
         "engram.table_init_std",
         *("training.mode", "training.seq_len", "training.local_batch_size"),
         *("training.grad_accum_steps", "training.steps", "training.max_norm"),
-        "training.max_nonfinite_steps",
+        *("training.max_nonfinite_steps", "training.global_batch_size"),
         *("data.dataset", "data.path", "data.num_workers", "data.synthetic_num_entities"),
         *("data.synthetic_seed", "data.eval_every", "data.eval_batches", "data.sources"),
         # fine-tuning data: which tokens and rows the loader builds, not their shape [B, T]

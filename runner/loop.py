@@ -18,8 +18,9 @@ Per step, in order:
     the step     CP cut, host-table prefetch, forward / backward per micro-batch (the PP schedule
                  under PP), clip, the non-finite guard, the update (runner/step.py TrainStep, or
                  runner/engine_step.py EngineStep under DeepSpeed)
-    end_step     the profiler's step; record (loss, gradient norm, learning rate; on log steps
-                 throughput and memory: engram/train/progress.py); evaluate every
+    end_step     the profiler's step; record (loss: the step's token mean, gradient norm,
+                 learning rate, target tokens; on log steps throughput and memory:
+                 engram/train/progress.py); evaluate every
                  data.eval_every steps and at the last (through the step's cut and loss); save
                  at the checkpoint manager's interval, never at a skipped step; then the next
                  timing window starts, and after the first step the process groups get their
@@ -43,7 +44,7 @@ from engram.data.loader import DataLoader
 from engram.rowstore.host_worker import wait_host_work
 from engram.runtime.distributed import destroy_distributed, set_pg_timeouts
 from engram.train.build import Process
-from engram.train.evaluate import eval_due
+from engram.train.evaluate import eval_batches, eval_due
 from engram.train.flops import FlopCount
 from engram.train.metrics import MetricsLogger
 from engram.train.nonfinite import NonFiniteGuard
@@ -126,7 +127,9 @@ class TrainRun:
     def end_step(self, step: int, out: StepResult) -> None:
         """After the step: record, evaluate, save, end the step (the module docstring)."""
         self.profiler.step()
-        self.progress.record(step, out.loss, out.grad_norm, out.lr, self.guard.total)
+        self.progress.record(
+            step, out.loss, out.grad_norm, out.lr, self.guard.total, out.target_tokens
+        )
         if eval_due(self.cfg, step):
             self.evaluate(step)
         self.save(step, out)
@@ -136,8 +139,9 @@ class TrainRun:
         self.last_step = step
 
     def evaluate(self, step: int) -> float:
-        """The held-out loss now (data.eval_batches batches), logged as eval_loss at `step`."""
-        loader, n = self.make_eval_loader(), self.cfg.data.eval_batches
+        """The held-out loss now (data.eval_batches batches: engram/train/evaluate.py
+        eval_batches), logged as eval_loss at `step`."""
+        loader, n = self.make_eval_loader(), eval_batches(self.cfg)
         loss = self.train_step.evaluate(loader, n, self.proc.device)
         self.eval_losses[step] = loss
         self.metrics.log(step, {"eval_loss": loss})

@@ -71,8 +71,7 @@ def build_model_parts(
     # One loss for every forward path (see engram/train/loss.py); TP loss parallel keeps the
     # logits sharded over the vocabulary (see tensor_parallel.py).
     sharded_logits = dims.tp_enabled and cfg.parallelism.tp_loss_parallel
-    cp_group = dims.mesh("cp").get_group() if dims.cp_enabled else None
-    loss_fn = build_loss(cfg.training.loss_chunks, model_parts, sharded_logits, cp_group)
+    loss_fn = build_loss(cfg.training.loss_chunks, model_parts, sharded_logits)
     n_params = sum(local_numel(p) for part in model_parts for p in part.parameters())
     logger.info(
         f"model {cfg.model.name}/{cfg.model.flavor}: {n_params:,} local parameters on this rank"

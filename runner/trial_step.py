@@ -63,7 +63,7 @@ def cut_config(
     # Debug flavors take the vocabulary from the tokenizer; the cut fixes it (no tokenizer read later).
     vocab = vocab_size(cfg)
     changes: dict[str, object] = {"n_layers": layers, "vocab_size": vocab}
-    training = dataclasses.replace(cfg.training, grad_accum_steps=1)
+    training = dataclasses.replace(cfg.training, grad_accum_steps=1, global_batch_size=0)
     engram = cfg.engram
     if cpu:
         head_div = axis_divisors(tp, True, cp=cp, cp_method=cfg.parallelism.cp_method).heads

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from launcher import run_distributed, run_isolated
+from small_job import load_shipped
 
-from engram.config import PIPELINE_SCHEDULES, ConfigError, load_config
+from engram.config import PIPELINE_SCHEDULES, ConfigError
 from engram.models.args import get_model_args
 from parallelisms.pipeline import V_SHAPED, stage_ranks
 from planner.activations import activation_estimate
@@ -22,7 +23,7 @@ NPU_32B = "train_configs/32b_npu.toml"
 
 
 def _cfg(path: str, *overrides: str):
-    return load_config(["--job.config_file", path, *overrides])
+    return load_shipped(path, *overrides)
 
 
 # --------------------------------------------------------------------------- in flight

@@ -109,7 +109,7 @@ def _step_peak_bytes(cfg) -> int:
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     optimizers = build_optimizers(model, cfg)
-    loss_fn = build_loss(cfg.training.loss_chunks, [model], False, None)
+    loss_fn = build_loss(cfg.training.loss_chunks, [model], False)
     shape = (cfg.training.local_batch_size, cfg.training.seq_len)
     ids, labels = torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
     tracker = LiveBytes()
@@ -117,7 +117,7 @@ def _step_peak_bytes(cfg) -> int:
     with tracker:
         for _ in range(2):
             output = model(ids)
-            loss_fn(output, labels).backward()
+            loss_fn(output, labels, labels.numel()).backward()
             del output
             for opt in optimizers:
                 opt.step()

@@ -10,9 +10,9 @@ import pytest
 import torch
 from launcher import run_distributed, run_isolated
 from saved_bytes import saved_activation_bytes
+from small_job import load_shipped
 from test_planner_estimate import _real_rank_counts
 
-from engram.config import load_config
 from engram.models.args import get_model_args
 from engram.runtime.device_specs import usable_memory_gib
 from planner.activations import activation_estimate
@@ -25,7 +25,7 @@ GIB = 2**30
 
 
 def _cfg(path: str, *overrides: str):
-    return load_config(["--job.config_file", path, *overrides])
+    return load_shipped(path, *overrides)
 
 
 @pytest.mark.parametrize("method", ["ulysses", "allgather_kv"])

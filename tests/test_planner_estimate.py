@@ -14,8 +14,9 @@ import pytest
 import torch
 from launcher import run_distributed, run_isolated
 from saved_bytes import check_activation_formula
+from small_job import load_shipped
 
-from engram.config import ConfigError, load_config
+from engram.config import ConfigError
 from engram.data.tokenizer import load_tokenizer
 from engram.hashing.ngram import NgramHasher, engram_table_rows
 from engram.models.args import get_model_args
@@ -42,7 +43,7 @@ def _main(argv):
 
 
 def _cfg(path: str, *overrides: str):
-    return load_config(["--job.config_file", path, *overrides])
+    return load_shipped(path, *overrides)
 
 
 def _ceil_split(n: int, world: int, rank: int) -> int:

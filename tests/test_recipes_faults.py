@@ -43,14 +43,14 @@ def poison_loss(nan_steps: tuple[int, ...]) -> None:
     NaN, and so are their gradients."""
     import engram.train.loss
 
-    real, calls = engram.train.loss.cross_entropy, [0]
+    real, calls = engram.train.loss.summed_cross_entropy, [0]
 
     def poisoned(logits, labels):
         calls[0] += 1
         loss = real(logits, labels)
         return loss * float("nan") if calls[0] in nan_steps else loss
 
-    engram.train.loss.cross_entropy = poisoned
+    engram.train.loss.summed_cross_entropy = poisoned
 
 
 def _train(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) -> dict:

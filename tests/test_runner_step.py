@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("recipes", "engram", "parallelisms", "runner", "planner", "scripts", "benchmarks")
 PIECES = {
     "split_batch", "forward_backward", "pipeline_forward_backward", "prefetch_host_tables",
-    "clip_grad_norm_", "clip_engine_and_tables_", "step_optimizers", "dp_mean",
+    "clip_grad_norm_", "clip_engine_and_tables_", "step_optimizers", "ranks_sum",
 }  # fmt: skip
 # The step and the pieces it calls; a piece's own module may use what it is made of.
 THE_STEP = {

@@ -27,7 +27,7 @@ from engram.config import ConfigError, config_from_dict
 from engram.data.tokenizer import load_tokenizer
 from engram.models.builder import build_from_config
 from engram.models.transformer import clean_fqn
-from engram.train.loss import build_loss
+from engram.train.loss import TargetTokens, build_loss, target_tokens
 
 SEQ = 32
 
@@ -55,7 +55,7 @@ def _loss_and_grads(model, ids, labels, chunks: int, scale: float = 1.0):
     model.zero_grad(set_to_none=True)
     model.set_hidden_output(False)
     loss_fn = build_loss(chunks, [model], sharded_logits=False)
-    loss = loss_fn(model(ids), labels)
+    loss = loss_fn(model(ids), labels, target_tokens(labels))
     (loss * scale).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return loss.detach(), grads
@@ -86,11 +86,12 @@ def test_forward_only_chunks_and_frozen_head():
     ref_loss, ref = _loss_and_grads(model, ids, labels, 1)
     loss_fn = build_loss(4, [model], sharded_logits=False)
     with torch.no_grad():
-        torch.testing.assert_close(loss_fn(model(ids), labels), ref_loss, rtol=1e-6, atol=0)
+        loss = loss_fn(model(ids), labels, target_tokens(labels))
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     # A frozen head (engram_only-like): only the hidden states get a gradient.
     model.zero_grad(set_to_none=True)
     model.output.weight.requires_grad_(False)
-    loss_fn(model(ids), labels).backward()
+    loss_fn(model(ids), labels, target_tokens(labels)).backward()
     assert model.output.weight.grad is None
     w = model.layers["0"].attention.wq.weight
     ref_w = ref["layers.0.attention.wq.weight"]
@@ -134,7 +135,9 @@ def _fsdp_grads_and_reduce_scatters(rank: int, world: int, chunks: int) -> dict:
     model.init_weights(seed=0)
     ids, labels = _batch(model.args.vocab_size, batch=4)
     loss_fn = build_loss(chunks, [model], sharded_logits=False)
-    loss_fn(model(ids[rank::world]), labels[rank::world]).backward()
+    mine = labels[rank::world]
+    divisor = TargetTokens.count([mine], dist.group.WORLD).divisor  # both ranks' targets
+    loss_fn(model(ids[rank::world]), mine, divisor).backward()
     grads = {clean_fqn(n): p.grad.full_tensor() for n, p in model.named_parameters()}
     return {"grads": grads, "reduce_scatters": calls[0]}
 

@@ -22,7 +22,7 @@ One file per job, lowest first (a file imports only files above it in this list)
 - `save_errors.py`: the message of a failed save (full disk: free and needed bytes).
 - `streamed_dcp.py`: the DCP planners and writer that move NVMe tables' columns one row chunk
   at a time.
-- `step_folders.py`: `StepFolders`, every path operation on the folder of step folders (list,
+- `step_folder_ops.py`: `StepFolders`, every path operation on the folder of step folders (list,
   make and remove a save's tmp folder, publish, prune, clean up leftovers).
 - `save_plan.py`: a save as a plan (`SavePlan`: the parts it writes, the record it commits);
   the parts (`StreamedDcp`, `StagedDcp`, `FolderStates`, `JsonStates`, `TableRows`,
@@ -39,7 +39,7 @@ One file per job, lowest first (a file imports only files above it in this list)
 Where a new feature goes: a new file or field in a step folder -> `folder.py` (and `FORMAT` if
 old readers would misread it); a new kind of save (another way to write the tables, another
 file per save) -> a part and a plan in `save_plan.py`, chosen in `CheckpointManager._plan`,
-never a branch in `writer.py`; another storage's path operations -> `step_folders.py`; a new
+never a branch in `writer.py`; another storage's path operations -> `step_folder_ops.py`; a new
 kind of saved state -> `state.py`; a new rule for what a load may unpickle -> `dcp_io.py`; when
 to save, resume or prune -> `manager.py` (the load's checks: `resume.py`); a config key a
 resume must agree on -> `fingerprint.py`.

@@ -9,7 +9,7 @@ overwritten, pruned or deleted, and the run never silently starts from step 0 wh
 exist. Cleanup only touches folders with this checkpointer's names and file names.
 
 The manager decides when to save and which kind of save (a plan: save_plan.py, full or a table
-delta); the writer (writer.py) carries out every plan; step_folders.py holds the path
+delta); the writer (writer.py) carries out every plan; step_folder_ops.py holds the path
 operations; resume.py the load's checks and reads.
 
 JSON states (`per_rank`: the data loader) are stored per rank; when every rank saved the same
@@ -43,7 +43,7 @@ from engram.checkpoint.folder import FORMAT
 from engram.checkpoint.save_errors import describe_save_error
 from engram.checkpoint.save_plan import SaveInputs, SavePlan, full_save, table_delta_save
 from engram.checkpoint.state import ModelState, RNGState
-from engram.checkpoint.step_folders import StepFolders
+from engram.checkpoint.step_folder_ops import StepFolders
 from engram.checkpoint.table_delta import TableDeltas
 from engram.checkpoint.writer import CheckpointWriter, PendingSave
 from engram.config import Checkpoint

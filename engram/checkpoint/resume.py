@@ -34,7 +34,7 @@ from engram.checkpoint.folder import (
     read_manifest,
     verify_checkpoint,
 )
-from engram.checkpoint.step_folders import StepFolders
+from engram.checkpoint.step_folder_ops import StepFolders
 from engram.checkpoint.streamed_dcp import StreamedLoadPlanner
 from engram.checkpoint.table_delta import TableDeltas, chain_of, chain_problems
 from engram.config import Checkpoint

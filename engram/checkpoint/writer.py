@@ -8,7 +8,7 @@
     finish   a pending save: wait for its future, then commit
     commit   every rank checksums a share of the files; rank 0 writes fingerprint.json,
              meta.json and the manifest (last, atomically), renames the folder to `step-<N>/`,
-             updates `latest` and prunes (step_folders.py)
+             updates `latest` and prunes (step_folder_ops.py)
 
 Every call is collective: all ranks, in the same order. A failure raises CheckpointError on
 every rank with the path and why (save_errors.py: a full disk names the free and needed bytes);
@@ -38,7 +38,7 @@ from engram.checkpoint.folder import (
 )
 from engram.checkpoint.save_errors import describe_save_error
 from engram.checkpoint.save_plan import SavePlan
-from engram.checkpoint.step_folders import StepFolders
+from engram.checkpoint.step_folder_ops import StepFolders
 from engram.checkpoint.table_delta import CHAIN_KEY, chain_record
 
 
