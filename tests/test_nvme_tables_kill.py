@@ -79,12 +79,15 @@ def _launch(tmp: Path, name: str, world: int, location: str, restarts: int, faul
     proc = subprocess.Popen([str(ROOT / "run_train.sh")], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
+    timeout = 240 * (restarts + 1) + 240  # a hang, not a slow try of a loaded machine
     try:
-        out, _ = proc.communicate(timeout=480)
+        out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"{name}: the job hung (timeout 480 s); output tail:\n{out[-4000:]}")
+        pytest.fail(f"{name}: the job hung (timeout {timeout} s); output tail:\n{out[-4000:]}")
+    with open(tmp / f"{name}.out", "a") as f:  # every try's whole output, to read a failure
+        f.write(out)
     return proc.returncode, out, time.monotonic() - start
 
 
@@ -149,7 +152,7 @@ def test_nvme_enospc_then_kills_mid_write_back_and_mid_step_resume_bitwise(tmp_p
     faults = "0:nospace:0:5,1:write:0:5,2:step:0:5"
     rc, out, _ = _launch(tmp_path, "run", 1, "nvme", 3, faults=faults)
     assert rc == 0, out[-6000:]
-    assert _attempts(tmp_path, "run") == [([], 0)] + [([2, 4], 4)] * 3
+    assert _attempts(tmp_path, "run") == [([], 0)] + [([2, 4], 4)] * 3, out[-6000:]
     named = (
         r"OSError: \[Errno 28\] NVMe Engram table: No space left on device.* writing a page back "
     )
