@@ -13,6 +13,10 @@
 - The debug job: `small_job.small_job(...)`; build on it rather than on a private config.
 - Every process launch is counted (launcher.count_launches) and the total is printed at the end
   of the run with how many shared runs were reused and why rank pools retired.
+- A process of this session (this one, its forked and pooled ranks) times the CPU's GEMM peak,
+  the divisor of the logged `mfu_indicative`, once per GEMM shape and dtype
+  (`_gemm_peak_timed_once`), not at every train(): no test here reads that figure, and each
+  timing busy-loops a core for 0.25 s. Subprocesses (run_train.sh) time it as users' runs do.
 """
 
 import logging
@@ -60,8 +64,25 @@ def _pooled_ranks_see_no_patches(request):
     launcher.parent_patched = lambda: False
 
 
+def _gemm_peak_timed_once() -> None:
+    """device_specs.measure_gemm_tflops, memoised per process (see the module docstring); forks
+    inherit the memo as it stands, and a test's monkeypatch of it still applies."""
+    from engram.runtime import device_specs
+
+    measure, memo = device_specs.measure_gemm_tflops, {}
+
+    def timed_once(*args, **kwargs):
+        key = repr((args, sorted(kwargs.items())))
+        if key not in memo:
+            memo[key] = measure(*args, **kwargs)
+        return memo[key]
+
+    device_specs.measure_gemm_tflops = timed_once
+
+
 def pytest_configure(config):
     count_launches()
+    _gemm_peak_timed_once()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -5,11 +5,17 @@
 Each entry is attempt:kind:rank:step. In torchrun attempt `attempt` (TORCHELASTIC_RESTART_COUNT),
 rank `rank` SIGKILLs itself: kind "step" in the middle of optimizer step `step` (after backward,
 before the update), kind "save" in the middle of saving step `step` (after DCP wrote the shards,
-before the manifest). Rank 0 appends {attempt, complete steps before loading, start step} to
-$FAULT_LOG, so the test can check that every try resumed from the newest complete checkpoint.
-With $COUNT_LOG set, every rank appends how many pages its NVMe stores had written back
-(`faults.hits`, ENGRAM_FAULTS="nvme.page_write:0:count") at each step's clip ("clip") and after
-each save ("saved"): where a later run's ENGRAM_FAULTS kill point falls.
+before the manifest). Kinds "write" and "nospace" (NVMe tables) arm ENGRAM_FAULTS
+(engram/runtime/faults.py) when step `step` starts, which must follow a save or the resume: the
+rank SIGKILLs itself ("write") or fails with ENOSPC ("nospace") at the second page its NVMe
+stores write back from then on (an eviction batch's: this step's pin, or the next step's
+page-in). That point is deterministic: the save settled every write-back in flight (the
+checkpoint reads the rows through NvmeRowStore.read_range) and a resume's loads write
+synchronously, so every write counted after the arming follows the host worker's program
+order. (It was once a count read off an uninterrupted run at this step's clip: how far that
+run's asynchronous page-in had got by then is timing, and under load the point moved.)
+Rank 0 appends {attempt, complete steps before loading, start step} to $FAULT_LOG, so the test
+can check that every try resumed from the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -34,11 +40,7 @@ MINE = {(kind, int(step)) for a, kind, r, step in FAULTS if int(a) == ATTEMPT an
 state = {"step": 0}
 
 
-def _count(at: str, step: int) -> None:
-    if os.environ.get("COUNT_LOG"):
-        with open(os.environ["COUNT_LOG"], "a") as f:
-            hits = faults.hits("nvme.page_write")
-            f.write(json.dumps({"rank": RANK, "at": at, "step": step, "page_writes": hits}) + "\n")
+WRITE_FAULTS = {"write": "kill", "nospace": "enospc"}  # kind -> ENGRAM_FAULTS action
 
 
 def _die() -> None:
@@ -66,7 +68,6 @@ real_clip = train_step.clip_grad_norm_
 def clip(*args, **kwargs):
     state["step"] += 1
     norm = real_clip(*args, **kwargs)
-    _count("clip", state["step"])
     if ("step", state["step"]) in MINE:
         _die()
     return norm
@@ -79,13 +80,23 @@ def dcp_save(state_dict, checkpoint_id=None, **kwargs):
     out = real_dcp_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
     where = checkpoint_id if checkpoint_id is not None else kwargs["storage_writer"].path
     step = int(Path(str(where)).name.removeprefix("step-").removesuffix(".tmp"))
-    _count("saved", step)
     if ("save", step) in MINE:
         _die()
     return out
 
 
+real_call = train_step.TrainStep.__call__
+
+
+def call(self, batches, step, *args, **kwargs):
+    for kind, action in WRITE_FAULTS.items():
+        if (kind, step) in MINE:  # counts from here (faults.configure restarts them)
+            faults.configure(f"nvme.page_write:2:{action}:{RANK}:{ATTEMPT}")
+    return real_call(self, batches, step, *args, **kwargs)
+
+
 ckpt.CheckpointManager.load = load
+train_step.TrainStep.__call__ = call
 train_step.clip_grad_norm_ = clip
 ckpt.dcp.save = dcp_save
 

@@ -15,6 +15,7 @@ repo's own modules is an edge from its file to the imported file. The rules:
   run a recipe's entry point);
 - engram/ has no loose modules (only its __init__.py), and every package under it says in its
   __init__ docstring what belongs there;
+- no file of those rooms runs over 600 lines, and no class over 400;
 - no function of the planner runs over PLANNER_FUNCTION_LINES lines (its report, estimate,
   flags and communication grow with every axis: split them by section, as they are);
 - no code names one of this project's issues (code says why, not when): an upstream issue is
@@ -322,6 +323,23 @@ def test_planner_functions_stay_split_by_section():
                 if n > PLANNER_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
     assert not long, "split these by section into named functions:\n" + "\n".join(long)
+
+
+FILE_LINES, CLASS_LINES = 600, 400  # small files and classes, split along their seams
+
+
+def test_no_file_over_600_lines_and_no_class_over_400():
+    long = []
+    for top in TOP_LEVEL:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            source, rel = path.read_text(), path.relative_to(ROOT)
+            if (n := len(source.splitlines())) > FILE_LINES:
+                long.append(f"{rel}: {n} lines")
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.ClassDef):
+                    if (n := node.end_lineno - node.lineno + 1) > CLASS_LINES:
+                        long.append(f"{rel}:{node.lineno} class {node.name}: {n} lines")
+    assert not long, "split these along their seams:\n" + "\n".join(long)
 
 
 # Code files: the rooms, the tests, the config files and the launch scripts.

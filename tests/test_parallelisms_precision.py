@@ -175,16 +175,56 @@ def test_decoder_linears_and_output_head_compute_in_bf16(runs, label):
 # The two runs compute the same bf16 matmuls on different batch splits and sum the fp32
 # gradients over 1 or 2 ranks. Later steps carry bf16 rounding through Adam and the Engram gate's
 # signed sqrt, which amplifies it (docs/parallelisms.md, "TP and the Engram gate"); the gate path,
-# the tables and the embedding (sparse rows) get the wider update bound. Measured on CPU (1 rank
-# bf16 vs FSDP 2 bf16 | 1 rank float32 vs FSDP 2 bf16, what d499a70 ran):
-#   step-1 loss 1.9e-7 | 3.3e-5; losses 2.9e-5 | 4.3e-4; step-1 grad norm 2.9e-5 | 2.7e-2;
-#   grad norms 8.4e-3 | 2.7e-2; updates: backbone 1.5e-2 | 0.18, gate path 5.8e-2 | 0.40.
+# the tables and the embedding (sparse rows) get the wider update bound. How far bf16 matmuls
+# round depends on the CPU's ISA (AVX-512 BF16 has native bf16 dot products; AVX2 converts), so
+# the gaps were measured on both kinds, as relative gaps: 1 rank bf16 vs FSDP 2 bf16 | 1 rank
+# float32 vs FSDP 2 bf16 (the float32 run: what a layout that ignored the bf16 setting would be).
+#                      AVX2 CPU (d499a70)  AMD EPYC, AVX-512 BF16  the same, ONEDNN_MAX_CPU_ISA=AVX2
+#                                          (torch 2.13)            ATEN_CPU_CAPABILITY=avx2
+#   step-1 loss        1.9e-7 | 3.3e-5     1.2e-7 | 3.7e-5          0      | 3.1e-5
+#   losses (max)       2.9e-5 | 4.3e-4     1.3e-4 | 5.1e-4          5.1e-5 | 5.9e-4
+#   step-1 grad norm   2.9e-5 | 2.7e-2     1.7e-5 | 2.7e-2          2.4e-5 | 2.7e-2
+#   grad norms (max)   8.4e-3 | 2.7e-2     1.4e-2 | 4.3e-2          5.8e-3 | 2.7e-2
+#   backbone updates   1.5e-2 | 0.18       3.9e-2 | 0.18            3.2e-2 | 0.21
+#   gate path updates  5.8e-2 | 0.40       9.4e-2 | 0.41            6.7e-2 | 0.45
+# Each bound sits above every bf16 gap and below every float32 gap (the test checks the latter
+# on the float32 run it has anyway: the bounds still tell bf16 from float32 compute).
 STEP1_LOSS_RTOL = 1e-5
-LOSS_RTOL = 1e-4
+LOSS_RTOL = 2.5e-4
 STEP1_GRAD_RTOL = 1e-4
 GRAD_RTOL = 2e-2
-UPDATE_RTOL = 4e-2
-GATE_UPDATE_RTOL = 1.2e-1
+UPDATE_RTOL = 8e-2
+GATE_UPDATE_RTOL = 2e-1
+BOUNDS = {
+    "step-1 loss": STEP1_LOSS_RTOL,
+    "losses": LOSS_RTOL,
+    "step-1 grad norm": STEP1_GRAD_RTOL,
+    "grad norms": GRAD_RTOL,
+    "backbone updates": UPDATE_RTOL,
+    "gate path updates": GATE_UPDATE_RTOL,
+}
+
+
+def _gaps(got: dict, ref: dict, init: dict) -> dict[str, float]:
+    """The relative gaps BOUNDS limits, of run `got` against run `ref` (both from `init`)."""
+
+    def rel(a, b) -> np.ndarray:
+        return np.abs(np.asarray(a) - np.asarray(b)) / np.abs(np.asarray(b))
+
+    gaps = {
+        "step-1 loss": float(rel(got["losses"][0], ref["losses"][0])),
+        "losses": float(rel(got["losses"], ref["losses"]).max()),
+        "step-1 grad norm": float(rel(got["grad_norms"][0], ref["grad_norms"][0])),
+        "grad norms": float(rel(got["grad_norms"], ref["grad_norms"]).max()),
+        "backbone updates": 0.0,
+        "gate path updates": 0.0,
+    }
+    for name, w in ref["weights"].items():
+        gate = ".engram." in f".{name}" or name.startswith("tok_embeddings")
+        key = "gate path updates" if gate else "backbone updates"
+        err = np.linalg.norm(got["weights"][name] - w) / np.linalg.norm(w - init[name])
+        gaps[key] = max(gaps[key], float(err))
+    return gaps
 
 
 @pytest.mark.slow
@@ -213,21 +253,14 @@ def test_float32_at_one_rank_is_not_wrapped_and_offload_is_honoured(runs):
 def test_one_rank_bf16_matches_fsdp2_bf16(runs, tmp_path):
     from test_parallelisms_parity import _initial_weights
 
-    ref, got = runs["fsdp2"][0], runs["one_rank"][0]
-    close = torch.testing.assert_close
-    losses, ref_losses = torch.tensor(got["losses"]), torch.tensor(ref["losses"])
-    norms, ref_norms = torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"])
-    close(losses[0], ref_losses[0], rtol=STEP1_LOSS_RTOL, atol=0)
-    close(losses, ref_losses, rtol=LOSS_RTOL, atol=0)
-    close(norms[0], ref_norms[0], rtol=STEP1_GRAD_RTOL, atol=0)
-    close(norms, ref_norms, rtol=GRAD_RTOL, atol=0)
+    ref = runs["fsdp2"][0]
     init = _initial_weights(_raw(str(tmp_path), "one_rank"))
-    for name, w in ref["weights"].items():
-        gate = ".engram." in f".{name}" or name.startswith("tok_embeddings")
-        rtol = GATE_UPDATE_RTOL if gate else UPDATE_RTOL
-        update = np.linalg.norm(w - init[name])
-        err = np.linalg.norm(got["weights"][name] - w)
-        assert err <= rtol * update, f"{name}: update differs by {err / update:.2e} > {rtol}"
+    bf16 = _gaps(runs["one_rank"][0], ref, init)
+    over = {k: f"{v:.2e} > {BOUNDS[k]:.0e}" for k, v in bf16.items() if not v <= BOUNDS[k]}
+    assert not over, f"1 rank bf16 vs FSDP 2 bf16: {over}"
+    fp32 = _gaps(runs["one_rank_fp32"][0], ref, init)
+    within = {k: f"{v:.2e} <= {BOUNDS[k]:.0e}" for k, v in fp32.items() if v <= BOUNDS[k]}
+    assert not within, f"the bounds no longer tell float32 from bf16 compute: {within}"
 
 
 def test_precision_summary_names_dtype_and_mechanism():

@@ -39,12 +39,19 @@ def _run_train(tmp_path: Path, *args: str, **env: str) -> tuple[str, list[dict]]
     return proc.stdout, [json.loads(line) for line in lines]
 
 
+# The config's 60 steps cost 4x what the assertion needs: over 15 steps (5 warm-up, cosine to
+# step 15) the mean loss of the last 5 steps is 0.68x that of the first 5 (measured: 4.67 vs
+# 6.89; the first step is ln(vocab) ~ 7.7), against the bound of 0.8x; a model that does not
+# learn stays near 1.0x either way.
+STEPS = 15
+
+
 @pytest.mark.slow
 def test_run_train_debug_model_learns(tmp_path):
-    stdout, records = _run_train(tmp_path)
+    stdout, records = _run_train(tmp_path, f"--training.steps={STEPS}")
     run = tmp_path / "debug"
     losses = [r["loss"] for r in records if "loss" in r]
-    assert len(losses) == 60
+    assert len(losses) == STEPS
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
     assert any("eval_loss" in r for r in records)
     assert {"lr", "grad_norm", "tokens_per_s"} <= records[0].keys()
@@ -60,9 +67,9 @@ def test_run_train_debug_model_learns(tmp_path):
     assert events, "no TensorBoard event file"
     acc = EventAccumulator(str(run / "tb"))
     acc.Reload()
-    assert len(acc.Scalars("loss")) == 60
-    assert len(acc.Scalars("mfu_indicative")) == 60 and len(acc.Scalars("data_pct")) == 60
-    assert len(acc.Scalars("target_tokens")) == 60
+    assert len(acc.Scalars("loss")) == STEPS
+    assert len(acc.Scalars("mfu_indicative")) == STEPS and len(acc.Scalars("data_pct")) == STEPS
+    assert len(acc.Scalars("target_tokens")) == STEPS
     # Packed text: every position of the global batch (8 x 128) is a target.
     steps = [r for r in records if "loss" in r]
     assert all(r["target_tokens"] == 8 * 128 for r in steps), steps[0]

@@ -42,8 +42,8 @@ EXEMPT = {
     "benchmarks/bench_engram_tables.py": "table lookup bytes and memory vs a DDP-style replica",
     "benchmarks/bench_table_step.py": "mirrors engram-peft's hand-written step like for like",
     "benchmarks/engram_peft_worker.py": "engram-peft's own step, in its own environment",
-    "scripts/check_cluster.py": "checks collectives and FSDP2 against hand-made references; "
-    "its real_step runs TrainStep through run_trial_step",
+    "scripts/cluster_checks.py": "check_cluster's checks of collectives and FSDP2 against "
+    "hand-made references; its real_step row runs TrainStep through run_trial_step",
 }
 # The step's pieces by name, searched where they were once copied (not where they are defined).
 PIECE_DIRS = ("recipes", "scripts", "benchmarks", "runner")

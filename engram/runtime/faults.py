@@ -8,8 +8,9 @@ passes `point(name)` (counted from 1, over every thread), it takes `action`:
 - `kill`: SIGKILL itself (kill -9: no atexit, no flush, no cleanup; what a crash or the OOM
   killer does);
 - `enospc` / `eio`: raise OSError(ENOSPC) / OSError(EIO), as a full or failing drive does;
-- `count`: nothing (n is ignored): the point only counts, for `hits` (a test reads where a
-  later run should fail, off a run that did not).
+- `count`: nothing (n is ignored): the point only counts, for `hits` (how often a run passed
+  it). A test arms a fault from a point of its own run (tests/fault_train.py: when a step
+  starts), not at a count read off another run: counts on asynchronous paths move with timing.
 
 `rank` (the RANK variable; default any) and `attempt` (torchrun's TORCHELASTIC_RESTART_COUNT;
 default 0, so a restarted job runs clean) pick the process. Counts are per process and
