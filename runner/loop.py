@@ -83,8 +83,9 @@ def train_loop(cfg: JobConfig, run: RunParts, train_step: TrainStep) -> TrainRes
     profile = maybe_profile(cfg.profiling, cfg.run_folder, proc.rank, proc.device_type, start_step)
     throughput = Throughput(run.flops, device, proc.world_size, cfg.metrics.peak_tflops)
     progress = Progress(
-        cfg, run.dp_size, run.state, run.metrics, run.train_loader, device, throughput
-    )
+        cfg, run.dp_size, run.state, run.metrics, run.train_loader, device, throughput,
+        telemetry=train_step.telemetry,
+    )  # fmt: skip
     # One loss context (TP loss parallel) around every forward path: train, pipeline, eval.
     with train_step.loss_fn.context(), profile as profiler:
         for step in range(start_step + 1, cfg.training.steps + 1):

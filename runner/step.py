@@ -15,7 +15,9 @@ device) and runs, in this order:
     the non-finite guard (before any update), the update or its skip, the schedules
 
 and returns the logged loss, the gradient norm, whether the guard skipped the update and the
-learning rate the update used. The pieces it calls (forward_backward, the PP schedule, dp_mean,
+learning rate the update used. On log steps its telemetry (engram/train/telemetry.py) records
+the Engram blocks' gate statistics during forward / backward and the table update's touched rows
+and size; the loop's Progress reads them with the loss. The pieces it calls (forward_backward, the PP schedule, dp_mean,
 step_optimizers) are engram/train/step.py's; the order and the layout's rules are here, once.
 """
 
@@ -41,6 +43,7 @@ from engram.train.step import (
     pipeline_forward_backward,
     step_optimizers,
 )
+from engram.train.telemetry import StepTelemetry
 from parallelisms.context_parallel import split_batch
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.parallel_dims import ParallelDims
@@ -91,6 +94,7 @@ class TrainStep:
             self.prefetches_tables and cfg.engram.enabled and cfg.engram.table_location != "device"
         )
         self.pieces = self.pp.microbatches if self.pp is not None else 1  # per batch, under PP
+        self.telemetry = StepTelemetry(cfg, model_parts, optimizers)
 
     def __call__(
         self, batches: list[Batch], step: int, ahead: list[Batch] | None = None
@@ -103,13 +107,15 @@ class TrainStep:
         if self.prefetch and ahead:  # after this step's prefetches: they are queued first
             ahead_ids = [self.cut(batch)["hash_ids"] for batch in ahead]
             page_in_nvme_tables(self.model_parts, ahead_ids, self.pieces)
-        loss_sum = self.forward_backward(batches)
+        with self.telemetry.recording(step):  # gate statistics, on log steps
+            loss_sum = self.forward_backward(batches)
         grad_norm = self.clip()
         loss = dp_mean(loss_sum / self.accum, self.dp_group)
         grad_norm = grad_norm.detach().float().to(loss.device)
         skip = self.guard.skip(step, torch.stack([loss, grad_norm])) if self.guard else False
         lr = scheduled_lr(self.schedulers[0], self.cfg.optimizer.lr) if self.schedulers else 0.0
-        self.update(skip)
+        with self.telemetry.update(step, skip):  # rows touched, update size, on log steps
+            self.update(skip)
         return StepResult(loss, grad_norm, skip, lr)
 
     def cut(self, batch: Batch) -> Batch:

@@ -72,9 +72,9 @@ def _train(
     if slow_update:
         update_all = RowSparseOptimizer._update_all
 
-        def slow(self, work):
+        def slow(self, work, stats=None):
             time.sleep(slow_update)
-            update_all(self, work)
+            update_all(self, work, stats)
 
         RowSparseOptimizer._update_all = slow
     if nan_steps:

@@ -117,6 +117,22 @@ class NvmeRowStore(ColumnRowStore):
     def cached_bytes(self) -> int:
         return len(self.cache.where) * self.page_bytes
 
+    def io_counters(self) -> dict[str, float]:
+        """Cumulative page I/O since the store was made (engram/train/telemetry.py logs their
+        growth per log window): pages read on demand and ahead, pages written back, pages the
+        step's lookups pinned and of them those already resident (cached or read ahead),
+        seconds loads waited for page-ins still in flight, bytes moved."""
+        c = self.cache
+        return {
+            "pages_read_demand": self.io.reads - c.paged_in,
+            "pages_read_ahead": c.paged_in,
+            "pages_written": self.io.writes,
+            "lookup_pages": c.lookup_pages,
+            "lookup_hits": c.lookup_hits,
+            "page_in_wait_s": c.page_in_wait_s,
+            "bytes_moved": (self.io.reads + self.io.writes) * self.page_bytes,
+        }
+
     # -- records --------------------------------------------------------------------------
     def _pages(self, idx: torch.Tensor) -> list[int]:
         return torch.unique(idx.to("cpu", torch.long) // self.rows_per_page).tolist()
@@ -168,7 +184,7 @@ class NvmeRowStore(ColumnRowStore):
 
     def _read_to(self, idx: torch.Tensor, device: torch.device, pin: bool):
         if pin:
-            self.pin(idx)
+            self.pin(idx, lookup=True)
         return self.read_rows(idx).to(device), None
 
     def page_in(self, idx: torch.Tensor) -> Future:
@@ -180,9 +196,10 @@ class NvmeRowStore(ColumnRowStore):
         (page_cache.py, "Page-in ahead"); on the host worker, in program order."""
         self.cache.page_in(self._pages(idx))
 
-    def pin(self, idx: torch.Tensor) -> None:
+    def pin(self, idx: torch.Tensor, lookup: bool = False) -> None:
+        """`lookup`: a step's lookup (its pages count toward the cache hit rate)."""
         pages = self._pages(idx)
-        self.cache.load(pages)
+        self.cache.load(pages, lookup)
         self.pins_taken += 1
         self.cache.hold(pages)
 

@@ -37,6 +37,7 @@ rows a step sees stay exactly those of the device tier:
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 
@@ -63,6 +64,8 @@ class PageCache:
         self._ahead_rest: list[int] = []  # those it had no room for yet
         self.paged_in = 0  # pages read ahead by page_in
         self.page_in_waits = 0  # page-ins still in flight when a load needed the page
+        self.page_in_wait_s = 0.0  # seconds loads waited for those
+        self.lookup_pages = self.lookup_hits = 0  # pages lookups pinned; of them, resident
 
     def settle(self, pages) -> None:
         """Wait for the page-in reads and write-backs of `pages` (their errors raise here); the
@@ -77,9 +80,11 @@ class PageCache:
             if p in self.loading:
                 slot, read = self.loading.pop(p)
                 if read not in done:
-                    if not read.done():
-                        self.page_in_waits += 1
+                    waited, t0 = not read.done(), time.perf_counter()
                     read.result()
+                    if waited:
+                        self.page_in_waits += 1
+                        self.page_in_wait_s += time.perf_counter() - t0
                     done.add(read)
                 self.where[p] = slot
                 mapped.append(p)
@@ -154,12 +159,16 @@ class PageCache:
                     self.loading[page] = (slot, task)
         self.paged_in += len(missing)
 
-    def load(self, pages: list[int]) -> None:
-        """Bring `pages` into the cache (LRU unpinned pages out, dirty ones written back)."""
+    def load(self, pages: list[int], lookup: bool = False) -> None:
+        """Bring `pages` into the cache (LRU unpinned pages out, dirty ones written back).
+        `lookup`: a step's lookup pins them (counted: lookup_pages, lookup_hits)."""
         if self.loading or self.writing:
             self._reap()
             self.settle(pages)  # being read ahead or written back: wait for it
         missing = [p for p in pages if p not in self.where]
+        if lookup:
+            self.lookup_pages += len(pages)
+            self.lookup_hits += len(pages) - len(missing)
         for p in pages:
             if p in self.where:
                 self.where.move_to_end(p)

@@ -26,7 +26,7 @@ import os
 import re
 from contextlib import contextmanager
 
-__all__ = ["create_page_file", "page_io_error", "sweep_dead_page_files"]
+__all__ = ["create_page_file", "dead_page_file_bytes", "page_io_error", "sweep_dead_page_files"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,27 @@ def sweep_dead_page_files(folder: str) -> list[tuple[str, int]]:
         removed.append((path, size))
         log.warning("NVMe Engram table: removed %s (%d B), left by a run that ended", path, size)
     return removed
+
+
+def dead_page_file_bytes(folder: str) -> int:
+    """Bytes on disk of the page files in `folder` that no live process holds: the next
+    store's sweep frees them (start-up counts them as free space)."""
+    total = 0
+    for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not _DEAD_RUN_FILE.search(entry):
+            continue
+        try:
+            fd = os.open(os.path.join(folder, entry), os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            total += os.fstat(fd).st_blocks * 512  # the lock drops when fd closes
+        except BlockingIOError:
+            pass  # a live store's file
+        finally:
+            os.close(fd)
+    return total
 
 
 def create_page_file(

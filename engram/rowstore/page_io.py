@@ -65,6 +65,7 @@ class PageIO:
             self.remove_files()
             raise
         self.direct = not reasons
+        self.buffered_why = "; ".join(sorted(reasons))  # empty with O_DIRECT
         for reason in sorted(reasons):
             log.warning("NVMe Engram table %s: buffered I/O: %s", name, reason)
         self._buf = mmap.mmap(-1, cache_pages * self.page_bytes)  # page-aligned slots
@@ -77,6 +78,7 @@ class PageIO:
             self.aio = AioContexts()
         else:
             log.info("NVMe Engram table %s: page I/O by preadv / pwritev: %s", name, no_aio)
+        self.engine = "native AIO" if no_aio is None else f"preadv / pwritev ({no_aio})"
         self.reads = self.writes = 0  # pages moved, for tests and benchmarks
 
     def _file_pos(self, page: int) -> tuple[int, int]:

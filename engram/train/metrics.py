@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engram.config import Metrics, sections_to_toml
+from engram.config import JobConfig, Metrics, sections_to_toml
 
 logger = logging.getLogger("engram")
 
@@ -36,6 +36,11 @@ def init_logger(rank: int, level: int = logging.INFO) -> logging.Logger:
     log.setLevel(level if rank == 0 else max(level, logging.WARNING))
     log.propagate = False  # one line per message even when the root logger has handlers
     return log
+
+
+def is_log_step(cfg: JobConfig, step: int) -> bool:
+    """Whether step `step` writes its metrics: every metrics.log_freq steps and the last."""
+    return step % cfg.metrics.log_freq == 0 or step == cfg.training.steps
 
 
 def _fmt_value(key: str, value: float) -> str:
