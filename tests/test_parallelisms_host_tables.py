@@ -12,8 +12,10 @@ FIFO worker, prefetch, async host update, replay under recompute), not page-lock
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -88,11 +90,17 @@ def _train(
             if ".table." in n:
                 tables[n] = p.full_tensor().detach().clone() if isinstance(p, DTensor) else p
                 where[n] = (p.to_local() if isinstance(p, DTensor) else p).device.type
+    run = Path(raw["job"]["dump_folder"]) / raw["job"]["run_name"]
+    telemetry = [  # rank 0's Engram telemetry of the logged steps (engram/train/telemetry.py)
+        {k: v for k, v in json.loads(line).items() if k.startswith("engram/")}
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+    ] if rank == 0 else []  # fmt: skip
     return {
         "losses": result.losses,
         "norms": result.grad_norms,
         "tables": tables,
         "counts": counts,
+        "telemetry": telemetry,
         "host_tables": [
             type(m).__name__ for m in result.model.modules() if "Host" in type(m).__name__
         ],
@@ -112,6 +120,9 @@ def _assert_bitwise(host: list[dict], device: list[dict], label: str) -> None:
         assert h["tables"].keys() == d["tables"].keys()
         for n, t in d["tables"].items():
             assert np.array_equal(h["tables"][n], t), f"{where}: table {n} differs"
+        # Engram telemetry (gates, rows touched, the update's RMS from the host worker): equal
+        assert h["telemetry"] == d["telemetry"], where
+        assert rank or all(len(t) % 6 == 0 and t for t in h["telemetry"]), h["telemetry"]
 
 
 def _pair(tmp, name, world, opt, extra=None, nan_steps=()):

@@ -20,6 +20,8 @@ One file per job, lowest first (a file imports only files above it in this list)
   apart, reading DeepSpeed's files weights-only, and reading one into an unsharded model
   (export, generation); imported by name, not part of the API below.
 - `save_errors.py`: the message of a failed save (full disk: free and needed bytes).
+- `capacity.py`: what checkpoints need of disk (keep_latest_k, incremental tables) and of host
+  memory (an async save's staging), the rules the planner and the run's start-up checks share.
 - `manager.py`: `CheckpointManager` (save / async save / load / prune / resume).
 - `fingerprint.py`: what of the config a checkpoint must agree with to be resumed.
 - `run_folder.py`: what makes a folder a run's folder (`run_folder_markers`), for tools that

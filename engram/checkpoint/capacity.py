@@ -16,6 +16,8 @@ planner (planner/table_checkpoint.py, per node, planned) and the run's start-up 
 
 from __future__ import annotations
 
+from engram.runtime.filesystems import size_text
+
 __all__ = [
     "ROW_ID_BYTES",
     "async_save_host_problem",
@@ -25,7 +27,6 @@ __all__ = [
 ]
 
 ROW_ID_BYTES = 8
-GIB = 2**30
 
 
 def touched_rows(per_step: int, interval: int, reuse_window: float, local_rows: int) -> int:
@@ -61,7 +62,7 @@ def checkpoint_space_problem(need: int, free: int, folder: str, keep_latest_k: i
     keep = f"keep_latest_k = {keep_latest_k}" if keep_latest_k > 0 else "keep_latest_k = 0 (all)"
     return (
         f"checkpoint disk: the checkpoints this run keeps ({keep}, one more while a save "
-        f"commits) need {need / GIB:.2f} GiB, {folder} has {free / GIB:.2f} GiB free: free "
+        f"commits) need {size_text(need)}, {folder} has {size_text(free)} free: free "
         "space, point checkpoint.folder / job.dump_folder at a bigger drive, lower "
         "checkpoint.keep_latest_k, or save tables incrementally (checkpoint.table_full_every)"
     )
@@ -78,10 +79,10 @@ def async_save_host_problem(
         return None
     return (
         f'checkpoint host memory: checkpoint.async_mode = "async" holds '
-        f"{save_host_bytes / GIB:.2f} GiB per node at a save (a staging copy of the state; "
-        f"NVMe tables read out of their page files whole) next to the "
-        f"{other_host_bytes / GIB:.2f} GiB the run keeps in host memory (host tables, NVMe "
-        f"caches), more than the {host_bytes / GIB:.2f} GiB of host memory ({source}): set "
+        f"{size_text(save_host_bytes)} per node at a save (a staging copy of the state; NVMe "
+        f"tables read out of their page files whole) next to the {size_text(other_host_bytes)} "
+        f"the run keeps in host memory (host tables, NVMe caches), more than the "
+        f"{size_text(host_bytes)} of host memory ({source}): set "
         'checkpoint.async_mode = "disabled" (a synchronous save streams NVMe tables chunk by '
         "chunk and stages nothing)"
     )

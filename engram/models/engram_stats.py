@@ -28,7 +28,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["FIELDS", "EngramStats", "recording", "sink"]
+__all__ = ["FIELDS", "EngramStats", "paused", "recording", "sink"]
 
 FIELDS = ("gate_sum", "gate_high", "gate_entropy", "positions", "out_sq", "residual_sq")
 
@@ -82,3 +82,14 @@ def recording(stats: EngramStats) -> Iterator[EngramStats]:
         yield stats
     finally:
         _SINK[0] = None
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """No block records inside: for forwards that are not the step's (torch's pipeline stages
+    run one on micro-batch 0, with made-up inputs, to infer the shapes they send)."""
+    saved, _SINK[0] = _SINK[0], None
+    try:
+        yield
+    finally:
+        _SINK[0] = saved

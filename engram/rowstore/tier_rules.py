@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engram.rowstore.nvme_store import PAGE_BYTES, page_layout
+from engram.runtime.filesystems import size_text
 
 __all__ = [
     "SECONDS_PER_DAY",
@@ -38,7 +39,6 @@ __all__ = [
 ]
 
 SECONDS_PER_DAY = 86_400
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,8 @@ def page_space_problem(need: int, have: int, scope: str, holder: str) -> str | N
     if need <= have:
         return None
     return (
-        f"NVMe capacity: the page files need {need / GIB:.2f} GiB {scope}, {holder} "
-        f"{have / GIB:.2f} GiB: add drives or nodes, free space, point engram.nvme_dirs at "
+        f"NVMe capacity: the page files need {size_text(need)} {scope}, {holder} "
+        f"{size_text(have)}: add drives or nodes, free space, point engram.nvme_dirs at "
         "bigger drives, or shrink the tables"
     )
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 __all__ = [
     "MEMORY_FS", "NETWORK_FS", "Mount", "disk_bytes", "existing_parent", "free_bytes", "mount_of",
-    "storage_warning",
+    "size_text", "storage_warning",
 ]  # fmt: skip
 
 MEMORY_FS = frozenset({"tmpfs", "ramfs"})
@@ -34,6 +34,14 @@ class Mount(NamedTuple):
     point: str
     fstype: str
     source: str
+
+
+def size_text(n: float) -> str:
+    """`n` bytes for a message: GiB from 1 GiB up, else MiB or KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
 
 
 def existing_parent(path: str) -> str:
