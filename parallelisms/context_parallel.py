@@ -23,6 +23,13 @@ backward is the reverse all-to-all; all_gather_single_autograd: the backward red
 a key's gradient sums every rank's queries). Hash ids are computed by the loader from the whole
 sequence, so n-grams crossing a chunk boundary are exact; RoPE reads the global positions.
 
+Packed documents (model.attn_mask_type = "block_causal"): segment_ids stay whole on every rank
+and the model derives where each document starts once per forward (engram/models/documents.py),
+so no boundary is exchanged. Ulysses' kernel sees the whole sequence and takes the
+whole-sequence block-causal mask; all-gather K/V masks its queries by their global positions and
+their documents' starts against the gathered keys' global positions (`document_mask` below,
+[B, T / cp, T] with SDPA); the ShortConv drops halo taps that reach into an earlier document.
+
 What else cp touches: FSDP shards over dp_shard x cp (parallelisms/fsdp.py), the tables are
 row-sharded over dp x cp x tp with the gradient scale 1 / (dp x cp) (parallelize.py), the loss
 divides each rank's token sum by the valid tokens of the whole sample (engram/train/loss.py).
@@ -35,12 +42,15 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from engram.models.transformer import Attention, Transformer, unwrap_block
+from engram.models.documents import document_mask
+from engram.models.transformer import Attention, AttentionMask, Transformer, unwrap_block
 from parallelisms.halo import all_gather_autograd, sequence_pieces, split_short_conv, swap_class
 from parallelisms.parallel_dims import ParallelDims, cp_chunks
 
-# Batch entries laid out along the sequence (dim 1); the others (the loader's position) pass.
-SEQUENCE_KEYS = ("input_ids", "labels", "hash_ids", "segment_ids")
+# Batch entries laid out along the sequence (dim 1); the others pass whole: the loader's
+# position, and segment_ids (packed documents: a rank's queries see keys of other ranks' chunks,
+# so the model reads the documents of the whole sequence, engram/models/documents.py).
+SEQUENCE_KEYS = ("input_ids", "labels", "hash_ids")
 
 
 def chunk_positions(rank: int, cp: int, seq_len: int, load_balanced: bool) -> torch.Tensor:
@@ -53,8 +63,9 @@ def chunk_positions(rank: int, cp: int, seq_len: int, load_balanced: bool) -> to
 
 def split_batch(batch: dict[str, torch.Tensor], dims: ParallelDims) -> dict[str, torch.Tensor]:
     """This cp rank's part of a batch: input_ids, labels, hash_ids (computed by the loader from the
-    whole sequence), segment_ids cut along the sequence (dim 1), plus `positions` [B, T / cp]
-    (global, for RoPE). At cp = 1 the whole batch (same path)."""
+    whole sequence) cut along the sequence (dim 1), segment_ids whole, plus `positions`
+    [B, T / cp] (global, for RoPE and packed documents). At cp = 1 the whole batch (same
+    path)."""
     mesh = dims.mesh("cp")
     b, t = batch["input_ids"].shape[:2]
     if t % dims.cp_chunk_count:
@@ -95,11 +106,15 @@ class UlyssesAttention(nn.Module):
 
     _cp_mesh: DeviceMesh
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None = None
+    ) -> torch.Tensor:
+        # Packed documents: the kernel sees the whole sequence, so Attention.document_mask's
+        # whole-sequence mask is the one it needs.
         assert isinstance(self, Attention)
         mesh = self._cp_mesh
         q, k, v = (_seq_to_heads(z, mesh) for z in (q, k, v))
-        return _heads_to_seq(self.kernel(q, k, v), mesh)
+        return _heads_to_seq(self.kernel(q, k, v, attn_mask=mask), mesh)
 
 
 class AllGatherKVAttention(nn.Module):
@@ -109,12 +124,25 @@ class AllGatherKVAttention(nn.Module):
     _cp_mesh: DeviceMesh
     _cp_masks: dict
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None = None
+    ) -> torch.Tensor:
         assert isinstance(self, Attention)
         mesh = self._cp_mesh
         k = all_gather_autograd(k.contiguous(), gather_dim=2, group=mesh)
         v = all_gather_autograd(v.contiguous(), gather_dim=2, group=mesh)
-        return self.kernel(q, k, v, attn_mask=self._mask(q.shape[2], q.device))
+        if mask is None:
+            mask = self._mask(q.shape[2], q.device)
+        return self.kernel(q, k, v, attn_mask=mask)
+
+    def document_mask(self, starts: torch.Tensor, positions: torch.Tensor) -> AttentionMask:
+        """Packed documents: this rank's queries (global `positions`, documents starting at
+        `starts` [B, T] of the whole sequence) over the gathered keys in their gather order."""
+        assert isinstance(self, Attention)
+        cp, seq = self._cp_mesh.size(), starts.shape[1]
+        kpos = torch.cat([chunk_positions(r, cp, seq, True) for r in range(cp)])
+        kpos = kpos.to(starts.device)
+        return document_mask(positions, starts[:, positions], kpos, self.backend)
 
     def _mask(self, t: int, device: torch.device) -> torch.Tensor:
         """[t, cp x t] bool: query i (global position qpos[i]) sees key j when kpos[j] <= qpos[i]."""

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from engram.models.engram import ShortConv
+from engram.models.engram import ShortConv, document_conv
 from parallelisms.parallel_dims import cp_chunks
 
 # torch >= 2.10 renamed it; the old name still works there with a deprecation warning.
@@ -52,7 +52,10 @@ class HaloShortConv(nn.Module):
     _halo_pieces: list[list[int]]
     """sequence_pieces(...) for that group: global piece indices per rank, in local order."""
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, doc_positions=None) -> torch.Tensor:
+        """`doc_positions` [B, t]: this rank's tokens' positions in their packed documents; a
+        halo tap reaching into an earlier document is dropped (document_conv), so no boundary
+        needs exchanging: the halo positions precede the piece in the global sequence."""
         assert isinstance(self, ShortConv) and cache is None  # no decode cache when split
         b, t, g, d = x.shape
         reach = (self.kernel_size - 1) * self.dilation
@@ -81,8 +84,13 @@ class HaloShortConv(nn.Module):
                 prev = tails[where[(p - 1) % len(where)] :][:b] * float(p > 0)
                 parts.append(torch.cat([prev, normed[:, j * n : (j + 1) * n]], dim=1))
             normed = torch.cat(parts)  # [k x B, reach + n, C]
-        # Symmetric padding, then outputs [reach, reach + n) are the causal outputs of a piece.
-        y = self.conv(normed.transpose(1, 2))[..., reach : reach + n]
+        if doc_positions is not None:  # pieces along the batch, as `normed`
+            pos = torch.cat(doc_positions.split(n, dim=1)) if k > 1 else doc_positions
+            y = document_conv(normed.transpose(1, 2), self.conv.weight, self.dilation, pos)
+        else:
+            # Symmetric padding, then outputs [reach, reach + n) are the causal outputs of a
+            # piece.
+            y = self.conv(normed.transpose(1, 2))[..., reach : reach + n]
         y = torch.cat(y.split(b), dim=-1) if k > 1 else y  # pieces back along the sequence
         return F.silu(y).transpose(1, 2).reshape(b, t, g, d)
 

@@ -208,7 +208,10 @@ class SequenceShardedEngram(nn.Module):
         t = hash_ids.shape[1] // mesh.size()
         return hash_ids.narrow(1, mesh.get_local_rank() * t, t)
 
-    def forward(self, hidden: torch.Tensor, hash_ids: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, hash_ids: torch.Tensor, cache=None, doc_positions=None
+    ) -> torch.Tensor:
+        """`doc_positions` [B, T] (packed documents): sliced to this rank's tokens like the ids."""
         if cache is not None:
             raise ValueError("incremental decoding (a decode cache) runs on an unsharded model")
         mesh = self._tp_mesh
@@ -230,7 +233,9 @@ class SequenceShardedEngram(nn.Module):
             if p.requires_grad and not name.startswith("table.")
         }
         with _reparametrize_module(self, dense):
-            out = EngramBlock.forward(self, hidden, ids)
+            if doc_positions is not None:
+                doc_positions = self.local_ids(doc_positions)
+            out = EngramBlock.forward(self, hidden, ids, None, doc_positions)
         return out if self._tp_sequence_parallel else _gather_sequence(out, mesh)
 
 

@@ -151,13 +151,32 @@ def loss_bytes(cfg: JobConfig, args: ModelArgs, a: int, tp: int, tokens: int, cp
     return per_logit * chunk_tokens + hidden + head_grad
 
 
-def cp_mask_bytes(seq_len: int, cp: int, cp_method: str, n_layers: int) -> int:
+def cp_mask_bytes(cfg: JobConfig, cp: int, cp_method: str, n_layers: int) -> int:
     """All-gather K/V's cached attention masks: each attention module keeps a bool [T / cp, T]
     mask per sequence length (parallelisms/context_parallel.py AllGatherKVAttention._mask), held
-    for the whole run: n_layers x T / cp x T bytes. Ulysses and cp = 1 need none."""
-    if cp == 1 or cp_method != "allgather_kv":
+    for the whole run: n_layers x T / cp x T bytes. Ulysses and cp = 1 need none, nor packed
+    documents (model.attn_mask_type = block_causal: the documents' mask replaces it)."""
+    if cp == 1 or cp_method != "allgather_kv" or cfg.model.attn_mask_type != "causal":
         return 0
+    seq_len = cfg.training.seq_len
     return n_layers * (seq_len // cp) * seq_len
+
+
+def document_mask_bytes(cfg: JobConfig, a: int, tokens: int, cp: int, cp_method: str) -> int:
+    """Packed documents kept apart with SDPA (model.attn_mask_type = block_causal, attn_backend =
+    sdpa; engram/models/documents.py): the bytes of one layer's attention mask for a micro-batch
+    of `tokens` (whole sequences of T). SDPA turns the bool [B, 1, Tq, Tk] mask into an additive
+    one in the compute dtype `a` and saves it for backward in every layer (measured on CPU; the
+    bool mask itself is shared by the layers and not saved). The kernel sees Tq = Tk = T (one
+    rank, TP: every rank, Ulysses: the whole sequence of its heads, so not divided by cp) or
+    Tq = T / cp (all-gather K/V). flex: a block mask of B x (T / 128)^2 block indices, no T x T
+    tensor, estimated as the fused kernel: 0. causal: 0."""
+    m = cfg.model
+    if m.attn_mask_type != "block_causal" or m.attn_backend != "sdpa":
+        return 0
+    seq = cfg.training.seq_len
+    queries = seq // cp if cp > 1 and cp_method == "allgather_kv" else seq
+    return a * (tokens // seq) * queries * seq
 
 
 def _cp_backward_bytes(args: ModelArgs, a: int, tp: int, cp: int, cp_method: str) -> int:
@@ -220,14 +239,23 @@ def activation_estimate(
     recompute = 0
     # All-gather K/V: SDPA turns the bool [T / cp, T] mask into an additive one in the compute
     # dtype and saves it for backward, once per layer whatever the batch (measured on CPU).
+    # Packed documents: a [B, T / cp or T, T] mask per layer instead (document_mask_bytes).
     seq = cfg.training.seq_len
     mask = a * (seq // cp) * seq if cp > 1 and cp_method == "allgather_kv" else 0
+    if cfg.model.attn_mask_type == "block_causal":
+        mask = document_mask_bytes(cfg, a, tokens, cp, cp_method)
+        # RoPE per document: cos and sin [B, T / cp, head_dim] (fp32 buffer), once per forward.
+        assert args.head_dim is not None
+        saved += 2 * 4 * args.head_dim // cp
     saved_masks = recompute_mask = 0
     for k, i in enumerate(layer_ids):  # AC counts the layers of the model or stage (k)
         full = layer + (engram_saved if i in engram_layers else 0)
         if is_checkpointed(cfg.activation_checkpoint, k):
             saved += a * args.dim // stream_div  # the checkpoint keeps only the layer input
             recompute = max(recompute, full)
+            if mask and not recompute_mask and cfg.model.attn_mask_type == "block_causal":
+                # ... and its inputs: the documents' bool mask, one tensor for every layer
+                saved_masks += document_mask_bytes(cfg, 1, tokens, cp, cp_method)
             recompute_mask = mask
         else:
             saved += full

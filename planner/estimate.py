@@ -177,7 +177,7 @@ def _measure_rank(
             float8_cast_bytes(part, local_tokens, dims.tp) for part in parts
         )
     n_layers = sum(len(layers) for layers in mem.stage_layers.values())
-    mem.cp_mask_bytes = cp_mask_bytes(cfg.training.seq_len, dims.cp, dims.cp_method, n_layers)
+    mem.cp_mask_bytes = cp_mask_bytes(cfg, dims.cp, dims.cp_method, n_layers)
     mem.persistent_bytes += mem.cp_mask_bytes
     mem.comm = comm_per_step(cfg, dims, parts, table_params, mem, plan)
     if mem.host_table_bytes:

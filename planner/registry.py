@@ -37,6 +37,9 @@ MODELLED = {  # setting -> where the planner models it
         "measure (the model is built on meta)",
     ),
     "model.hf_config_mismatch": "measure (flavor hf reads the checkpoint's config.json)",
+    "model.attn_mask_type": "activations.document_mask_bytes (SDPA's [B, T, T] mask per layer), "
+    "cp_mask_bytes, step_model (an explicit mask computes every score)",
+    "model.attn_backend": "activations.document_mask_bytes (flex: a block mask, no T x T)",
     **dict.fromkeys(
         (
             "engram.enabled",
@@ -135,6 +138,9 @@ NO_MEMORY_EFFECT = frozenset(
         *("training.steps", "training.max_norm", "training.max_nonfinite_steps"),
         *("data.dataset", "data.path", "data.num_workers", "data.synthetic_num_entities"),
         *("data.synthetic_seed", "data.eval_every", "data.eval_batches", "data.sources"),
+        # fine-tuning data: which tokens and rows the loader builds, not their shape [B, T]
+        *("data.synthetic_part", "data.synthetic_pretrain_fraction", "data.train_on"),
+        *("data.pack", "data.overflow", "data.chat_template", "data.chat_template_kwargs"),
         *("optimizer.lr", "optimizer.betas", "optimizer.eps", "optimizer.weight_decay"),
         *("optimizer.engram_lr_mult", "optimizer.table_lr_mult", "optimizer.table_weight_decay"),
         "optimizer.table_lazy",  # read into table_optimizer, then false

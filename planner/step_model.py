@@ -34,12 +34,15 @@ def flops_per_token(est: MemoryEstimate, cfg: JobConfig) -> float:
     + causal attention 6 x layers x dim x seq, x 4/3 when every layer recomputes its forward
     (full activation checkpointing; selective: 1 + 1 / (3 x every)). All-gather K/V attends
     with an explicit [T / cp, T] mask, so its kernel computes every score, masked or not:
-    twice the causal attention FLOPs."""
+    twice the causal attention FLOPs; so does SDPA with packed documents' mask
+    (model.attn_mask_type = block_causal). FlexAttention skips masked blocks: estimated as
+    causal (an upper bound: documents shorter than T need less)."""
     dim = est.model_dim
     embedding = 0 if est.tied_embeddings else est.vocab_size * dim
     matmul = est.global_dense_params - embedding
     attention = 6 * est.n_layers * dim * cfg.training.seq_len
-    if est.cp > 1 and est.cp_method == "allgather_kv":
+    documents = cfg.model.attn_mask_type == "block_causal" and cfg.model.attn_backend == "sdpa"
+    if documents or (est.cp > 1 and est.cp_method == "allgather_kv"):
         attention *= 2
     every = checkpoint_every(cfg.activation_checkpoint)
     recompute = 1 + 1 / (3 * every) if every else 1.0

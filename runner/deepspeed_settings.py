@@ -24,6 +24,8 @@ HONOURED = frozenset(
         *("job.device", "job.deterministic", "job.cpu_affinity"),
         *("model.name", "model.flavor", "model.tokenizer_path", "model.vocab_size"),
         *("model.hf_checkpoint", "model.hf_config_mismatch"),
+        # the batch's segment_ids reach the model through engine_step (model_inputs)
+        *("model.attn_mask_type", "model.attn_backend"),
         *("engram.enabled", "engram.layer_ids", "engram.max_ngram", "engram.n_head_per_ngram"),
         *("engram.vocab_size_per_ngram", "engram.n_embed_per_ngram", "engram.kernel_size"),
         *("engram.hc_mult", "engram.seed", "engram.pad_id", "engram.compress_tokenizer"),
@@ -34,6 +36,9 @@ HONOURED = frozenset(
         "training.max_nonfinite_steps",
         *("data.dataset", "data.path", "data.num_workers", "data.synthetic_num_entities"),
         *("data.synthetic_seed", "data.eval_every", "data.eval_batches", "data.sources"),
+        # fine-tuning data: which tokens and rows the loader builds, not their shape [B, T]
+        *("data.synthetic_part", "data.synthetic_pretrain_fraction", "data.train_on"),
+        *("data.pack", "data.overflow", "data.chat_template", "data.chat_template_kwargs"),
         *("optimizer.name", "optimizer.lr", "optimizer.betas", "optimizer.eps"),
         *("optimizer.weight_decay", "optimizer.engram_lr_mult", "optimizer.table_lr_mult"),
         *("optimizer.table_weight_decay", "optimizer.table_lazy", "optimizer.table_optimizer"),

@@ -19,7 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from engram.config import JobConfig
 from engram.train.loss import LanguageModelLoss, cross_entropy
 from engram.train.nonfinite import NonFiniteGuard
-from engram.train.step import step_optimizers
+from engram.train.step import model_inputs, step_optimizers
 from parallelisms.parallel_dims import ParallelDims
 from runner.deepspeed_engine import clip_engine_and_tables_, engine_update_discarded
 from runner.step import Batch, TrainStep
@@ -58,7 +58,7 @@ class EngineStep(TrainStep):
         engine = self.engine
         loss_sum = torch.zeros((), device=batches[0]["labels"].device)
         for micro, batch in enumerate(batches):
-            logits = engine(batch["input_ids"], hash_ids=batch.get("hash_ids"))
+            logits = engine(batch["input_ids"], **model_inputs(batch))
             loss = cross_entropy(logits, batch["labels"])
             engine.backward(loss)  # loss / accum; gradients reduced at the last micro-batch
             loss_sum += loss.detach()

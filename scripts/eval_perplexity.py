@@ -30,6 +30,7 @@ from engram.data.loader import build_dataloader  # noqa: E402
 from engram.inference import SOURCES, build_for_generation, load_weights  # noqa: E402
 from engram.runtime import device as dev  # noqa: E402
 from engram.train.metrics import init_logger  # noqa: E402
+from engram.train.step import model_inputs  # noqa: E402
 
 
 @torch.no_grad()
@@ -40,7 +41,7 @@ def heldout_loss(model, loader, batches: int, device) -> tuple[float, int]:
     it = iter(loader)
     for _ in range(batches):
         batch = {k: v.to(device) for k, v in next(it).items()}
-        logits = model(batch["input_ids"], hash_ids=batch.get("hash_ids"))
+        logits = model(batch["input_ids"], **model_inputs(batch))
         labels = batch["labels"]
         loss = F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"

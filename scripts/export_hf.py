@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
             tokenizer=tokenizer,
             hasher=hasher,
             config_toml=to_toml(cfg),
+            chat_template=cfg.data.chat_template,
         )
     for f in files:
         print(f"wrote {f}")

@@ -1,4 +1,5 @@
-"""Train the small byte-level BPE tokenizer shipped as engram/data/assets/debug_tokenizer.json.
+"""Train the small byte-level BPE tokenizer shipped as engram/data/assets/debug_tokenizer.json,
+and write its tokenizer_config.json (special tokens + a small chat template) beside it.
 
     python scripts/make_debug_tokenizer.py [--out engram/data/assets/debug_tokenizer.json]
 
@@ -6,12 +7,15 @@ Training text: synthetic fact documents (the default dataset) plus generic Engli
 several casings, with accents and irregular whitespace, so that Engram's tokenizer compression
 (NFKC + lower-case + accent stripping + whitespace collapsing) has distinct tokens to merge.
 Deterministic: same text and trainer settings give the same merges (checked by
-tests/test_data.py; also seen with TOKENIZERS_PARALLELISM=true).
+tests/test_data.py; also seen with TOKENIZERS_PARALLELISM=true). The chat template is
+ChatML-like on the existing special tokens (<|bos|>role\n ... <|eos|>\n), so adding it changed no
+id: fine-tuning the debug model needs no new embedding rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 from pathlib import Path
 
@@ -22,6 +26,36 @@ from engram.data.synthetic import SyntheticFacts
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 OUT = Path(__file__).resolve().parent.parent / "engram" / "data" / "assets" / "debug_tokenizer.json"
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "{{- '<|bos|>' + message['role'] + '\\n' }}\n"
+    "{%- if message['content'] is string %}\n"
+    "{{- message['content'] }}\n"
+    "{%- elif message['content'] is defined %}\n"
+    "{{- message['content'] | tojson }}\n"
+    "{%- endif %}\n"
+    "{%- if message['tool_calls'] is defined %}\n"
+    "{{- message['tool_calls'] | tojson }}\n"
+    "{%- endif %}\n"
+    "{{- '<|eos|>\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '<|bos|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+
+def tokenizer_config() -> dict:
+    """tokenizer_config.json of the debug tokenizer, as a Hugging Face folder holds it."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>",
+        "chat_template": CHAT_TEMPLATE,
+    }
+
 
 ENGLISH = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
@@ -81,7 +115,10 @@ def main() -> None:
     tok = build_debug_tokenizer()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(args.out), pretty=False)
+    config = args.out.parent / "tokenizer_config.json"
+    config.write_text(json.dumps(tokenizer_config(), indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.out} ({args.out.stat().st_size} bytes, vocab {tok.get_vocab_size()})")
+    print(f"wrote {config}")
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ def saved_activation_bytes(model: nn.Module, *args, **kwargs) -> int:
 
 def check_activation_formula(cfg, convert=lambda model: None) -> None:
     """The planner's saved-activation bytes (planner/activations.py) within 2% of what autograd
-    saves for `cfg`'s model on one batch of 2 x 32 tokens, fp32 and bf16 (tables stay fp32, as
-    the recipe keeps them). `convert(model)` runs on the built model first (LoRA, float8)."""
+    saves for `cfg`'s model on one batch of 2 x training.seq_len tokens, fp32 and bf16 (tables stay fp32, as
+    the recipe keeps them). `convert(model)` runs on the built model first (LoRA, float8).
+    With model.attn_mask_type = block_causal each sequence packs documents of 8 tokens."""
     from engram.data.tokenizer import load_tokenizer
     from engram.hashing.ngram import NgramHasher
     from engram.models.builder import build_model
@@ -31,8 +32,11 @@ def check_activation_formula(cfg, convert=lambda model: None) -> None:
 
     tok = load_tokenizer("")
     hasher = NgramHasher.from_config(cfg.engram, tok, tok.vocab_size)
-    ids = torch.randint(0, tok.vocab_size, (2, 32))
-    hash_ids = torch.from_numpy(hasher(ids.numpy()))
+    t = cfg.training.seq_len
+    ids = torch.randint(0, tok.vocab_size, (2, t))
+    seg = (torch.arange(t) // 8).expand(2, t)
+    hash_ids = torch.from_numpy(hasher(ids.numpy(), seg.numpy()))
+    documents = {"segment_ids": seg} if cfg.model.attn_mask_type == "block_causal" else {}
     for dtype, dtype_name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
         model = build_model(cfg.model, cfg.engram, tok.vocab_size, hasher.table_rows, "cpu")
         convert(model)
@@ -42,6 +46,6 @@ def check_activation_formula(cfg, convert=lambda model: None) -> None:
         model.to(dtype)
         for block in model.engram_blocks().values():
             block.table.float()
-        measured = saved_activation_bytes(model, ids, hash_ids=hash_ids)
+        measured = saved_activation_bytes(model, ids, hash_ids=hash_ids, **documents)
         predicted = activation_estimate(cfg, model.args, dtype_name).saved_bytes
         assert abs(predicted - measured) / measured < 0.02, (dtype, predicted, measured)

@@ -102,6 +102,8 @@ def test_debug_tokenizer_regenerates_identically():
     assert fresh["model"]["vocab"] == shipped["model"]["vocab"]
     assert fresh["model"]["merges"] == shipped["model"]["merges"]
     assert fresh["added_tokens"] == shipped["added_tokens"]
+    config = DEBUG_TOKENIZER.parent / "tokenizer_config.json"  # special tokens + chat template
+    assert json.loads(config.read_text(encoding="utf-8")) == module.tokenizer_config()
 
 
 def _save_tokenizer(path: Path, specials: list[str]) -> Path:

@@ -245,10 +245,16 @@ def _source_cfg(kind: str, root: Path, batch: int, workers: int):
         data |= {"dataset": "jsonl", "path": str(root / "corpus" / "a.jsonl")}
     elif kind == "text":
         data |= {"dataset": "text", "path": str(root / "corpus" / "b.txt")}
+    elif kind == "chat":  # its text records: chat rows, packed by conversation
+        data |= {"dataset": "chat", "path": str(root / "corpus" / "a.jsonl")}
+    elif kind == "synthetic_chat":
+        data |= {"dataset": "synthetic_chat", "synthetic_part": "finetune"}
     return config_from_dict({"training": {"seq_len": SEQ, "local_batch_size": batch}, "data": data})
 
 
-@pytest.mark.parametrize("kind", ["tokens", "jsonl", "text", "synthetic_facts"])
+@pytest.mark.parametrize(
+    "kind", ["tokens", "jsonl", "text", "synthetic_facts", "chat", "synthetic_chat"]
+)
 def test_resume_from_json_state_at_any_layout(corpus, kind):
     """Save at (dp 2, 2 workers), restore at (dp 1, 0 workers) and (dp 4, 0 workers)."""
     root, _ = corpus

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from engram.config.checks import check, check_finite
 from engram.config.table_locations import TABLE_LOCATIONS
 
+# model.attn_mask_type / attn_backend (also checked by ModelArgs).
+ATTN_MASK_TYPES = ("causal", "block_causal")
+ATTN_BACKENDS = ("sdpa", "flex")
+
 # Largest n-gram order of the C hashing kernel (MAX_NGRAM in engram/hashing/csrc/ngram_hash.c).
 MAX_NGRAM = 16
 
@@ -28,6 +32,22 @@ class Model:
     hf_config_mismatch: str = "error"
     """error | warn: what a named flavor that differs from hf_checkpoint's config.json does
     (flavor = "hf" takes the shape from config.json instead)."""
+    attn_mask_type: str = "causal"
+    """causal | block_causal. causal: every token attends to all earlier tokens of its sequence,
+    across the documents packed into it (plain-text pretraining, as before). block_causal: a
+    token attends only to earlier tokens of its own document (the batch's segment_ids: a
+    document ends with its eos; chat / SFT packing), the Engram ShortConv stops at document
+    starts, and RoPE positions restart at 0 in each document (as TRL's padding-free packing;
+    RoPE is relative, so within a document this equals global positions up to rounding);
+    packed documents then train as if each were its own sequence. Needs engram.respect_doc_boundaries = true (n-grams stop at
+    the same boundaries). Generation (one document) is unaffected. Memory with attn_backend =
+    "sdpa": a bool [B, T, T] mask per micro-batch, which SDPA turns into a compute-dtype mask
+    saved per layer (docs/architecture.md, "Packed documents")."""
+    attn_backend: str = "sdpa"
+    """sdpa | flex: the kernel of the block_causal mask. sdpa: portable (CPU, CUDA, NPU), with
+    the [B, T, T] mask above. flex: torch FlexAttention with a block mask built from the segment
+    ids (no T x T tensor): CUDA (compiled), and on CPU forward only (no backward: train on CPU
+    with sdpa); not on NPU. Plain causal attention always runs SDPA's fused causal kernel."""
 
     def __post_init__(self) -> None:
         check(
@@ -46,6 +66,19 @@ class Model:
         check(
             self.hf_config_mismatch in ("error", "warn"),
             f"model.hf_config_mismatch must be error or warn, got {self.hf_config_mismatch!r}",
+        )
+        for name, valid in (
+            ("attn_mask_type", ATTN_MASK_TYPES),
+            ("attn_backend", ATTN_BACKENDS),
+        ):
+            check(
+                getattr(self, name) in valid,
+                f"model.{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}",
+            )
+        check(
+            self.attn_backend == "sdpa" or self.attn_mask_type == "block_causal",
+            f"model.attn_backend = {self.attn_backend!r} is for attn_mask_type = 'block_causal' "
+            "(plain causal attention runs SDPA's fused causal kernel): set attn_backend = 'sdpa'",
         )
 
 

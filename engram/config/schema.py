@@ -62,6 +62,20 @@ class JobConfig:
             self.engram.table_location, self.optimizer.table_optimizer
         )
         check(not (self.engram.enabled and location_error), location_error or "")
+        check(
+            not (
+                self.model.attn_mask_type == "block_causal"
+                and self.engram.enabled
+                and not self.engram.respect_doc_boundaries
+            ),
+            "model.attn_mask_type = 'block_causal' keeps packed documents apart, but Engram "
+            "n-grams would still reach across them: set engram.respect_doc_boundaries = true",
+        )
+        check(
+            not (self.model.attn_backend == "flex" and self.job.device == "npu"),
+            "model.attn_backend = 'flex': FlexAttention is not available on NPU; set "
+            "model.attn_backend = 'sdpa'",
+        )
 
     @property
     def run_folder(self) -> Path:

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import json
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from engram.config.checks import check, check_finite
+from engram.config.checks import ConfigError, check, check_finite
 from engram.config.table_optimizers import TABLE_OPTIMIZERS
 
 
@@ -108,18 +109,50 @@ class DataSource:
         check(self.weight > 0, f"data.sources weight must be > 0, got {self.weight}")
 
 
+DATASETS = ("synthetic_facts", "text", "jsonl", "tokens", "chat", "synthetic_chat")
+CHAT_DATASETS = ("chat", "synthetic_chat")
+SYNTHETIC_PARTS = ("all", "pretrain", "finetune")
+
+
 @dataclass
 class Data:
     dataset: str = "synthetic_facts"
-    """synthetic_facts (generated, deterministic) | text (a .txt file or folder) | jsonl ("text" field) | tokens (folders written by scripts/prepare_data.py: memory-mapped, for large corpora)."""
+    """synthetic_facts (generated, deterministic) | text (a .txt file or folder) | jsonl ("text" field) | tokens (folders written by scripts/prepare_data.py: memory-mapped, for large corpora) | chat (fine-tuning records: .jsonl / .parquet files or folders of `messages`, `prompt` + `completion` or `text` records, or a folder written by scripts/prepare_data.py --chat; docs/data.md "Fine-tuning data") | synthetic_chat (question / answer conversations about the synthetic facts, generated)."""
     path: str = ""
-    """File or folder for text/jsonl datasets; the prepared folder for tokens (or use sources)."""
+    """File or folder for text/jsonl/chat datasets; the prepared folder for tokens (or use sources)."""
     num_workers: int = 0
     """Data-loader worker processes (hash ids are computed there)."""
     synthetic_num_entities: int = 512
     """Entities in the synthetic fact base."""
     synthetic_seed: int = 1234
     """Seed of the synthetic fact base."""
+    synthetic_part: str = "all"
+    """synthetic_facts / synthetic_chat: which entities of the fact base the data is about: all |
+    pretrain (a seeded synthetic_pretrain_fraction of them) | finetune (the others), so a model
+    pretrained on one part can be fine-tuned on questions about facts it never saw."""
+    synthetic_pretrain_fraction: float = 0.5
+    """Share of the entities in the pretrain part (synthetic_part); the rest are the finetune part."""
+    train_on: str = "assistant"
+    """chat datasets: which tokens are targets (the others get label -100): assistant (the
+    assistant turns' content and end-of-turn token, located by rendering the chat template; the
+    completion of prompt / completion records; all of a text record) | all (every token)."""
+    pack: bool = True
+    """chat datasets: true: pack several conversations per sequence (segment_ids mark them;
+    attention and Engram n-grams stay inside a conversation); false: one conversation per
+    sequence, padded (pad label -100)."""
+    overflow: str = "truncate"
+    """chat datasets: a conversation longer than training.seq_len + 1 tokens is truncate(d: its
+    first seq_len + 1 tokens) | drop(ped) | error (stop at start, naming it). Truncated and dropped
+    ones are counted and logged at start."""
+    chat_template: str = ""
+    """chat datasets: the chat template to render conversations with: a .jinja file or a
+    tokenizer_config.json holding chat_template. Empty: the tokenizer's own (chat_template.jinja
+    or tokenizer_config.json next to its tokenizer.json)."""
+    chat_template_kwargs: str = ""
+    """chat datasets: a JSON object of extra template variables for every conversation, e.g.
+    '{"date_string": "26 Jul 2024"}' (Llama 3 templates otherwise print today's date, so the data
+    would change from day to day) or '{"enable_thinking": false}'. A record's own
+    chat_template_kwargs override it."""
     eval_every: int = 0
     """Evaluate held-out loss every N steps (0: only at the end when eval_batches > 0)."""
     eval_batches: int = 0
@@ -130,8 +163,8 @@ class Data:
 
     def __post_init__(self) -> None:
         check(
-            self.dataset in ("synthetic_facts", "text", "jsonl", "tokens"),
-            f"data.dataset must be synthetic_facts, text, jsonl or tokens, got {self.dataset!r}",
+            self.dataset in DATASETS,
+            f"data.dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}",
         )
         check(
             self.dataset == "tokens" or not self.sources,
@@ -143,12 +176,80 @@ class Data:
             "set data.path (one prepared folder) or data.sources (a mixture), not both",
         )
         check(
-            self.dataset == "synthetic_facts" or bool(self.path) or bool(self.sources),
+            self.dataset in ("synthetic_facts", "synthetic_chat")
+            or bool(self.path)
+            or bool(self.sources),
             f"data.path is required for data.dataset={self.dataset!r}",
+        )
+        check(
+            not (self.dataset == "synthetic_chat" and self.path),
+            "data.dataset = synthetic_chat is generated and reads no files: remove data.path, or "
+            'use data.dataset = "chat" for a chat set on disk',
         )
         for name in ("num_workers", "eval_every", "eval_batches"):
             check(getattr(self, name) >= 0, f"data.{name} must be >= 0")
         check(self.synthetic_num_entities > 0, "data.synthetic_num_entities must be > 0")
+        check(
+            self.synthetic_part in SYNTHETIC_PARTS,
+            f"data.synthetic_part must be one of {', '.join(SYNTHETIC_PARTS)}, "
+            f"got {self.synthetic_part!r}",
+        )
+        check_finite(self.synthetic_pretrain_fraction, "data.synthetic_pretrain_fraction")
+        check(
+            0.0 < self.synthetic_pretrain_fraction < 1.0,
+            "data.synthetic_pretrain_fraction must be strictly between 0 and 1 (both parts need "
+            f"entities), got {self.synthetic_pretrain_fraction}",
+        )
+        check(
+            self.synthetic_part == "all" or self.dataset in ("synthetic_facts", "synthetic_chat"),
+            f"data.synthetic_part = {self.synthetic_part!r} selects synthetic entities, but "
+            f"data.dataset = {self.dataset!r} is not synthetic: remove it",
+        )
+        check(
+            self.train_on in ("assistant", "all"),
+            f"data.train_on must be assistant or all, got {self.train_on!r}",
+        )
+        check(
+            self.overflow in ("truncate", "drop", "error"),
+            f"data.overflow must be truncate, drop or error, got {self.overflow!r}",
+        )
+        self.chat_kwargs()  # a JSON object, or refused here
+        if self.dataset not in CHAT_DATASETS:
+            defaults = {f.name: f.default for f in fields(self)}
+            changed = [
+                name
+                for name in (
+                    "train_on",
+                    "pack",
+                    "overflow",
+                    "chat_template",
+                    "chat_template_kwargs",
+                )
+                if getattr(self, name) != defaults[name]
+            ]
+            check(
+                not changed,
+                f"data.{', data.'.join(changed)} set, but data.dataset = {self.dataset!r} is "
+                "plain text (every token a target, packed): they apply to chat and synthetic_chat "
+                "datasets only; remove them",
+            )
+
+    def chat_kwargs(self) -> dict:
+        """chat_template_kwargs parsed (a dict; {} when empty)."""
+        if not self.chat_template_kwargs:
+            return {}
+        try:
+            value = json.loads(self.chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"data.chat_template_kwargs is not JSON ({e.msg}): write a JSON object, e.g. "
+                '\'{"date_string": "26 Jul 2024"}\''
+            ) from None
+        check(
+            isinstance(value, dict),
+            f"data.chat_template_kwargs must be a JSON object {{...}}, got {value!r}",
+        )
+        return value
 
     @property
     def token_sources(self) -> list[DataSource]:

@@ -1,4 +1,5 @@
-"""Tokenizer, document sources, sequence packing, prepared token shards and the loader.
+"""Tokenizer, document sources, sequence packing, prepared token shards, fine-tuning data (chat
+records, chat templates, target masks, conversation rows, prepared chat shards) and the loader.
 
 Names are imported lazily so that scripts/prepare_data.py (tokenizer + numpy only) does not pay
 for importing torch.

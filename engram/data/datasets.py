@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from engram.config import Data
-from engram.data.synthetic import SPLITS, SyntheticFacts
+from engram.data.synthetic import SPLITS, SyntheticFacts, part_entities
 
 _BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
 
@@ -119,13 +119,18 @@ def split_documents(docs: list[str], split: str) -> list[str]:
 def build_documents(data: Data, split: str, seed: int) -> DocumentSource:
     """The document stream of `data.dataset` for `split` ("train" or "val"); `seed` orders it."""
     if data.dataset == "synthetic_facts":
-        return SyntheticFacts(data.synthetic_seed, data.synthetic_num_entities, seed, split)
+        n = data.synthetic_num_entities
+        entities = part_entities(
+            data.synthetic_seed, n, data.synthetic_part, data.synthetic_pretrain_fraction
+        )
+        return SyntheticFacts(data.synthetic_seed, n, seed, split, entities)
     if data.dataset == "text":
         docs = read_text_documents(data.path)
     elif data.dataset == "jsonl":
         docs = read_jsonl_documents(data.path)
     else:
         raise ValueError(
-            f"unknown data.dataset {data.dataset!r}: use synthetic_facts, text or jsonl"
+            f"unknown data.dataset {data.dataset!r} for a document stream: use synthetic_facts, "
+            "text or jsonl"
         )
     return ShuffledDocuments(split_documents(docs, split), seed)

@@ -15,6 +15,9 @@ Cost per rank, by source:
   fly; every (rank, worker) tokenises the whole global stream and keeps its rows, so each loader
   process must keep up with the GLOBAL token rate. Fine for small jobs; switch to `tokens` (see
   README) when dp_world * local_batch * seq_len tokens per step gets large (benchmarks.md).
+- `chat` / `synthetic_chat` (fine-tuning, chat_dataset.py / sft.py): conversations encoded once
+  per process at start (records on disk) or mapped (a prepared chat folder), packed into rows by
+  a plan made at start; sample j is computed by index like `tokens`: O(local batch) per step.
 
 Hash ids are computed in the collate function, i.e. in the worker processes, vectorised over the
 whole [B, T] batch.
@@ -32,6 +35,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import IterableDataset, get_worker_info
 
 from engram.config import JobConfig
+from engram.config.training import CHAT_DATASETS
 from engram.data.datasets import DocumentSource, build_documents
 from engram.data.packing import TokenStream, make_sample
 from engram.data.shards import tokenizer_fingerprint
@@ -258,6 +262,8 @@ def _docs_fingerprint(job_cfg: JobConfig, split: str, docs: DocumentSource) -> s
     data = job_cfg.data
     if data.dataset == "synthetic_facts":
         text = f"synthetic_facts/{data.synthetic_seed}/{data.synthetic_num_entities}/{split}"
+        if data.synthetic_part != "all":
+            text += f"/{data.synthetic_part}/{data.synthetic_pretrain_fraction}"
     else:  # small in-memory file datasets: hash their documents
         h = hashlib.sha256(split.encode())
         for doc in docs.docs:
@@ -283,6 +289,10 @@ def build_dataset(
             seed,
         )
         source: Any = TokenSource(mixture)
+    elif data.dataset in CHAT_DATASETS:
+        from engram.data.chat_dataset import build_chat_samples  # jinja2 / pyarrow: chat only
+
+        source = TokenSource(build_chat_samples(job_cfg, tokenizer, split))
     else:
         docs = build_documents(data, split, seed)
         fp = _docs_fingerprint(job_cfg, split, docs)
@@ -311,9 +321,11 @@ def build_dataloader(
         "seed": job_cfg.job.seed,
         "seq_len": job_cfg.training.seq_len,
     }
+    # Chat data always keeps n-grams inside a conversation (its segments are conversations).
+    boundaries = job_cfg.engram.respect_doc_boundaries or job_cfg.data.dataset in CHAT_DATASETS
     return DataLoader(
         dataset,
-        Collate(hasher, job_cfg.engram.respect_doc_boundaries),
+        Collate(hasher, boundaries),
         job_cfg.data.num_workers,
         meta,
     )

@@ -88,12 +88,31 @@ def _boundary(path: Path, target: int, size: int) -> int:
         return min(f.tell(), size)
 
 
+def _row_group_bytes(path: Path) -> list[int]:
+    import pyarrow.parquet as pq  # chat inputs only (prepare_sft.py)
+
+    meta = pq.ParquetFile(path).metadata
+    return [meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)]
+
+
 def plan_shards(files: list[Path], shard_bytes: int) -> list[list[tuple[str, int, int]]]:
-    """Shards as lists of (file, start byte, end byte), each ~shard_bytes of input."""
+    """Shards as lists of (file, start, end), each ~shard_bytes of input: byte ranges of text
+    files (cut at document starts), row-group ranges of .parquet files."""
     plan: list[list[tuple[str, int, int]]] = []
     job: list[tuple[str, int, int]] = []
     used = 0
     for path in files:
+        if path.suffix == ".parquet":
+            for g, size in enumerate(_row_group_bytes(path)):
+                if job and job[-1][0] == str(path) and job[-1][2] == g:
+                    job[-1] = (str(path), job[-1][1], g + 1)
+                else:
+                    job.append((str(path), g, g + 1))
+                used += size
+                if used >= shard_bytes:
+                    plan.append(job)
+                    job, used = [], 0
+            continue
         size, pos = path.stat().st_size, 0
         while pos < size:
             cut = _boundary(path, pos + shard_bytes - used, size)
@@ -107,6 +126,40 @@ def plan_shards(files: list[Path], shard_bytes: int) -> list[list[tuple[str, int
     if job:
         plan.append(job)
     return plan
+
+
+def segment_bytes(segment: tuple[str, int, int]) -> int:
+    """Input bytes of a planned segment (progress accounting)."""
+    name, start, end = segment
+    if name.endswith(".parquet"):
+        return sum(_row_group_bytes(Path(name))[start:end])
+    return end - start
+
+
+def plan_headers(
+    files: list[Path], shard_bytes: int, common: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int]]:
+    """(sources: path, bytes, sha256 of every input; shard headers: `common` plus the shard's
+    segments and their files' sha256; input bytes of each shard)."""
+    sources = [{"path": str(f), "bytes": f.stat().st_size, "sha256": file_sha256(f)} for f in files]
+    sha = {s["path"]: s["sha256"] for s in sources}
+    plan = plan_shards(files, shard_bytes)
+    headers = [
+        {**common, "segments": [list(s) for s in segs], "source_sha256": [sha[s[0]] for s in segs]}
+        for segs in plan
+    ]
+    return sources, headers, [sum(segment_bytes(s) for s in segs) for segs in plan]
+
+
+def manifest_tokenizer(tok: Tokenizer, path: str) -> dict[str, Any]:
+    """The manifest's record of the tokenizer that prepared the shards."""
+    return {
+        "fingerprint": tokenizer_fingerprint(tok),
+        "path": path,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "bos_id": tok.bos_id,
+    }
 
 
 def file_sha256(path: Path) -> str:
@@ -230,35 +283,29 @@ def write_shard(out: Path, index: int, header: dict[str, Any], opts: Options) ->
     return done
 
 
-def _write_shard_job(args: tuple[Path, int, dict[str, Any], Options]) -> dict[str, Any]:
-    return write_shard(*args)
+def _write_shard_job(args: tuple[Path, Options, int, dict[str, Any]]) -> dict[str, Any]:
+    out, opts, index, header = args
+    return write_shard(out, index, header, opts)
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def prepare(inputs: list[str], out: str | Path, opts: Options, progress: bool = True) -> dict:
-    """Prepare (or finish preparing) `inputs` into `out`; returns the manifest."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = load_tokenizer(opts.tokenizer_path)
-    files = input_files(inputs)
-    sources = [{"path": str(f), "bytes": f.stat().st_size, "sha256": file_sha256(f)} for f in files]
-    sha = {s["path"]: s["sha256"] for s in sources}
-    dtype = token_dtype(tok.vocab_size)
-    common = {
-        "format": FORMAT,
-        "tokenizer_fingerprint": tokenizer_fingerprint(tok),
-        "dtype": dtype.str,
-        "text_field": opts.text_field,
-        "append_eos": opts.append_eos,
-        "prepend_bos": opts.prepend_bos,
-    }
-    plan = plan_shards(files, opts.shard_bytes)
-    headers = [
-        {**common, "segments": [list(s) for s in segs], "source_sha256": [sha[s[0]] for s in segs]}
-        for segs in plan
-    ]
+def write_shards(
+    out: Path,
+    headers: list[dict[str, Any]],
+    bytes_of: list[int],
+    files: tuple[str, ...],
+    job: Any,
+    init: Any,
+    init_args: tuple,
+    job_args: tuple,
+    workers: int,
+    progress: bool,
+) -> list[dict[str, Any]]:
+    """Write the shards of `headers` not finished yet (a finished one: its header json matches
+    and its `files` exist), `workers` processes at a time (each started by `init(*init_args)`,
+    a shard written by `job((*job_args, index, header))`); the finished headers, in order."""
     done: dict[int, dict[str, Any]] = {}
     for i, header in enumerate(headers):
         path = out / f"{shard_name(i)}.json"
@@ -269,13 +316,10 @@ def prepare(inputs: list[str], out: str | Path, opts: Options, progress: bool = 
                     f"{path} was written by a prepare with other inputs, tokenizer or options: "
                     f"use a new --out folder, or delete {out} to start over"
                 )
-            if (out / f"{shard_name(i)}.bin").is_file() and (
-                out / f"{shard_name(i)}.idx"
-            ).is_file():
+            if all((out / f"{shard_name(i)}{suffix}").is_file() for suffix in files):
                 done[i] = old
     todo = [i for i in range(len(headers)) if i not in done]
-    total_bytes = sum(s["bytes"] for s in sources)
-    bytes_of = [sum(e - s for _, s, e in segs) for segs in plan]
+    total_bytes = sum(bytes_of)
     seen = sum(bytes_of[i] for i in done)
     t0 = time.perf_counter()
 
@@ -292,31 +336,48 @@ def prepare(inputs: list[str], out: str | Path, opts: Options, progress: bool = 
 
     if done:
         report()
-    jobs = [(out, i, headers[i], opts) for i in todo]
-    if opts.workers > 1 and len(jobs) > 1:
+    jobs = [(*job_args, i, headers[i]) for i in todo]
+    if workers > 1 and len(jobs) > 1:
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        with ctx.Pool(opts.workers, _init_worker, (opts.tokenizer_path,)) as pool:
-            for result in pool.imap_unordered(_write_shard_job, jobs):
+        with ctx.Pool(workers, init, init_args) as pool:
+            for result in pool.imap_unordered(job, jobs):
                 i = int(result["name"].split("_")[1])
                 done[i], seen = result, seen + bytes_of[i]
                 report()
     else:
-        _init_worker(opts.tokenizer_path)
-        for job in jobs:
-            result = write_shard(*job)
-            done[job[1]], seen = result, seen + bytes_of[job[1]]
+        init(*init_args)
+        for args in jobs:
+            result = job(args)
+            i = int(result["name"].split("_")[1])
+            done[i], seen = result, seen + bytes_of[i]
             report()
     report(final=True)
-    shards = [done[i] for i in range(len(headers))]
+    return [done[i] for i in range(len(headers))]
+
+
+def prepare(inputs: list[str], out: str | Path, opts: Options, progress: bool = True) -> dict:
+    """Prepare (or finish preparing) `inputs` into `out`; returns the manifest."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(opts.tokenizer_path)
+    files = input_files(inputs)
+    dtype = token_dtype(tok.vocab_size)
+    common = {
+        "format": FORMAT,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+        "dtype": dtype.str,
+        "text_field": opts.text_field,
+        "append_eos": opts.append_eos,
+        "prepend_bos": opts.prepend_bos,
+    }
+    sources, headers, bytes_of = plan_headers(files, opts.shard_bytes, common)
+    shards = write_shards(
+        out, headers, bytes_of, (".bin", ".idx"), _write_shard_job, _init_worker,
+        (opts.tokenizer_path,), (out, opts), opts.workers, progress,
+    )  # fmt: skip
     manifest = {
         "format": FORMAT,
-        "tokenizer": {
-            "fingerprint": common["tokenizer_fingerprint"],
-            "path": opts.tokenizer_path,
-            "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id,
-            "bos_id": tok.bos_id,
-        },
+        "tokenizer": manifest_tokenizer(tok, opts.tokenizer_path),
         "dtype": dtype.str,
         "text_field": opts.text_field,
         "append_eos": opts.append_eos,

@@ -81,7 +81,11 @@ class _Mapped:
             self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
-def read_manifest(folder: Path) -> dict[str, Any]:
+SFT_FORMAT = "engram-sft/1"  # chat shards (sft_shards.py): the same files plus a mask bitmap
+_READ_BY = {FORMAT: 'data.dataset = "tokens"', SFT_FORMAT: 'data.dataset = "chat"'}
+
+
+def read_manifest(folder: Path, expect: str = FORMAT) -> dict[str, Any]:
     path = folder / MANIFEST
     if not path.is_file():
         unfinished = sorted(folder.glob("shard_*.json")) if folder.is_dir() else []
@@ -92,12 +96,47 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         )
         raise FileNotFoundError(f"{path} is missing, so {folder} is not a prepared dataset: {hint}")
     manifest = json.loads(path.read_text(encoding="utf-8"))
-    if manifest.get("format") != FORMAT:
-        raise ValueError(
-            f"{path}: format {manifest.get('format')!r}, this loader reads {FORMAT!r}: "
-            f"re-run {PREPARE_HINT}"
+    found = manifest.get("format")
+    if found != expect:
+        fix = (
+            f"it is read with {_READ_BY[found]}" if found in _READ_BY else f"re-run {PREPARE_HINT}"
         )
+        raise ValueError(f"{path}: format {found!r}, this loader reads {expect!r}: {fix}")
     return manifest
+
+
+def check_made_by(m: dict[str, Any], where: Path, fingerprint: str | None, vocab_size: int) -> None:
+    """The prepared folder was made with the run's tokenizer and fits the model's vocabulary."""
+    tok = m["tokenizer"]
+    if fingerprint is not None and tok["fingerprint"] != fingerprint:
+        raise ValueError(
+            f"{where}: the tokens were made with tokenizer {tok['path'] or '<debug>'} "
+            f"(fingerprint {tok['fingerprint']}), not with this run's tokenizer "
+            f"(fingerprint {fingerprint}): set model.tokenizer_path to the tokenizer that "
+            f"prepared the data, or re-run {PREPARE_HINT} with this run's tokenizer"
+        )
+    if m["max_token_id"] >= vocab_size:
+        raise ValueError(
+            f"{where}: token id {m['max_token_id']} does not fit the model's vocabulary of "
+            f"{vocab_size}: use the tokenizer that prepared the data (and a model.vocab_size "
+            "at least its size)"
+        )
+
+
+def check_shard_file(path: Path, expect: int, folder: Path) -> None:
+    """A shard file exists with the size its header says."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: the prepared dataset {folder} is incomplete; "
+            f"delete {folder / MANIFEST} and rerun the prepare command"
+        )
+    size = path.stat().st_size
+    if size != expect:
+        raise ValueError(
+            f"{path} has {size} bytes, its header says {expect}: the shard is "
+            f"truncated or corrupt; delete {path.with_suffix('.json')} and "
+            f"{folder / MANIFEST} and rerun the prepare command to rewrite it"
+        )
 
 
 TOKEN_DTYPES = ("<u2", "<u4")  # what prepare writes (token_dtype)
@@ -134,44 +173,19 @@ class TokenShards:
         self.folder = Path(folder)
         m = read_manifest(self.folder)
         where = self.folder / MANIFEST
-        tok = m["tokenizer"]
-        if fingerprint is not None and tok["fingerprint"] != fingerprint:
-            raise ValueError(
-                f"{where}: the tokens were made with tokenizer {tok['path'] or '<debug>'} "
-                f"(fingerprint {tok['fingerprint']}), not with this run's tokenizer "
-                f"(fingerprint {fingerprint}): set model.tokenizer_path to the tokenizer that "
-                f"prepared the data, or re-run {PREPARE_HINT} with this run's tokenizer"
-            )
-        if m["max_token_id"] >= vocab_size:
-            raise ValueError(
-                f"{where}: token id {m['max_token_id']} does not fit the model's vocabulary of "
-                f"{vocab_size}: use the tokenizer that prepared the data (and a model.vocab_size "
-                "at least its size)"
-            )
+        check_made_by(m, where, fingerprint, vocab_size)
         self.manifest = m
         self.fingerprint = m["fingerprint"]
         self.dtype = _token_dtype_of(m, where, vocab_size)
-        self.eos_id = int(tok["eos_id"])
+        self.eos_id = int(m["tokenizer"]["eos_id"])
         self._tokens: list[_Mapped] = []
         self._ends: list[_Mapped] = []
         counts = []
         for shard in m["shards"]:
             bin_path = self.folder / f"{shard['name']}.bin"
             idx_path = self.folder / f"{shard['name']}.idx"
-            for path, expect in ((bin_path, shard["tokens"] * self.dtype.itemsize),
-                                 (idx_path, shard["docs"] * 8)):  # fmt: skip
-                if not path.is_file():
-                    raise FileNotFoundError(
-                        f"{path} is missing: the prepared dataset {self.folder} is incomplete; "
-                        f"delete {self.folder / MANIFEST} and rerun the prepare command"
-                    )
-                size = path.stat().st_size
-                if size != expect:
-                    raise ValueError(
-                        f"{path} has {size} bytes, its header says {expect}: the shard is "
-                        f"truncated or corrupt; delete {path.with_suffix('.json')} and "
-                        f"{self.folder / MANIFEST} and rerun the prepare command to rewrite it"
-                    )
+            check_shard_file(bin_path, shard["tokens"] * self.dtype.itemsize, self.folder)
+            check_shard_file(idx_path, shard["docs"] * 8, self.folder)
             self._tokens.append(_Mapped(bin_path, self.dtype))
             self._ends.append(_Mapped(idx_path, np.dtype("<u8")))
             counts.append(shard["tokens"])

@@ -4,12 +4,14 @@ Train and held-out documents state facts from the SAME fact base but are drawn f
 random streams, so held-out loss measures recall of memorised facts (what Engram should help
 with) rather than generalisation to new facts. Document `i` of a split is a pure function of
 (fact seed, stream seed, split, i): any document can be produced in O(1), which makes loader
-resume cheap and exact.
+resume cheap and exact. `part_entities` splits the entities into a pretrain and a finetune part
+(data.synthetic_part); synthetic_chat.py asks questions about them.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 _ONSETS = "b d f g h k l m n p r s t v z th sh ch kr br dr gl tr st pl qu".split()
@@ -71,6 +73,7 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
 }
 ATTRIBUTES: tuple[str, ...] = tuple(TEMPLATES)
 SPLITS = ("train", "val")
+PARTS = ("all", "pretrain", "finetune")
 
 
 def _name(rng: random.Random, syllables: int) -> str:
@@ -124,22 +127,58 @@ class FactBase:
         return cls(tuple(entities), tuple(facts))
 
 
-class SyntheticFacts:
-    """Infinite indexable stream of fact documents: `docs[i]` for any i >= 0."""
+def entity_parts(
+    fact_seed: int, num_entities: int, pretrain_fraction: float
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Entity indices of the pretrain and finetune parts: a seeded split, both non-empty."""
+    if num_entities < 2:
+        raise ValueError(
+            f"splitting the facts into parts needs >= 2 entities, got {num_entities}: raise "
+            "data.synthetic_num_entities"
+        )
+    order = list(range(num_entities))
+    random.Random(f"engram-parts/{fact_seed}").shuffle(order)
+    cut = min(num_entities - 1, max(1, round(pretrain_fraction * num_entities)))
+    return tuple(sorted(order[:cut])), tuple(sorted(order[cut:]))
 
-    def __init__(self, fact_seed: int, num_entities: int, stream_seed: int, split: str) -> None:
+
+def part_entities(
+    fact_seed: int, num_entities: int, part: str, pretrain_fraction: float
+) -> Sequence[int]:
+    """The entity indices of `part` (all | pretrain | finetune)."""
+    if part not in PARTS:
+        raise ValueError(f"unknown part {part!r}; valid parts: {', '.join(PARTS)}")
+    if part == "all":
+        return range(num_entities)
+    pretrain, finetune = entity_parts(fact_seed, num_entities, pretrain_fraction)
+    return pretrain if part == "pretrain" else finetune
+
+
+class SyntheticFacts:
+    """Infinite indexable stream of fact documents: `docs[i]` for any i >= 0. `entities`
+    restricts the documents to those entity indices (a part; default: all)."""
+
+    def __init__(
+        self,
+        fact_seed: int,
+        num_entities: int,
+        stream_seed: int,
+        split: str,
+        entities: Sequence[int] | None = None,
+    ) -> None:
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
         self.facts = FactBase.generate(fact_seed, num_entities)
         self.stream_seed = stream_seed
         self.split = split
+        self.entities = range(num_entities) if entities is None else entities
 
     def __getitem__(self, index: int) -> str:
         # String seeds go through SHA-512: stable across processes and PYTHONHASHSEED.
         rng = random.Random(f"engram-doc/{self.stream_seed}/{self.split}/{index}")
-        n = len(self.facts.entities)
+        n = len(self.entities)
         sentences = []
-        for entity in rng.sample(range(n), min(n, rng.randint(1, 3))):
+        for entity in rng.sample(self.entities, min(n, rng.randint(1, 3))):
             attrs = rng.sample(ATTRIBUTES, rng.randint(2, len(ATTRIBUTES)))
             for attr in attrs:
                 template = rng.choice(TEMPLATES[attr])

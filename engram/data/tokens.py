@@ -51,6 +51,25 @@ def permute(index: np.ndarray, n: int, key: list[int] | np.ndarray) -> np.ndarra
     return x.astype(np.int64)
 
 
+class EpochOrder:
+    """Position j >= 0 -> index in [0, n): a seeded permutation of [0, n) per epoch j // n."""
+
+    def __init__(self, n: int, key: list[int]) -> None:
+        self.n = n
+        self.key = key
+        self._keys: tuple[int, np.ndarray] | None = None
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        epoch = positions // self.n
+        out = np.empty_like(positions)
+        for e in np.unique(epoch):
+            sel = epoch == e
+            if self._keys is None or self._keys[0] != e:
+                self._keys = (int(e), round_keys([*self.key, int(e)]))
+            out[sel] = permute(positions[sel] % self.n, self.n, self._keys[1])
+        return out
+
+
 class ChunkStream:
     """The infinite, shuffled stream of one split of one prepared folder: samples by index."""
 
@@ -62,8 +81,7 @@ class ChunkStream:
         held = chunks // self.period if chunks else 0
         self.size = held if split == "val" else chunks - held
         self.split = split
-        self.key = [seed, stream, 1 if split == "val" else 0]
-        self._keys: tuple[int, np.ndarray] | None = None
+        self.order = EpochOrder(self.size, [seed, stream, 1 if split == "val" else 0])
         if self.size == 0 or (split == "train" and held == 0):
             raise ValueError(
                 f"{shards.folder} holds {shards.num_tokens} tokens, {chunks} sequence(s) of "
@@ -73,18 +91,10 @@ class ChunkStream:
 
     def chunk_of(self, positions: np.ndarray) -> np.ndarray:
         """Chunk index of sample positions j >= 0 of this split's stream."""
-        epoch = positions // self.size
-        chunks = np.empty_like(positions)
-        for e in np.unique(epoch):
-            sel = epoch == e
-            if self._keys is None or self._keys[0] != e:
-                self._keys = (int(e), round_keys([*self.key, int(e)]))
-            p = permute(positions[sel] % self.size, self.size, self._keys[1])
-            if self.split == "val":
-                chunks[sel] = p * self.period + self.period - 1
-            else:
-                chunks[sel] = p // (self.period - 1) * self.period + p % (self.period - 1)
-        return chunks
+        p = self.order(positions)
+        if self.split == "val":
+            return p * self.period + self.period - 1
+        return p // (self.period - 1) * self.period + p % (self.period - 1)
 
 
 class TokenMixture:

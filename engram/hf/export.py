@@ -42,6 +42,7 @@ from torch import nn
 
 from engram.checkpoint import fingerprint_mismatches
 from engram.checkpoint.run_folder import run_folder_markers
+from engram.data.chat_template import chat_template_fields
 from engram.hf.adapter import ENGRAM_PREFIX, HASH_LOOKUP, to_hf_state_dict
 from engram.hf.checksums import CHECKSUMS_FILE, verify_folder, write_checksums
 from engram.hf.hash_params import check_hash_params
@@ -193,7 +194,9 @@ def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
         )
 
 
-def _tokenizer_files(out: Path, tokenizer: Any, max_len: int, suppress: list[int]) -> None:
+def _tokenizer_files(
+    out: Path, tokenizer: Any, max_len: int, suppress: list[int], chat_template: str = ""
+) -> None:
     """The run's tokenizer.json with one change, plus transformers' settings. Our packer starts
     every document with eos (engram/data/), so the model only ever saw text after an eos: the
     post-processor becomes "eos $A" (it replaces the tokenizer's own, e.g. Llama-3's
@@ -208,22 +211,18 @@ def _tokenizer_files(out: Path, tokenizer: Any, max_len: int, suppress: list[int
         special_tokens=[(eos, tokenizer.eos_id)],
     )
     hf.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": eos,
-                "bos_token": eos,
-                "pad_token": hf.id_to_token(tokenizer.pad_id),
-                "model_max_length": max_len,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos,
+        "bos_token": eos,
+        "pad_token": hf.id_to_token(tokenizer.pad_id),
+        "model_max_length": max_len,
+    }
+    chat, stops = chat_template_fields(tokenizer, chat_template)
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, **chat}, indent=2) + "\n")
     generation = {
         "bos_token_id": tokenizer.eos_id,
-        "eos_token_id": tokenizer.eos_id,
+        "eos_token_id": [tokenizer.eos_id, *stops] if stops else tokenizer.eos_id,
         "pad_token_id": tokenizer.pad_id,
         # Rows past the tokenizer (padded embeddings) have no token to hash or decode.
         **({"suppress_tokens": suppress} if suppress else {}),
@@ -241,6 +240,7 @@ def export(
     tokenizer: Any = None,
     hasher: Any = None,
     config_toml: str = "",
+    chat_template: str = "",
 ) -> list[Path]:
     """Write (a) the self-contained HF folder or (b) only engram.safetensors into `out`;
     returns the files. (a) needs the run's `tokenizer` and, with Engram, its `hasher`.
@@ -308,7 +308,7 @@ def export(
         shutil.copyfile(MODELING_FILE, out / MODELING_FILE.name)
         written.append(out / MODELING_FILE.name)
     suppress = list(range(tokenizer.vocab_size, model.args.vocab_size))
-    _tokenizer_files(out, tokenizer, model.args.max_seq_len, suppress)
+    _tokenizer_files(out, tokenizer, model.args.max_seq_len, suppress, chat_template)
     names = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
     written += [out / n for n in names]
     return written + [write_checksums(out, written)]

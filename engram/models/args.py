@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from engram.config.model import ATTN_BACKENDS, ATTN_MASK_TYPES
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -43,6 +45,10 @@ class ModelArgs:
     tie_embeddings: bool = False
     max_seq_len: int = 4096
     """Length of the precomputed RoPE table; longer inputs are an error."""
+    attn_mask_type: str = "causal"
+    """causal | block_causal: how attention treats packed documents (model.attn_mask_type)."""
+    attn_backend: str = "sdpa"
+    """sdpa | flex: the kernel of the block-causal mask (model.attn_backend)."""
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -57,6 +63,14 @@ class ModelArgs:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        for name, valid in (
+            ("attn_mask_type", ATTN_MASK_TYPES),
+            ("attn_backend", ATTN_BACKENDS),
+        ):
+            if getattr(self, name) not in valid:
+                raise ValueError(
+                    f"ModelArgs.{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}"
+                )
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelArgs.{name} must be > 0, got {getattr(self, name)}")

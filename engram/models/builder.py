@@ -48,7 +48,11 @@ def model_args_for(
             f"the tokenizer has {vocab_size} tokens but the model has {rows} embedding rows: "
             "set model.vocab_size >= the tokenizer size, or use the model's own tokenizer"
         )
-    changes: dict[str, object] = {"vocab_size": rows}
+    changes: dict[str, object] = {
+        "vocab_size": rows,
+        "attn_mask_type": model_cfg.attn_mask_type,
+        "attn_backend": model_cfg.attn_backend,
+    }
     if max_seq_len is not None:
         changes["max_seq_len"] = max(max_seq_len, 1)
     args = args.replace(**changes)

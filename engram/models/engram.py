@@ -102,13 +102,25 @@ class ShortConv(nn.Module):
             dilation=dilation,
         )
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: LayerCache | None = None,
+        doc_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x: [B, T, hc, D] -> [B, T, hc, D]. `cache.conv`: the conv input of the window before
-        x (incremental decoding; None: x starts the sequence), replaced by the newest window."""
+        x (incremental decoding; None: x starts the sequence), replaced by the newest window.
+        `doc_positions` [B, T]: each position's offset in its packed document; the conv then
+        stops at document starts (document_conv)."""
         b, t, g, d = x.shape
         normed = torch.cat([self.norms[i](x[:, :, i, :]) for i in range(g)], dim=-1)
         normed = normed.transpose(1, 2)  # [B, channels, T]
-        if cache is None or cache.conv is None:
+        if doc_positions is not None:
+            if cache is not None:
+                raise ValueError("incremental decoding runs one document: pass no doc_positions")
+            padded = F.pad(normed, (self.conv.padding[0], 0))
+            y = document_conv(padded, self.conv.weight, self.dilation, doc_positions)
+        elif cache is None or cache.conv is None:
             # Symmetric padding then keeping the first T outputs = causal (left) padding.
             y = self.conv(normed)[..., :t]
             if cache is not None:
@@ -118,6 +130,25 @@ class ShortConv(nn.Module):
             y = F.conv1d(full, self.conv.weight, dilation=self.dilation, groups=full.shape[1])
             cache.conv = full[..., t:]
         return F.silu(y).transpose(1, 2).reshape(b, t, g, d)
+
+
+def document_conv(
+    padded: torch.Tensor, weight: torch.Tensor, dilation: int, doc_positions: torch.Tensor
+) -> torch.Tensor:
+    """The depthwise causal conv of `padded` [N, C, reach + n] (the reach positions before the n
+    outputs' first, then theirs) with `weight` [C, 1, K], tap by tap: the tap reaching back
+    o = (K - 1 - k) x dilation positions is dropped where o > doc_positions [N, n] (the input
+    lies in an earlier document). Packed documents then get what each gets alone (as varlen
+    causal convs of packed sequences do, e.g. Mamba's causal_conv1d with cu_seqlens)."""
+    k_size = weight.shape[-1]
+    reach = (k_size - 1) * dilation
+    n = padded.shape[-1] - reach
+    y = torch.zeros_like(padded[..., reach:])
+    for k in range(k_size):
+        back = (k_size - 1 - k) * dilation
+        tap = padded[..., reach - back : reach - back + n] * weight[:, :, k]  # [N, C, n]
+        y = y + (tap if back == 0 else tap * (doc_positions >= back).unsqueeze(1))
+    return y
 
 
 class EngramBlock(nn.Module):
@@ -153,10 +184,16 @@ class EngramBlock(nn.Module):
         )
 
     def forward(
-        self, hidden: torch.Tensor, hash_ids: torch.Tensor, cache: LayerCache | None = None
+        self,
+        hidden: torch.Tensor,
+        hash_ids: torch.Tensor,
+        cache: LayerCache | None = None,
+        doc_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden: [B, T, D] (hc_mult 1) or [B, T, hc, D]; hash_ids: [B, T, H] -> like hidden.
-        `cache`: the ShortConv window of earlier positions (incremental decoding)."""
+        `cache`: the ShortConv window of earlier positions (incremental decoding).
+        `doc_positions` [B, T]: each token's position in its packed document (the ShortConv
+        stops at document starts; model.attn_mask_type = "block_causal")."""
         squeeze = hidden.dim() == 3
         if squeeze:
             hidden = hidden.unsqueeze(2)
@@ -181,7 +218,7 @@ class EngramBlock(nn.Module):
             gates.append(gate.sigmoid())
         gate = torch.stack(gates, dim=2).unsqueeze(-1)  # [B, T, hc, 1]
         value = gate * self.value_proj(e).unsqueeze(2)  # W_v shared over branches
-        out = value + self.short_conv(value, cache)
+        out = value + self.short_conv(value, cache, doc_positions)
         stats = engram_stats.sink()  # None except on log steps: no graph break then
         if stats is not None:
             stats.add(self.layer_id, gate, out, hidden)

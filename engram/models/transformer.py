@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from engram.config import Engram as EngramConfig
 from engram.models.args import ModelArgs, RopeScaling
 from engram.models.decode_cache import DecodeCache, LayerCache
+from engram.models.documents import BlockMask, document_mask, document_starts, flex_kernel
 from engram.models.engram import EngramBlock, RMSNorm
 from engram.models.init import init_constant_, init_normal_
 from engram.models.lora import LoRAMixin
@@ -69,10 +70,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, Dh]; cos/sin: [T, Dh]. Computed in float32."""
+    """x: [B, T, H, Dh]; cos/sin: [T, Dh], or [B, T, Dh] (per-document positions). Computed in
+    float32."""
     xf = x.float()
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+
+
+# A dense bool mask [B, 1, Tq, Tk] (SDPA) or FlexAttention's BlockMask.
+AttentionMask = torch.Tensor | BlockMask
 
 
 class Attention(nn.Module):
@@ -81,6 +87,7 @@ class Attention(nn.Module):
         assert args.head_dim is not None
         self.head_dim = args.head_dim
         self.n_rep = args.n_heads // args.n_kv_heads
+        self.backend = args.attn_backend
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
@@ -89,9 +96,15 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerCache | None = None,
+        mask: AttentionMask | None = None,
     ) -> torch.Tensor:
-        """`cache`: keys / values of earlier positions (incremental decoding), extended here."""
+        """`cache`: keys / values of earlier positions (incremental decoding), extended here.
+        `mask`: the documents' mask from `document_mask` (packed documents kept apart)."""
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(b, t, -1, self.head_dim)
@@ -102,7 +115,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, H, T, Dh]
         if cache is None:
-            out = self.attend(q, k, v)
+            out = self.attend(q, k, v, mask)
         else:
             past = 0 if cache.keys is None else cache.keys.shape[2]
             k, v = cache.append_kv(k, v)
@@ -111,26 +124,45 @@ class Attention(nn.Module):
             out = self.kernel(q, k, v, attn_mask=None if past == 0 else keep)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of q [B, Hq, T, Dh] over k, v [B, Hkv, T, Dh] of the same positions.
-        Context parallelism (parallelisms/context_parallel.py) overrides it to exchange heads or
-        gather K / V around `kernel`."""
-        return self.kernel(q, k, v)
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: AttentionMask | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of q [B, Hq, T, Dh] over k, v [B, Hkv, T, Dh] of the same positions
+        (with `mask`: its documents' mask). Context parallelism
+        (parallelisms/context_parallel.py) overrides it to exchange heads or gather K / V around
+        `kernel`."""
+        return self.kernel(q, k, v, attn_mask=mask)
+
+    def document_mask(self, starts: torch.Tensor, positions: torch.Tensor) -> AttentionMask:
+        """The mask `attend` needs to keep packed documents apart, built once per forward and
+        shared by every layer: `starts` [B, T] (engram/models/documents.py document_starts) of
+        the whole sequence, `positions` [t] the global positions this part's tokens hold. Here
+        the kernel sees the whole sequence (queries = keys = 0 .. T - 1); context parallelism
+        overrides it where it does not."""
+        whole = torch.arange(starts.shape[1], device=starts.device)
+        return document_mask(whole, starts, whole, self.backend)
 
     def kernel(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
+        attn_mask: AttentionMask | None = None,
     ) -> torch.Tensor:
-        """The attention kernel (SDPA): causal without a mask, else `attn_mask` (True: attend)."""
+        """The attention kernel: SDPA, causal without a mask, else `attn_mask` (True: attend);
+        FlexAttention with a BlockMask (model.attn_backend = "flex")."""
         if self.n_rep > 1:
             # repeat_kv instead of enable_gqa: every backend (incl. torch_npu) supports it.
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
         if attn_mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if isinstance(attn_mask, BlockMask):
+            return flex_kernel(q, k, v, attn_mask)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
 
 
@@ -169,12 +201,16 @@ class TransformerBlock(nn.Module):
         sin: torch.Tensor,
         hash_ids: torch.Tensor | None = None,
         cache: LayerCache | None = None,
+        mask: AttentionMask | None = None,
+        doc_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`mask` and `doc_positions` [B, T] (each token's position in its document): packed
+        documents kept apart (Transformer.forward with segment_ids)."""
         if self.engram is not None:
             if hash_ids is None:
                 raise ValueError(f"layer {self.layer_id} has an Engram block but got no hash_ids")
-            h = h + self.engram(h, hash_ids, cache)
-        h = h + self.attention(self.attention_norm(h), cos, sin, cache)
+            h = h + self.engram(h, hash_ids, cache, doc_positions)
+        h = h + self.attention(self.attention_norm(h), cos, sin, cache, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -286,6 +322,7 @@ class Transformer(nn.Module):
         cache: DecodeCache | None = None,
         last_positions: int | None = None,
         positions: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [B, T] (or hidden states [B, T, D] on a later pipeline stage);
         hash_ids (keyword-only: a pipeline schedule forwards keyword arguments to every stage)
@@ -295,7 +332,11 @@ class Transformer(nn.Module):
         cache is extended by it. `last_positions`: logits of only the last positions [B, n, V]
         (generation samples from the last one; unsharded models only). `positions` [B, T]: the
         global position of every input token (context parallelism hands each rank chunks of
-        the sequence; RoPE needs where they are); default 0 .. T - 1 (after the cache)."""
+        the sequence; RoPE needs where they are); default 0 .. T - 1 (after the cache).
+        `segment_ids` [B, T_whole]: the document of every token of the whole sequence (also
+        under context parallelism, where `positions` say which of them this rank holds); read
+        only when args.attn_mask_type = "block_causal" (engram/models/documents.py): attention
+        and the Engram ShortConv stay within documents, RoPE positions restart per document."""
         b, t = input_ids.shape[0], input_ids.shape[1] * self.input_seq_shards
         start = 0 if cache is None else cache.pos
         if start + t > self.args.max_seq_len:
@@ -305,7 +346,16 @@ class Transformer(nn.Module):
             )
         self._check_hash_ids(hash_ids, b, t)
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
-        if positions is None:
+        mask = doc_positions = None
+        if segment_ids is not None and self.args.attn_mask_type == "block_causal":
+            if cache is not None:
+                raise ValueError("incremental decoding runs one document: pass no segment_ids")
+            pos = torch.arange(t, device=h.device) if positions is None else positions[0]
+            mask, doc_positions = self._documents(segment_ids, pos, b)
+            # RoPE restarts per document (as generation starts each one at 0); RoPE is
+            # relative, so within a document global positions give the same up to rounding.
+            cos, sin = self.rope_cache[0, doc_positions], self.rope_cache[1, doc_positions]
+        elif positions is None:
             cos, sin = self.rope_cache[0, start : start + t], self.rope_cache[1, start : start + t]
         else:  # every row of a batch holds the same positions
             cos, sin = self.rope_cache[0, positions[0]], self.rope_cache[1, positions[0]]
@@ -313,7 +363,8 @@ class Transformer(nn.Module):
             layer_id = unwrap_block(layer).layer_id
             slot = self._engram_slot.get(layer_id)
             ids = hash_ids[:, :, slot] if slot is not None and hash_ids is not None else None
-            h = layer(h, cos, sin, ids, None if cache is None else cache.layer(layer_id))
+            layer_cache = None if cache is None else cache.layer(layer_id)
+            h = layer(h, cos, sin, ids, layer_cache, mask=mask, doc_positions=doc_positions)
         if cache is not None:
             cache.pos += t
         if last_positions is not None:
@@ -321,6 +372,23 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None and not self.return_hidden else h
+
+    def _documents(
+        self, segment_ids: torch.Tensor, pos: torch.Tensor, b: int
+    ) -> tuple[AttentionMask | None, torch.Tensor]:
+        """(the attention's mask, each token's position in its document [B, t]) for the tokens
+        at global positions `pos` [t] of the whole sequence's `segment_ids` [B, T]."""
+        if segment_ids.dim() != 2 or segment_ids.shape[0] != b or segment_ids.shape[1] < len(pos):
+            raise ValueError(
+                f"segment_ids shape {tuple(segment_ids.shape)} does not cover the batch's {b} "
+                f"sequences of (at least) {len(pos)} positions: pass [B, T] segment ids of the "
+                "whole sequence (not cut for context parallelism)"
+            )
+        starts = document_starts(segment_ids)
+        doc_positions = pos - starts[:, pos]
+        blocks = [unwrap_block(layer) for layer in self.layers.values()]
+        mask = blocks[0].attention.document_mask(starts, pos) if blocks else None
+        return mask, doc_positions
 
     def _check_hash_ids(self, hash_ids: torch.Tensor | None, b: int, t: int) -> None:
         if not self.engram_layer_order:

@@ -83,6 +83,19 @@ def build_meta_model(cfg: JobConfig) -> tuple[Tokenizer, NgramHasher | None, nn.
     if hasher is not None:
         logger.info(f"Engram hashing: {hasher}")
         warn_if_tables_collide(hasher)
+    if cfg.model.attn_mask_type == "block_causal":
+        b, t = cfg.training.local_batch_size, cfg.training.seq_len
+        mask = (
+            f"a bool [B, T, T] mask, {b * t * t / 2**20:.1f} MiB per local batch, and an "
+            "additive copy of it saved per layer"
+            if cfg.model.attn_backend == "sdpa"
+            else "a block mask (no T x T tensor)"
+        )
+        logger.info(
+            f"attention: block_causal over the packed documents of segment_ids "
+            f"({cfg.model.attn_backend}: {mask}); RoPE restarts per document, the Engram "
+            "ShortConv stops at document starts"
+        )
     return tokenizer, hasher, model
 
 

@@ -34,10 +34,11 @@ def next_batches(
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model's keyword inputs from a batch: hash ids, and the global positions of a context
-    parallel split (parallelisms/context_parallel.py split_batch). By keyword so a pipeline
-    schedule forwards them to every stage (split along dim 0 like the batch)."""
-    return {k: batch[k] for k in ("hash_ids", "positions") if k in batch}
+    """The model's keyword inputs from a batch: hash ids, the global positions of a context
+    parallel split (parallelisms/context_parallel.py split_batch) and the segment ids of the
+    whole sequence (read by a model with model.attn_mask_type = "block_causal"). By keyword so
+    a pipeline schedule forwards them to every stage (split along dim 0 like the batch)."""
+    return {k: batch[k] for k in ("hash_ids", "positions", "segment_ids") if k in batch}
 
 
 def forward_backward(
