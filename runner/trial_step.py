@@ -154,41 +154,72 @@ def _synthetic_batch(cfg: JobConfig, vocab: int, seed: int, device) -> dict[str,
     return {k: v.to(device) for k, v in batch.items()}
 
 
+@dataclass
+class TimedStep:
+    wall_s: float
+    cpu_s: float
+    """This process's CPU time (all threads) during the step."""
+    loss: float
+
+
+class Trial:
+    """`cfg`'s model built with the recipe's placement and stepped by the recipe's one step
+    (runner/step.py TrainStep: the context-parallel cut, the pipeline schedule under PP, the
+    loss, clip, the update) on one synthetic batch: what the trial step and the benchmarks that
+    compare two variants step by step time."""
+
+    def __init__(self, cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None:
+        self.device = device
+        meta = build_model(
+            cfg.model, cfg.engram, 0, engram_table_rows(cfg.engram) if cfg.engram.enabled else {},
+            "meta", max_seq_len=cfg.training.seq_len,
+        )  # fmt: skip
+        self.flops = model_flops(meta, cfg)
+        self.model_parts, self.loss_fn, pp = build_model_parts(meta, cfg, dims, device)
+        optimizers = [opt for part in self.model_parts for opt in build_optimizers(part, cfg)]
+        self.train_step = TrainStep(cfg, dims, self.model_parts, self.loss_fn, optimizers, [],
+                                    pp=pp)  # fmt: skip
+        # Whole samples, one per dp rank (the cp ranks of a replica share it; the step cuts it).
+        seed = 1000 + dims.mesh("dp").get_local_rank()
+        self.batch = _synthetic_batch(cfg, meta.args.vocab_size, seed, device)
+        self.steps = 0
+
+    def timed_step(self) -> TimedStep:
+        """One optimizer step, timed (wall and CPU) from the batch on the device to the update,
+        and on a log step the loss and the telemetry read as the loop's Progress reads them."""
+        self.steps += 1
+        with self.loss_fn.context():
+            dev.synchronize(self.device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            result = self.train_step([self.batch], self.steps)
+            if self.train_step.telemetry.is_log_step(self.steps):
+                self.train_step.telemetry.metrics()
+            loss = float(result.loss)
+            dev.synchronize(self.device)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return TimedStep(wall, cpu, loss)
+
+
 def run_trial_step(
     cfg: JobConfig, dims: ParallelDims, device: torch.device, steps: int = 2
 ) -> TrialStep:
     """Build `cfg`'s model (a cut: see cut_config) with the recipe's placement, then `steps`
-    optimizer steps of the recipe's own step (runner/step.py TrainStep: the context-parallel
-    cut, the pipeline schedule under PP, clip, update) on synthetic batches; the last one is
+    optimizer steps of the recipe's own step (Trial) on a synthetic batch; the last one is
     timed (the first pays for allocations and kernel selection)."""
     dev.reset_peak_memory(device)
     rss_before = current_rss_bytes()
-    meta = build_model(
-        cfg.model, cfg.engram, 0, engram_table_rows(cfg.engram) if cfg.engram.enabled else {},
-        "meta", max_seq_len=cfg.training.seq_len,
-    )  # fmt: skip
-    flops = model_flops(meta, cfg)
-    vocab = meta.args.vocab_size
-    model_parts, loss_fn, pp = build_model_parts(meta, cfg, dims, device)
-    optimizers = [opt for part in model_parts for opt in build_optimizers(part, cfg)]
-    train_step = TrainStep(cfg, dims, model_parts, loss_fn, optimizers, [], pp=pp)
-    # Whole samples, one per dp rank (the cp ranks of a replica share it; the step cuts it).
-    batch = _synthetic_batch(cfg, vocab, 1000 + dims.mesh("dp").get_local_rank(), device)
-    with loss_fn.context():
-        for i in range(steps):
-            dev.synchronize(device)
-            t0, c0 = time.perf_counter(), time.process_time()
-            train_step([batch], i + 1)
-            dev.synchronize(device)
-            step_time, cpu_time = time.perf_counter() - t0, time.process_time() - c0
+    trial = Trial(cfg, dims, device)
+    for _ in range(steps):
+        timed = trial.timed_step()
     if device.type == "cpu":
         peak = max(0, dev.peak_memory_bytes(device)[0] - rss_before)
     else:
         peak = dev.peak_memory_bytes(device)[0]
     t = cfg.training
-    tokens_per_s = t.local_batch_size * t.seq_len * dims.dp_size / step_time
-    tflops = flops.per_token * tokens_per_s / dims.world_size / 1e12
+    tokens_per_s = t.local_batch_size * t.seq_len * dims.dp_size / timed.wall_s
+    tflops = trial.flops.per_token * tokens_per_s / dims.world_size / 1e12
     peak_spec = resolve_peak(device.type, dev.device_name(device), cfg.metrics.peak_tflops)
     return TrialStep(
-        step_time, cpu_time, peak, flops, peak_spec, tflops, 100 * tflops / peak_spec.tflops
-    )
+        timed.wall_s, timed.cpu_s, peak, trial.flops, peak_spec, tflops,
+        100 * tflops / peak_spec.tflops,
+    )  # fmt: skip

@@ -88,8 +88,9 @@ class StepTelemetry:
         optimizers: list[torch.optim.Optimizer],
     ) -> None:
         self.cfg, self.device = cfg, _compute_device(model_parts)
-        on = cfg.engram.enabled and cfg.metrics.telemetry
-        self.layer_ids = list(cfg.engram.layer_ids) if on else []
+        self.enabled = cfg.metrics.telemetry
+        """metrics.telemetry; a benchmark flips it between steps (benchmarks/bench_mfu.py)."""
+        self.layer_ids = list(cfg.engram.layer_ids) if cfg.engram.enabled else []
         self.tables = engram_tables(model_parts)
         ours = {id(p) for p in self.tables.values()}
         self.table_optimizers = [
@@ -104,7 +105,8 @@ class StepTelemetry:
         self._t_last = time.perf_counter()
 
     def is_log_step(self, step: int) -> bool:
-        return is_log_step(self.cfg, step)
+        """Whether step `step` records (a log step, with telemetry on)."""
+        return self.enabled and is_log_step(self.cfg, step)
 
     def recording(self, step: int):
         """Around the forward / backward of step `step`: on a log step, the Engram blocks add
@@ -154,7 +156,7 @@ class StepTelemetry:
         """The log step's telemetry, reduced over every rank (one all-reduce, one host read);
         the tier counters over the window since the previous call. The vector has the same
         length on every rank (a stage without some layers or tables sends zeros there)."""
-        if not self.layer_ids:
+        if not self.layer_ids or not self.enabled:
             return {}
         if any(is_host_resident(p) for p in self.tables.values()):
             wait_host_work()  # the host update of this step writes its statistics
