@@ -134,10 +134,15 @@ def refuse_at_start(
     problems = _page_space_problems(model_parts, cfg)
     problems += _async_save_problems(model_parts, cfg)
     problems += _checkpoint_problems(model_parts, cfg, dims, device)
+    # Every rank stops together (a node's drives differ from another's), and no rank creates
+    # its page files while another still measures the free space.
+    refused = torch.tensor([len(problems)], dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(refused, op=dist.ReduceOp.MAX)
     if problems:
         raise ValueError("refused at start, before step 1:\n  - " + "\n  - ".join(problems))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()  # no rank's page files exist while another measures the free space
+    if int(refused.item()):
+        raise ValueError("refused at start, before step 1, by another rank: see its error")
 
 
 def _page_space_problems(model_parts: list[nn.Module], cfg: JobConfig) -> list[str]:
@@ -227,7 +232,7 @@ def _checkpoint_problems(
         return []
     total, table = _state_bytes(model_parts, cfg, local=False)
     delta = _table_delta_bytes(model_parts, cfg) if c.table_full_every > 1 else 0
-    sums = torch.tensor([total, table, delta], dtype=torch.float64, device=device)
+    sums = torch.tensor([total, table, delta], dtype=torch.int64, device=device)
     if dims.pp_enabled:  # each stage holds other layers: the model is their sum
         dist.all_reduce(sums, group=dims.mesh("pp").get_group())
     total, table, delta = (int(v) for v in sums.tolist())

@@ -18,14 +18,14 @@ from engram.config import config_from_dict
 MIB = 2**20
 
 
-def _start(rank: int, world: int, raw: dict, free: int | None) -> dict:
-    """Train `raw` with every file system reporting `free` bytes free (None: the real
-    figure); the refusal's text, or what the run saved."""
+def _start(rank: int, world: int, raw: dict, free: int | None, on_rank: int | None = None) -> dict:
+    """Train `raw` with every file system reporting `free` bytes free (None: the real figure;
+    `on_rank`: only there); the refusal's text, or what the run saved."""
     import recipes.train as recipe
     from engram.runtime import filesystems
     from runner import start_checks
 
-    if free is not None:
+    if free is not None and on_rank in (None, rank):
         filesystems.free_bytes = lambda path: free
     cfg = config_from_dict(raw)
     try:
@@ -73,6 +73,12 @@ def test_refused_at_start_by_name(tmp_path):
     text = _refusal(ckpt, free=MIB)
     assert "checkpoint disk" in text and "keep_latest_k = 2" in text, text
     assert not (tmp_path / "ckpt" / "checkpoint").exists()  # nothing saved
+
+    # Two ranks, one whose drive is full: both stop at start, the other naming it.
+    two = small_job(str(tmp_path), "two", 2, 2, {k: nvme[k] for k in ("optimizer", "engram")})
+    got = run_distributed(_start, 2, two, 64 * 1024, 1)
+    assert "NVMe capacity" in got[1]["refused"], got
+    assert "by another rank" in got[0]["refused"], got
 
 
 @pytest.mark.slow
