@@ -145,6 +145,9 @@ def telemetry_overhead(args, device) -> list[str]:
         timed = trial.timed_step()
         if i >= 4:
             times[on].append(timed.wall_s)
+        if dist.get_rank() == 0:  # progress: a long run on a loaded machine shows it
+            print(f"step {i + 1}: telemetry {'on' if on else 'off'} {timed.wall_s:.4f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
     off, on = statistics.median(times[False]), statistics.median(times[True])
     extra = (on - off) / off
     return [
