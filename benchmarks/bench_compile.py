@@ -1,61 +1,44 @@
-"""torch.compile vs eager: train-step time of the same model, same batch, one CPU process.
+"""torch.compile vs eager: the recipe's training step, same model, same batch, one CPU process.
 
     python benchmarks/bench_compile.py                      # debug and mid shapes, 2 threads
     python benchmarks/bench_compile.py --flavors debug --steps 6 --backend inductor
 
-Both models are built, parallelized (`parallelize_model`, world size 1: the same path as the
-recipe, Engram tables sharded over one rank) and initialised identically; one gets
-`compile.enable = true`. Steps run interleaved (eager, compiled, eager, ...) so machine noise hits
-both alike; the table reports the first compiled step (compilation) separately and medians of the
-rest. Engram as in train_configs/debug_model.toml (one Engram layer, its lookup stays eager).
+Both variants are `train_configs/debug_model.toml` at the given flavor (Engram as there: one
+Engram layer, its lookup stays eager), built with the recipe's placement (`parallelize_model`,
+world size 1) and stepped by the recipe's one step (runner/trial_step.py Trial: runner/step.py
+TrainStep with the recipe's loss, clip, non-finite guard, AdamW + table Adam and schedules) on
+one synthetic batch; one gets `compile.enable = true`. Steps run interleaved (eager, compiled,
+eager, ...) so machine noise hits both alike; the table reports the first compiled step
+(compilation) separately, medians of the rest and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import sys
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engram.config import load_config
-from engram.data.tokenizer import load_tokenizer
-from engram.models.builder import build_from_config
-from engram.optim.builder import build_optimizers
-from engram.runtime.distributed import init_distributed
-from parallelisms.parallel_dims import parallel_dims_from_config
-from parallelisms.parallelize import parallelize_model
+import torch  # noqa: E402
+
+from engram.runtime.distributed import init_distributed  # noqa: E402
+from engram.runtime.logs import init_logging  # noqa: E402
+from runner.trial_step import Trial, one_process_trial  # noqa: E402
 
 
-def make_variant(flavor: str, compiled: bool, backend: str, seq: int, tokenizer):
-    cfg = load_config(
+def make_variant(flavor: str, compiled: bool, args) -> Trial:
+    shape = [f"--model.flavor={flavor}", f"--training.seq_len={args.seq}"]
+    shape.append(f"--training.local_batch_size={args.batch}")
+    return one_process_trial(
         [
             "--job.config_file=train_configs/debug_model.toml",
-            f"--model.flavor={flavor}",
-            f"--training.seq_len={seq}",
+            *shape,
             f"--compile.enable={compiled}",
-            f"--compile.backend={backend}",
+            f"--compile.backend={args.backend}",
         ]
     )
-    model, hasher = build_from_config(cfg, tokenizer)
-    dims = parallel_dims_from_config(cfg, 1)
-    dims.build_mesh("cpu")
-    parallelize_model(model, cfg, dims)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    return model, hasher, build_optimizers(model, cfg)
-
-
-def step(model, optimizers, ids, labels, hash_ids) -> tuple[float, float]:
-    t0 = time.perf_counter()
-    logits = model(ids, hash_ids=hash_ids)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-    loss.backward()
-    for opt in optimizers:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0, loss.item()
 
 
 def main() -> None:
@@ -68,30 +51,22 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    init_distributed("cpu")
-    tokenizer = load_tokenizer("")
+    init_logging(init_distributed("cpu")[0])
     rows = []
     for flavor in args.flavors.split(","):
-        eager = make_variant(flavor, False, args.backend, args.seq, tokenizer)
-        comp = make_variant(flavor, True, args.backend, args.seq, tokenizer)
-        hasher = eager[1]
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, tokenizer.vocab_size, (args.batch, args.seq + 1), generator=g)
-        inputs, labels = ids[:, :-1], ids[:, 1:]
-        hash_ids = torch.from_numpy(hasher(inputs.numpy()))
-        first = {}
-        times: dict[str, list[float]] = {"eager": [], "compiled": []}
-        losses: dict[str, list[float]] = {"eager": [], "compiled": []}
+        variants = {"eager": make_variant(flavor, False, args)}
+        variants["compiled"] = make_variant(flavor, True, args)
+        first, times, losses = {}, {"eager": [], "compiled": []}, {"eager": [], "compiled": []}
         for i in range(args.steps + 1):
-            for name, (model, _, opts) in (("eager", eager), ("compiled", comp)):
-                dt, loss = step(model, opts, inputs, labels, hash_ids)
-                losses[name].append(loss)
+            for name, trial in variants.items():
+                timed = trial.timed_step()
+                losses[name].append(timed.loss)
                 if i == 0:
-                    first[name] = dt
+                    first[name] = timed.wall_s
                 else:
-                    times[name].append(dt)
+                    times[name].append(timed.wall_s)
         e, c = statistics.median(times["eager"]), statistics.median(times["compiled"])
-        n_params = sum(p.numel() for p in eager[0].parameters())
+        n_params = sum(p.numel() for p in variants["eager"].model_parts[0].parameters())
         drift = max(
             abs(a - b) / a for a, b in zip(losses["eager"], losses["compiled"], strict=True)
         )

@@ -317,7 +317,7 @@ def _fmt(r: dict) -> str:
 def markdown(results: list[dict]) -> str:
     lines = [
         "| tables | W | scheme | bytes sent / rank / step | formula | table memory / rank | "
-        "step time (slowest rank) | vs replicated (bytes, memory) |",
+        "lookup fwd + bwd time (slowest rank) | vs replicated (bytes, memory) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     base = {(r["config"], r["world"]): r for r in results if r["mode"] == "replicated"}

@@ -61,6 +61,7 @@ def _raw(folder: str, name: str, world: int, variant: str, steps: int, nvme: dic
     if location == "nvme":
         raw["engram"] |= {
             "nvme_dirs": [f"{nvme['dir']}/{name}"],
+            "nvme_create_dirs": True,
             "nvme_host_cache_gib": nvme["gib"],
         }
     return raw

@@ -54,6 +54,7 @@ from engram.models.args import MODEL_FLAVORS, ModelArgs  # noqa: E402
 from engram.runtime import device as dev  # noqa: E402
 from engram.runtime.device_specs import measure_gemm_tflops, peak_spec_for  # noqa: E402
 from engram.runtime.distributed import destroy_distributed, init_distributed  # noqa: E402
+from engram.runtime.logs import init_logging  # noqa: E402
 from parallelisms.parallel_dims import parallel_dims_from_config  # noqa: E402
 from runner.trial_step import Trial, cut_config, run_trial_step  # noqa: E402
 from scripts.cluster_step import GIB, planner_peak_gib  # noqa: E402
@@ -201,7 +202,8 @@ def main() -> None:
     if device_type == "cpu":
         torch.set_num_threads(args.threads)
     dev.import_device_backend(device_type)
-    _, local_rank, world = init_distributed(device_type)
+    rank, local_rank, world = init_distributed(device_type)
+    init_logging(rank)
     device = dev.local_device(device_type, local_rank)
     try:
         if args.config or args.telemetry:

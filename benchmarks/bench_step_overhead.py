@@ -1,48 +1,47 @@
-"""Engram step overhead: train-step time with Engram / without, same backbone, same batch.
+"""Engram step overhead: the recipe's training step with Engram / without, same backbone and batch.
 
     python benchmarks/bench_step_overhead.py                 # debug and mid shapes, 2 threads
                                                              # Engram as in debug_model.toml
     python benchmarks/bench_step_overhead.py --flavors debug --steps 10
 
-Both variants run interleaved in one process (A, B, A, B, ...) so machine noise hits both alike;
-the table reports medians and the ratio. Hash ids are precomputed (the data loader does that in
-its workers), so the step time covers the table lookup, gating, ShortConv and their backward.
+Both variants are `train_configs/debug_model.toml` at the given flavor, one with
+`engram.enabled = false`, built with the recipe's placement and stepped by the recipe's one step
+(runner/trial_step.py Trial: runner/step.py TrainStep with the recipe's loss, clip, non-finite
+guard, AdamW + table Adam and schedules) on one synthetic batch. They run interleaved in one
+process (A, B, A, B, ...) so machine noise hits both alike; the table reports medians and the
+ratio. Hash ids come with the batch (the data loader computes them in its workers), so the step
+time covers the table lookup, gating, ShortConv, their backward and the tables' update.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import sys
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engram.config import config_from_dict, load_config
-from engram.data.tokenizer import load_tokenizer
-from engram.models.builder import build_from_config
-from engram.optim.builder import build_optimizers
+import torch  # noqa: E402
+
+from engram.runtime.distributed import init_distributed  # noqa: E402
+from engram.runtime.logs import init_logging  # noqa: E402
+from runner.trial_step import Trial, one_process_trial  # noqa: E402
+
+WARMUP = 2
 
 
-def make_variant(flavor: str, engram: bool, engram_cfg: dict, tokenizer, seq: int):
-    cfg = config_from_dict(
-        {"model": {"flavor": flavor}, "engram": {**engram_cfg, "enabled": engram}}
+def make_variant(flavor: str, engram: bool, args) -> Trial:
+    shape = [f"--model.flavor={flavor}", f"--training.seq_len={args.seq}"]
+    shape.append(f"--training.local_batch_size={args.batch}")
+    return one_process_trial(
+        ["--job.config_file=train_configs/debug_model.toml", *shape, f"--engram.enabled={engram}"]
     )
-    model, hasher = build_from_config(cfg, tokenizer, max_seq_len=seq)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    return model, hasher, build_optimizers(model, cfg)
 
 
-def step(model, optimizers, ids, labels, hash_ids):
-    t0 = time.perf_counter()
-    logits = model(ids, hash_ids=hash_ids)
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-    loss.backward()
-    for opt in optimizers:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
+def _params(trial: Trial, tables: bool = False) -> int:
+    named = trial.model_parts[0].named_parameters()
+    return sum(p.numel() for n, p in named if not tables or ".table." in n)
 
 
 def main() -> None:
@@ -54,42 +53,32 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    tokenizer = load_tokenizer("")
-    vocab = tokenizer.vocab_size
-    # The Engram section of the debug recipe (one layer, 2 orders x 4 heads of 128, 40 K rows).
-    engram_cfg = load_config(["--job.config_file=train_configs/debug_model.toml"]).to_dict()[
-        "engram"
-    ]
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g)
-    inputs, labels = ids[:, :-1], ids[:, 1:]
+    init_logging(init_distributed("cpu")[0])
     rows = []
     for flavor in args.flavors.split(","):
-        base, _, base_opt = make_variant(flavor, False, engram_cfg, tokenizer, args.seq)
-        eng, hasher, eng_opt = make_variant(flavor, True, engram_cfg, tokenizer, args.seq)
-        hash_ids = torch.from_numpy(hasher(inputs.numpy()))
-        times = {"base": [], "engram": []}
-        for i in range(args.steps + 2):
-            tb = step(base, base_opt, inputs, labels, None)
-            te = step(eng, eng_opt, inputs, labels, hash_ids)
-            if i >= 2:  # warm-up
+        base, eng = make_variant(flavor, False, args), make_variant(flavor, True, args)
+        times: dict[str, list[float]] = {"base": [], "engram": []}
+        for i in range(args.steps + WARMUP):
+            tb, te = base.timed_step().wall_s, eng.timed_step().wall_s
+            if i >= WARMUP:
                 times["base"].append(tb)
                 times["engram"].append(te)
         mb, me = statistics.median(times["base"]), statistics.median(times["engram"])
-        n_base = sum(p.numel() for p in base.parameters())
-        n_table = sum(p.numel() for n, p in eng.named_parameters() if ".table." in n)
-        n_eng = sum(p.numel() for p in eng.parameters()) - n_base
-        rows.append((flavor, n_base, n_eng, n_table, mb * 1e3, me * 1e3, me / mb))
+        n_base, n_table = _params(base), _params(eng, tables=True)
+        rows.append((flavor, n_base, _params(eng) - n_base, n_table, mb * 1e3, me * 1e3, me / mb))
     print(
-        f"batch {args.batch} x {args.seq}, {args.threads} threads, median of {args.steps} steps\n"
+        f"batch {args.batch} x {args.seq}, {args.threads} threads, median of {args.steps} steps "
+        f"after {WARMUP}\n"
     )
     print(
-        "| shape | backbone params | Engram params (tables) | step w/o Engram (ms) | step with Engram (ms) | ratio |"
+        "| shape | backbone params | Engram params (tables) | step w/o Engram (ms) | "
+        "step with Engram (ms) | ratio |"
     )
     print("| --- | --- | --- | --- | --- | --- |")
     for flavor, nb, ne, nt, mb, me, r in rows:
         print(
-            f"| {flavor} | {nb / 1e6:.1f} M | {ne / 1e6:.1f} M ({nt / 1e6:.1f} M) | {mb:.0f} | {me:.0f} | {r:.2f} |"
+            f"| {flavor} | {nb / 1e6:.1f} M | {ne / 1e6:.1f} M ({nt / 1e6:.1f} M) | {mb:.0f} | "
+            f"{me:.0f} | {r:.2f} |"
         )
 
 

@@ -30,9 +30,10 @@ whole-sequence block-causal mask; all-gather K/V masks its queries by their glob
 their documents' starts against the gathered keys' global positions (`document_mask` below,
 [B, T / cp, T] with SDPA); the ShortConv drops halo taps that reach into an earlier document.
 
-What else cp touches: FSDP shards over dp_shard x cp (parallelisms/fsdp.py), the tables are
-row-sharded over dp x cp x tp with the gradient scale 1 / (dp x cp) (parallelize.py), the loss
-divides each rank's token sum by the valid tokens of the whole sample (engram/train/loss.py).
+What else cp touches: FSDP shards over dp_shard x cp and sums the gradients (parallelisms/fsdp.py),
+the tables are row-sharded over dp x cp x tp (parallelize.py), and the cp ranks count the step's
+target tokens with the dp ranks: each divides its pieces' token sum by that one count
+(engram/train/loss.py TargetTokens).
 """
 
 from __future__ import annotations

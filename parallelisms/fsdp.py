@@ -17,6 +17,12 @@ cpu_offload asks for FSDP2's CPUOffloadPolicy.
 
 The Engram tables are passed as `ignored_params`: FSDP never all-gathers, shards or reduces them;
 they are row-sharded over the "engram" axis by parallelisms/engram_tables/ instead.
+
+Gradients are SUMMED over the dp (x cp) ranks, not averaged (FSDP2's default): every rank's loss
+is already its share of the step's token mean, its token sum over the step's one count of target
+tokens (engram/train/loss.py). `set_gradient_divide_factor(1.0)` with
+`set_force_sum_reduction_for_comms(True)` makes every reduce-scatter and all-reduce a plain SUM
+(no PreMulSum op, which gloo and HCCL lack and which NCCL mishandles in bf16).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -117,6 +124,10 @@ def apply_fsdp(
         ignored_params=set(ignored_params) or None,
         **common,
     )
+    for module in model.modules():  # the shares of the step's token mean add up (see above)
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def defer_grad_sync(dims: ParallelDims) -> bool:

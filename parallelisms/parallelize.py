@@ -63,18 +63,22 @@ def frozen_dtype(cfg: JobConfig) -> torch.dtype:
     return torch.float32
 
 
-def shard_engram_tables(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> list[nn.Parameter]:
+def shard_engram_tables(
+    model: nn.Module, cfg: JobConfig, dims: ParallelDims, grad_scale: float = 1.0
+) -> list[nn.Parameter]:
     """Row-shard the Engram tables as configured (also used by recipes/train_deepspeed.py).
 
-    Tables over every rank of the stage (dp x cp x tp). Each TP rank looks up only its own
-    tokens of a loss replicated over TP, so the owners receive the sum over the dp replicas; each
-    cp rank differentiates its share of the sample's mean scaled by cp (engram/train/loss.py,
-    the mean over dp x cp is FSDP's), so the cp ranks' sum is cp times the sample's gradient:
-    1 / (dp x cp) gives the data-parallel mean."""
+    Tables over every rank of the stage (dp x cp x tp). Every rank's loss is its share of the
+    step's token mean (its token sum over the step's one count, engram/train/loss.py), and each
+    token is looked up once: by its TP rank (a loss replicated over TP, each rank looking up its
+    own tokens), by its cp rank, by its dp rank. So the owners' sum of the lookups' gradients is
+    the gradient of the step's loss: `grad_scale` 1, the divisor applied exactly once, by the
+    loss. An engine that scales the loss to undo its own dp mean passes the inverse factor
+    (DeepSpeed: 1 / dp, runner/engine_step.py)."""
     return apply_engram_table_sharding(
         model,
         dims.mesh("engram"),
-        grad_scale=1.0 / (dims.dp_size * dims.cp),
+        grad_scale=grad_scale,
         dedup=cfg.parallelism.engram_table_dedup,
         row_sparse=table_optimizer_spec(cfg.optimizer.table_optimizer).row_sparse,
         wire_dtype=DTYPES.get(cfg.parallelism.engram_a2a_dtype),

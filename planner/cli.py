@@ -42,7 +42,7 @@ def _estimate_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="device memory budget, GiB; default: the usable memory of --device, else of "
-        "job.device (npu 61, cuda 79.6: what the device reports to PyTorch, not the nameplate; "
+        "job.device (npu 60.96, cuda 79.11: what the device reports to PyTorch, not the nameplate; "
         "engram/runtime/device_specs.py), else the npu figure",
     )
     p.add_argument(

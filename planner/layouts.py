@@ -105,7 +105,7 @@ def layout_config(
         raise ConfigError(f"{layout.name} has {layout.world} ranks, not --world_size {world}")
     t = cfg.training
     old_dp = world // (cfg.parallelism.pp * cfg.parallelism.tp * cfg.parallelism.cp)
-    global_seqs = t.local_batch_size * t.grad_accum_steps * old_dp
+    global_seqs = t.global_batch_size or t.local_batch_size * t.grad_accum_steps * old_dp
     dp = layout.dp_replicate * layout.dp_shard
     if global_seqs % dp:
         raise ConfigError(f"global batch {global_seqs} sequences does not split over dp={dp}")

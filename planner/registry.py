@@ -59,6 +59,8 @@ MODELLED = {  # setting -> where the planner models it
         ("training.seq_len", "training.local_batch_size", "training.grad_accum_steps"),
         "activations, fsdp_buffers (no-sync accumulation), comm",
     ),
+    "training.global_batch_size": "estimate (grad_accum_steps derived at the world size, "
+    "JobConfig.at_dp, as the recipe), layouts (the global batch --compare holds)",
     "training.loss_chunks": "activations.loss_bytes (one chunk of logits, engram/train/loss.py)",
     "optimizer.name": "measure (AdamW: two fp32 moments)",
     "optimizer.table_optimizer": "tables (engram/config/table_optimizers.py)",
@@ -130,6 +132,7 @@ NO_MEMORY_EFFECT = frozenset(
         "job.cpu_affinity",  # which host CPUs the rank's threads run on
         *("comm.init_timeout_s", "comm.train_timeout_s"),  # how long a collective may wait
         "compile.allow_on_npu",  # an opt-in; compile itself is estimated as eager
+        "engram.nvme_create_dirs",  # whether a missing page-file directory is created at start
         "lora.alpha",  # a scale factor
         "lora.init_a",  # the adapters' initial values, not their size
         "model.hf_checkpoint",  # loaded into the same parameters

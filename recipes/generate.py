@@ -50,7 +50,7 @@ from engram.inference import (
     warn_if_longer_than_trained,
 )
 from engram.runtime import device as dev
-from engram.train.metrics import init_logger
+from engram.runtime.logs import init_logging
 
 logger = logging.getLogger("engram")
 
@@ -101,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[GenerateArgs, JobConfig]:
 
 def main(argv: list[str] | None = None) -> str:
     args, cfg = parse_args(argv)
-    init_logger(0)
+    init_logging(0)
     device_type = dev.resolve_device_type(cfg.job.device)
     dev.import_device_backend(device_type)
     device = dev.local_device(device_type, 0)

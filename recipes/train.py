@@ -1,16 +1,19 @@
 """Train a dense LLM with Engram memory. Copy this file and edit it; it reads top to bottom.
 
     CONFIG_FILE=train_configs/debug_model.toml ./run_train.sh [--section.key=value ...]
+    TRAIN_SCRIPT=my_train.py CONFIG_FILE=... ./run_train.sh      # your copy
 
 The model is built on meta, then placed on this rank by runner/model_parts.py: the
 parallelisms in the order stated in parallelisms/parallelize.py, then materialised and
 initialised (init is independent of the layout). It is held as `model_parts` (one part; under
 pipeline parallelism this rank's stages, each split from the meta model first and then
-parallelised). Then the loop (runner/loop.py, shared with recipes/train_deepspeed.py), per
-optimizer step: the data, runner/step.py's TrainStep (the context-parallel cut, host-table
-prefetch, forward / backward per micro-batch or the PP schedule, clip, the non-finite guard,
-the update: the one step that check_cluster's real_step and bench_mfu time too), log, evaluate,
-save. The other pieces are engram/train/ (build.py, progress.py, ...) and runner/model_parts.py.
+parallelised). The loop is at the end, written out: per optimizer step the data
+(`run.batches`), runner/step.py's TrainStep (the context-parallel cut, host-table prefetch,
+forward / backward per micro-batch or the PP schedule, clip, the non-finite guard, the update:
+the one step that check_cluster's real_step and bench_mfu time too), then `run.end_step`
+(record, evaluate, save). Add a metric, another evaluation cadence, an early stop or a hook
+after the update there; what each `run.` call does is runner/loop.py's `TrainRun`. The other
+pieces are engram/train/ (build.py, progress.py, ...) and runner/model_parts.py.
 """
 
 from __future__ import annotations
@@ -32,11 +35,10 @@ from engram.train.build import (
     init_process,
 )
 from engram.train.flops import model_flops
-from engram.train.metrics import MetricsLogger, logger
-from engram.train.nonfinite import NonFiniteGuard
+from engram.train.metrics import logger
 from engram.train.progress import TrainResult
 from parallelisms.parallel_dims import parallel_dims_from_config
-from runner.loop import RunParts, run_recipe, train_loop
+from runner.loop import TrainRun, run_recipe
 from runner.model_parts import build_model_parts
 from runner.step import TrainStep
 
@@ -46,6 +48,7 @@ def train(cfg: JobConfig) -> TrainResult:
     proc = init_process(cfg)
     device = proc.device
     dims = parallel_dims_from_config(cfg, proc.world_size)
+    cfg = cfg.at_dp(dims.dp_size)  # training.global_batch_size -> grad_accum_steps
     dev.warn_npu_gaps(proc.device_type, dims.tp, dims.pp)
     dims.build_mesh(proc.device_type)
     dp_mesh = dims.mesh("dp")  # the loader's rank space: the cp ranks of a replica share a sample
@@ -80,24 +83,25 @@ def train(cfg: JobConfig) -> TrainResult:
     # A trainable-only checkpoint holds no backbone: read first, a resume overwrites what trains.
     hf_first = any([load_frozen_backbone(part, cfg) for part in model_parts])
     start_step = checkpointer.load()
-    # Only now: a refused resume must leave the run folder's config record untouched.
-    metrics = MetricsLogger(cfg.run_folder, cfg.metrics, proc.rank, config_dict=cfg.to_dict())
-    guard = NonFiniteGuard(cfg.training.max_nonfinite_steps, checkpointer.last_good_checkpoint)
+    # The run's record (runner/loop.py): metrics.jsonl, TensorBoard, the non-finite guard.
+    run = TrainRun(cfg, proc, checkpointer, state, flops, start_step)
     load_hf_at_start(model_parts, cfg, start_step, frozen_read=hf_first)
-    result = TrainResult(start_step=start_step, model=model, model_parts=model_parts)
 
-    # --- the loop (runner/loop.py): per step the data, then the one step (runner/step.py: the
-    # CP cut, host-table prefetch, forward / backward per micro-batch or the PP schedule, clip,
-    # the non-finite guard, the update), then log, evaluate, save
+    # --- the loop: edit it here (a metric, another evaluation cadence, an early stop, a hook
+    # after the update). Per step: this step's micro-batches and the next step's (read ahead);
+    # the one step (runner/step.py: the CP cut, host-table prefetch, forward / backward per
+    # micro-batch or the PP schedule, clip, the non-finite guard, the update); then
+    # run.end_step: record, evaluate, save (runner/loop.py)
     train_step = TrainStep(
-        cfg, dims, model_parts, loss_fn, optimizers, schedulers, pp=pp, guard=guard,
+        cfg, dims, model_parts, loss_fn, optimizers, schedulers, pp=pp, guard=run.guard,
         dp_group=dp_group,
     )  # fmt: skip
-    run = RunParts(
-        proc, dims.dp_size, flops, state, metrics, train_loader, make_eval_loader, checkpointer,
-        guard, result,
-    )  # fmt: skip
-    return train_loop(cfg, run, train_step)
+    with run.start(train_step, train_loader, make_eval_loader):
+        for step in range(start_step + 1, cfg.training.steps + 1):
+            batches, ahead = run.batches(step)
+            out = train_step(batches, step, ahead)
+            run.end_step(step, out)
+    return run.finish(TrainResult(start_step=start_step, model=model, model_parts=model_parts))
 
 
 def main(argv: list[str] | None = None) -> None:

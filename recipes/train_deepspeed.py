@@ -13,7 +13,9 @@ projections / ShortConv) is handed to `deepspeed.initialize` with a torch AdamW.
 step is train.py's (runner/step.py) with the engine's parts (runner/engine_step.py):
 `engine.backward` per micro-batch, then one global gradient norm over engine + tables
 (DeepSpeed's own clipping is off), the non-finite guard, `engine.step()` and the tables' step.
-The step folder holds the engine's checkpoint and the tables' DCP shards, committed together.
+The loop at the end is train.py's, written out here too (edit it as there; runner/loop.py
+`TrainRun`). The step folder holds the engine's checkpoint and the tables' DCP shards,
+committed together.
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ from engram.optim.builder import SchedulersState, build_lr_schedulers, build_opt
 from engram.runtime import device as dev
 from engram.train.build import build_checkpointer, build_loaders, build_meta_model, init_process
 from engram.train.flops import model_flops
-from engram.train.metrics import MetricsLogger, logger
-from engram.train.nonfinite import NonFiniteGuard
+from engram.train.metrics import logger
 from engram.train.progress import TrainResult
 from parallelisms.parallel_dims import parallel_dims_from_config
 from runner.deepspeed_engine import (
@@ -41,7 +42,7 @@ from runner.deepspeed_engine import (
     place_for_engine,
 )
 from runner.engine_step import EngineStep
-from runner.loop import RunParts, run_recipe, train_loop
+from runner.loop import TrainRun, run_recipe
 
 
 @dataclass
@@ -59,6 +60,7 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
     deepspeed.init_distributed(dist_backend=dev.dist_backend(proc.device_type))
     device, stage = proc.device, cfg.deepspeed.zero_stage
     dims = parallel_dims_from_config(cfg, proc.world_size)
+    cfg = cfg.at_dp(dims.dp_size)  # training.global_batch_size -> grad_accum_steps
     dims.build_mesh(proc.device_type)
     dp_mesh = dims.mesh("dp")
     dp_rank, dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()
@@ -93,21 +95,22 @@ def train(cfg: JobConfig) -> DeepSpeedResult:
         folder_states={"engine": EngineCheckpoint(engine, cfg.comm.train_timeout_s)},
     )  # fmt: skip
     start_step = checkpointer.load()
-    metrics = MetricsLogger(cfg.run_folder, cfg.metrics, proc.rank, config_dict=cfg.to_dict())
-    guard = NonFiniteGuard(cfg.training.max_nonfinite_steps, checkpointer.last_good_checkpoint)
+    run = TrainRun(cfg, proc, checkpointer, state, flops, start_step)  # metrics, the guard
+
+    # --- the loop, as in train.py; the step is train.py's with the engine's parts
+    # (runner/engine_step.py)
+    engine_step = EngineStep(
+        cfg, dims, engine, table_params, table_optimizers, schedulers, run.guard, dp_group
+    )
+    with run.start(engine_step, train_loader, make_eval_loader):
+        for step in range(start_step + 1, cfg.training.steps + 1):
+            batches, ahead = run.batches(step)
+            out = engine_step(batches, step, ahead)
+            run.end_step(step, out)
     result = DeepSpeedResult(
         start_step=start_step, model=model, model_parts=[model], engine=engine, tables=tables
     )
-    run = RunParts(
-        proc, dims.dp_size, flops, state, metrics, train_loader, make_eval_loader, checkpointer,
-        guard, result,
-    )  # fmt: skip
-
-    # --- the loop (runner/loop.py) around train.py's step with the engine's parts -----------
-    step = EngineStep(
-        cfg, dims, engine, table_params, table_optimizers, schedulers, guard, dp_group
-    )
-    return train_loop(cfg, run, step)
+    return run.finish(result)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,9 +6,10 @@ async-save host memory, the checkpoint folder, and the table tier's start-up lin
 prefetch, forward / backward per micro-batch or the pipeline schedule, clip, the non-finite
 guard, the update), run by both recipes, by the trial step on a config's cut (trial_step.py:
 check_cluster's `real_step`, benchmarks/bench_mfu.py) and, with the engine's parts
-(engine_step.py), under DeepSpeed; the loop around it (loop.py: data, step, log, evaluate,
-save); the DeepSpeed engine (deepspeed_engine.py, its settings and its save watchdog: the
-reader of its step folders is engram/checkpoint/deepspeed_folder.py, shared with export and
-generation). It sits above parallelisms/ (it calls the placement code) and below the planner
-and the entry points; nothing in engram/ or parallelisms/ imports it.
+(engine_step.py), under DeepSpeed; what runs around the loop the recipes write out (loop.py
+TrainRun: the data read ahead, record, evaluate, save); the DeepSpeed engine (deepspeed_engine.py,
+its settings and its save watchdog: the reader of its step folders is
+engram/checkpoint/deepspeed_folder.py, shared with export and generation). It sits above
+parallelisms/ (it calls the placement code) and below the planner and the entry points; nothing
+in engram/ or parallelisms/ imports it.
 """

@@ -279,7 +279,9 @@ def place_for_engine(
     would partition them): they are returned, `model` is what becomes the engine."""
     dims.check_model(model.args, cfg.training.seq_len, engram_halo(cfg))
     convert_model(model, cfg, dims)
-    shard_engram_tables(model, cfg, dims)
+    # EngineStep hands the engine its loss times dp (it averages over dp): the tables, outside
+    # the engine, take that factor back.
+    shard_engram_tables(model, cfg, dims, grad_scale=1.0 / dims.dp_size)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     apply_training_mode(model, cfg.training.mode)
     if cfg.deepspeed.zero_stage == 3:  # each block (+ its HF tensors) into its partitions

@@ -33,7 +33,7 @@ HONOURED = frozenset(
         "engram.table_init_std",
         *("training.mode", "training.seq_len", "training.local_batch_size"),
         *("training.grad_accum_steps", "training.steps", "training.max_norm"),
-        "training.max_nonfinite_steps",
+        *("training.max_nonfinite_steps", "training.global_batch_size"),
         *("data.dataset", "data.path", "data.num_workers", "data.synthetic_num_entities"),
         *("data.synthetic_seed", "data.eval_every", "data.eval_batches", "data.sources"),
         # fine-tuning data: which tokens and rows the loader builds, not their shape [B, T]
@@ -94,6 +94,12 @@ REFUSED = {
 }
 
 IRRELEVANT = {
+    # The config refuses them unless engram.table_location = "nvme", which is refused above
+    # (engram/config/model.py Engram: the same check for both recipes).
+    **dict.fromkeys(
+        ("engram.nvme_dirs", "engram.nvme_host_cache_gib", "engram.nvme_create_dirs"),
+        'read only with engram.table_location = "nvme": refused by the config otherwise',
+    ),
     **dict.fromkeys(
         (
             "pipeline.schedule",
@@ -117,10 +123,6 @@ IRRELEVANT = {
         ("compile.backend", "compile.allow_on_npu"), "read only with compile.enable, refused here"
     ),
     "engram.host_memory_gib": 'read only with engram.table_location = "host", refused here',
-    **dict.fromkeys(
-        ("engram.nvme_dirs", "engram.nvme_host_cache_gib"),
-        'read only with engram.table_location = "nvme", refused here',
-    ),
 }
 
 

@@ -1,23 +1,40 @@
-"""The training loop both recipes run around their step (runner/step.py TrainStep, or
-runner/engine_step.py EngineStep under DeepSpeed). Per step, in order:
+"""What runs around the loop both recipes write out (recipes/train.py, recipes/train_deepspeed.py):
+
+    run = TrainRun(cfg, proc, checkpointer, state, flops, start_step)  # after the load
+    ...                                                       # the step, built with run.guard
+    with run.start(train_step, train_loader, make_eval_loader):
+        for step in range(start_step + 1, cfg.training.steps + 1):
+            batches, ahead = run.batches(step)  # this step's micro-batches and the next step's
+            out = train_step(batches, step, ahead)
+            run.end_step(step, out)             # record, evaluate, save, end the step
+    return run.finish(result)                   # the last host work, the history, the guard
+
+Per step, in order:
 
     data         this step's micro-batches (read during the previous step) and the next step's,
                  read ahead so NVMe tables page their rows in while this step runs (timed: the
                  log's data time, one step's batches per step); the checkpointed loader state
                  stays that of the batches completed steps consumed (DataLoader.hold)
     the step     CP cut, host-table prefetch, forward / backward per micro-batch (the PP schedule
-                 under PP), clip, the non-finite guard, the update (TrainStep)
-    log          loss, gradient norm, learning rate; on log steps throughput and memory
-    evaluate     every data.eval_every steps and at the last (through the step's cut and loss)
-    save         the checkpoint manager's interval; never at a skipped step
+                 under PP), clip, the non-finite guard, the update (runner/step.py TrainStep, or
+                 runner/engine_step.py EngineStep under DeepSpeed)
+    end_step     the profiler's step; record (loss: the step's token mean, gradient norm,
+                 learning rate, target tokens; on log steps throughput and memory:
+                 engram/train/progress.py); evaluate every
+                 data.eval_every steps and at the last (through the step's cut and loss); save
+                 at the checkpoint manager's interval, never at a skipped step; then the next
+                 timing window starts, and after the first step the process groups get their
+                 training timeout (start-up is over)
 
-and after the first step the process groups get their training timeout (start-up is over).
+A recipe's own additions go in its loop: a metric (`run.metrics.log(step, {...})`: a line of its
+own in metrics.jsonl and TensorBoard), another evaluation cadence (`run.evaluate(step)`), an
+early stop (`break`: `run.finish` still runs after the `with`), a hook after the update.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -27,7 +44,7 @@ from engram.data.loader import DataLoader
 from engram.rowstore.host_worker import wait_host_work
 from engram.runtime.distributed import destroy_distributed, set_pg_timeouts
 from engram.train.build import Process
-from engram.train.evaluate import eval_due
+from engram.train.evaluate import eval_batches, eval_due
 from engram.train.flops import FlopCount
 from engram.train.metrics import MetricsLogger
 from engram.train.nonfinite import NonFiniteGuard
@@ -35,23 +52,7 @@ from engram.train.profiling import maybe_profile
 from engram.train.progress import Progress, TrainResult
 from engram.train.step import next_batches
 from engram.train.throughput import Throughput
-from runner.step import Batch, TrainStep
-
-
-@dataclass
-class RunParts:
-    """What the loop needs of a run besides its step (built by the recipe, in its order)."""
-
-    proc: Process
-    dp_size: int
-    flops: FlopCount
-    state: TrainState
-    metrics: MetricsLogger
-    train_loader: DataLoader
-    make_eval_loader: Callable[[], Iterable]
-    checkpointer: CheckpointManager
-    guard: NonFiniteGuard
-    result: TrainResult
+from runner.step import Batch, StepResult, TrainStep
 
 
 class ReadAhead:
@@ -75,40 +76,96 @@ class ReadAhead:
         return batches, self.next
 
 
-def train_loop(cfg: JobConfig, run: RunParts, train_step: TrainStep) -> TrainResult:
-    """Steps result.start_step + 1 .. training.steps; returns the result with its losses and
-    grad norms filled in (the guard raises if the run ended on too many non-finite steps)."""
-    proc, device, start_step = run.proc, run.proc.device, run.result.start_step
-    data = ReadAhead(run.train_loader, cfg.training.grad_accum_steps, device, cfg.training.steps)
-    profile = maybe_profile(cfg.profiling, cfg.run_folder, proc.rank, proc.device_type, start_step)
-    throughput = Throughput(run.flops, device, proc.world_size, cfg.metrics.peak_tflops)
-    progress = Progress(
-        cfg, run.dp_size, run.state, run.metrics, run.train_loader, device, throughput,
-        telemetry=train_step.telemetry,
-    )  # fmt: skip
-    # One loss context (TP loss parallel) around every forward path: train, pipeline, eval.
-    with train_step.loss_fn.context(), profile as profiler:
-        for step in range(start_step + 1, cfg.training.steps + 1):
-            with progress.data_timer():
-                batches, ahead = data.take(step)
-            out = train_step(batches, step, ahead)
-            profiler.step()
-            progress.record(step, out.loss, out.grad_norm, out.lr, run.guard.total)
-            if eval_due(cfg, step):
-                loss = train_step.evaluate(run.make_eval_loader(), cfg.data.eval_batches, device)
-                run.result.eval_losses[step] = loss
-                run.metrics.log(step, {"eval_loss": loss})
-            # Never at a skipped step: a save there could prune the last good checkpoint.
-            last_step = step == cfg.training.steps
-            run.checkpointer.maybe_save(step, last_step=last_step, finite=not out.skip)
-            progress.end_step(step)
-            if step == start_step + 1:  # start-up is over (load, compile, first step): [comm]
-                set_pg_timeouts(cfg.comm.train_timeout_s)
-    wait_host_work()  # the last host-table update
-    run.result.losses, run.result.grad_norms = progress.history()
-    run.metrics.close()
-    run.guard.check_finished(cfg.training.steps)
-    return run.result
+class TrainRun:
+    """A run's record and the pieces around its loop (the module docstring). Build it right
+    after the checkpoint's load: it opens the metrics (metrics.jsonl, TensorBoard, the config
+    record: only now, so a refused resume leaves the run folder's record untouched) and the
+    non-finite guard (its errors name the last good checkpoint). Then `with run.start(step,
+    ...):` around the loop over steps start_step + 1 .. training.steps."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        proc: Process,
+        checkpointer: CheckpointManager,
+        state: TrainState,
+        flops: FlopCount,
+        start_step: int,
+    ) -> None:
+        self.cfg, self.proc, self.checkpointer = cfg, proc, checkpointer
+        self.state, self.flops, self.start_step = state, flops, start_step
+        self.metrics = MetricsLogger(cfg.run_folder, cfg.metrics, proc.rank, cfg.to_dict())
+        last_good = checkpointer.last_good_checkpoint
+        self.guard = NonFiniteGuard(cfg.training.max_nonfinite_steps, last_good)
+        self.eval_losses: dict[int, float] = {}
+        self.last_step = start_step  # the last step ended (an early stop ends before the config's)
+
+    @contextmanager
+    def start(
+        self, train_step: TrainStep, loader: DataLoader, make_eval_loader: Callable[[], Iterable]
+    ) -> Iterator[TrainRun]:
+        """Around the loop: the data read ahead, the progress record (its peak-memory counters
+        reset, its first timing window started), one loss context (TP loss parallel) around
+        every forward path (train, pipeline, eval), and the profiler."""
+        cfg, proc, device = self.cfg, self.proc, self.proc.device
+        self.train_step, self.make_eval_loader = train_step, make_eval_loader
+        self.data = ReadAhead(loader, cfg.training.grad_accum_steps, device, cfg.training.steps)
+        profile = maybe_profile(
+            cfg.profiling, cfg.run_folder, proc.rank, proc.device_type, self.start_step
+        )
+        throughput = Throughput(self.flops, device, proc.world_size, cfg.metrics.peak_tflops)
+        dp_size = train_step.dims.dp_size
+        self.progress = Progress(
+            cfg, dp_size, self.state, self.metrics, loader, device, throughput,
+            telemetry=train_step.telemetry,
+        )  # fmt: skip
+        with train_step.loss_fn.context(), profile as self.profiler:
+            yield self
+
+    def batches(self, step: int) -> tuple[list[Batch], list[Batch] | None]:
+        """This step's micro-batches and the next step's (None at the last step), timed."""
+        with self.progress.data_timer():
+            return self.data.take(step)
+
+    def end_step(self, step: int, out: StepResult) -> None:
+        """After the step: record, evaluate, save, end the step (the module docstring)."""
+        self.profiler.step()
+        self.progress.record(
+            step, out.loss, out.grad_norm, out.lr, self.guard.total, out.target_tokens
+        )
+        if eval_due(self.cfg, step):
+            self.evaluate(step)
+        self.save(step, out)
+        self.progress.end_step(step)
+        if step == self.start_step + 1:  # start-up is over (load, compile, first step): [comm]
+            set_pg_timeouts(self.cfg.comm.train_timeout_s)
+        self.last_step = step
+
+    def evaluate(self, step: int) -> float:
+        """The held-out loss now (data.eval_batches batches: engram/train/evaluate.py
+        eval_batches), logged as eval_loss at `step`."""
+        loader, n = self.make_eval_loader(), eval_batches(self.cfg)
+        loss = self.train_step.evaluate(loader, n, self.proc.device)
+        self.eval_losses[step] = loss
+        self.metrics.log(step, {"eval_loss": loss})
+        return loss
+
+    def save(self, step: int, out: StepResult) -> bool:
+        """A checkpoint at the manager's interval and at the last step; True if one was saved."""
+        # Never at a skipped step: a save there could prune the last good checkpoint.
+        last_step = step == self.cfg.training.steps
+        return self.checkpointer.maybe_save(step, last_step=last_step, finite=not out.skip)
+
+    def finish(self, result: TrainResult) -> TrainResult:
+        """After the loop: the last host-table update, `result`'s losses, grad norms and eval
+        losses filled in, the metrics files closed; the guard raises if the run ended on
+        non-finite steps."""
+        wait_host_work()
+        result.losses, result.grad_norms = self.progress.history()
+        result.eval_losses.update(self.eval_losses)
+        self.metrics.close()
+        self.guard.check_finished(self.last_step)
+        return result
 
 
 def run_recipe(train: Callable[[JobConfig], TrainResult], cfg: JobConfig) -> None:

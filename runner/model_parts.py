@@ -18,10 +18,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from engram.config import JobConfig
+from engram.rowstore.nvme_checks import check_nvme_settings
 from engram.train.loss import LanguageModelLoss, build_loss
 from engram.train.metrics import logger
 from engram.train.step import PipelineLoss, PipelineRun
-from parallelisms.engram_tables import check_host_memory
+from parallelisms.engram_tables import check_host_memory, mem_available_bytes
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_model
 from parallelisms.pipeline import (
@@ -51,11 +52,18 @@ def build_model_parts(
         logger.info(f"pipeline: stages {stage_ids} of {plan.layers} on this rank")
     for part in model_parts:
         parallelize_model(part, cfg, dims)
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if cfg.engram.enabled and cfg.engram.table_location == "nvme":  # before any page file
+        e = cfg.engram
+        check_nvme_settings(
+            e.nvme_dirs, e.nvme_create_dirs, e.nvme_host_cache_gib, ranks_per_node,
+            mem_available_bytes(),
+        )  # fmt: skip
     # Host tables (engram.table_location = host) must fit the node's memory: checked on meta.
     check_host_memory(
         model_parts,
         cfg.optimizer.table_optimizer,
-        int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        ranks_per_node,
         cfg.engram.host_memory_gib,
     )
     # What would fail hours later (drive space, async-save host memory, the checkpoint folder)
@@ -68,8 +76,7 @@ def build_model_parts(
     # One loss for every forward path (see engram/train/loss.py); TP loss parallel keeps the
     # logits sharded over the vocabulary (see tensor_parallel.py).
     sharded_logits = dims.tp_enabled and cfg.parallelism.tp_loss_parallel
-    cp_group = dims.mesh("cp").get_group() if dims.cp_enabled else None
-    loss_fn = build_loss(cfg.training.loss_chunks, model_parts, sharded_logits, cp_group)
+    loss_fn = build_loss(cfg.training.loss_chunks, model_parts, sharded_logits)
     n_params = sum(local_numel(p) for part in model_parts for p in part.parameters())
     logger.info(
         f"model {cfg.model.name}/{cfg.model.flavor}: {n_params:,} local parameters on this rank"

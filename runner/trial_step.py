@@ -1,5 +1,6 @@
-"""One real training step of a config's cut on this rank, with the recipe's own pieces: for
-scripts/check_cluster.py's `real_step` row on a new cluster.
+"""Real training steps of a config (or its cut) on this rank, through the recipe's one step
+(`Trial`): for scripts/check_cluster.py's `real_step` row on a new cluster, bench_mfu and the
+benchmarks that compare two variants of a step (bench_compile, bench_step_overhead).
 
 The cut keeps the config's layout, precision, activation checkpointing, loss and optimizers and
 `layers` decoder layers of its model (one Engram layer among them, with its full tables). On
@@ -20,16 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
-from engram.config import JobConfig
+from engram.config import JobConfig, load_config
 from engram.data.tokenizer import load_tokenizer
 from engram.hashing.ngram import engram_table_rows
 from engram.models.args import MODEL_FLAVORS
 from engram.models.builder import build_model, flavor_args
-from engram.optim.builder import build_optimizers
+from engram.optim.builder import build_lr_schedulers, build_optimizers
 from engram.runtime import device as dev
 from engram.runtime.device_specs import Peak, resolve_peak
 from engram.train.flops import FlopCount, model_flops
-from parallelisms.parallel_dims import ParallelDims, axis_divisors
+from engram.train.nonfinite import NonFiniteGuard
+from parallelisms.parallel_dims import ParallelDims, axis_divisors, parallel_dims_from_config
 from runner.model_parts import build_model_parts
 from runner.step import TrainStep
 
@@ -40,6 +42,12 @@ CPU_TABLE_DIV = 1000  # cpu: Engram table rows / 1000
 
 def _multiple(n: int, k: int) -> int:
     return max(k, -(-n // k) * k)
+
+
+def vocab_size(cfg: JobConfig) -> int:
+    """The model's vocabulary: its flavor's, the config's, else its tokenizer's (debug flavors)."""
+    fixed = flavor_args(cfg.model).vocab_size or cfg.model.vocab_size
+    return fixed or load_tokenizer(cfg.model.tokenizer_path).vocab_size
 
 
 def cut_config(
@@ -53,13 +61,9 @@ def cut_config(
     a sentence saying what was cut."""
     args = flavor_args(cfg.model)
     # Debug flavors take the vocabulary from the tokenizer; the cut fixes it (no tokenizer read later).
-    vocab = (
-        args.vocab_size
-        or cfg.model.vocab_size
-        or load_tokenizer(cfg.model.tokenizer_path).vocab_size
-    )
+    vocab = vocab_size(cfg)
     changes: dict[str, object] = {"n_layers": layers, "vocab_size": vocab}
-    training = dataclasses.replace(cfg.training, grad_accum_steps=1)
+    training = dataclasses.replace(cfg.training, grad_accum_steps=1, global_batch_size=0)
     engram = cfg.engram
     if cpu:
         head_div = axis_divisors(tp, True, cp=cp, cp_method=cfg.parallelism.cp_method).heads
@@ -164,21 +168,25 @@ class TimedStep:
 
 class Trial:
     """`cfg`'s model built with the recipe's placement and stepped by the recipe's one step
-    (runner/step.py TrainStep: the context-parallel cut, the pipeline schedule under PP, the
-    loss, clip, the update) on one synthetic batch: what the trial step and the benchmarks that
-    compare two variants step by step time."""
+    (runner/step.py TrainStep with the recipe's schedules and non-finite guard: the
+    context-parallel cut, the pipeline schedule under PP, the loss, clip, the guard, the update)
+    on one synthetic batch. What the trial step, bench_mfu and the benchmarks that compare two
+    variants (compile on / off, Engram on / off; interleaved step by step) time."""
 
     def __init__(self, cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None:
         self.device = device
+        rows = engram_table_rows(cfg.engram) if cfg.engram.enabled else {}
         meta = build_model(
-            cfg.model, cfg.engram, 0, engram_table_rows(cfg.engram) if cfg.engram.enabled else {},
-            "meta", max_seq_len=cfg.training.seq_len,
-        )  # fmt: skip
+            cfg.model, cfg.engram, vocab_size(cfg), rows, "meta", max_seq_len=cfg.training.seq_len
+        )
         self.flops = model_flops(meta, cfg)
         self.model_parts, self.loss_fn, pp = build_model_parts(meta, cfg, dims, device)
         optimizers = [opt for part in self.model_parts for opt in build_optimizers(part, cfg)]
-        self.train_step = TrainStep(cfg, dims, self.model_parts, self.loss_fn, optimizers, [],
-                                    pp=pp)  # fmt: skip
+        self.train_step = TrainStep(
+            cfg, dims, self.model_parts, self.loss_fn, optimizers,
+            build_lr_schedulers(optimizers, cfg), pp=pp,
+            guard=NonFiniteGuard(cfg.training.max_nonfinite_steps),
+        )  # fmt: skip
         # Whole samples, one per dp rank (the cp ranks of a replica share it; the step cuts it).
         seed = 1000 + dims.mesh("dp").get_local_rank()
         self.batch = _synthetic_batch(cfg, meta.args.vocab_size, seed, device)
@@ -200,12 +208,21 @@ class Trial:
         return TimedStep(wall, cpu, loss)
 
 
+def one_process_trial(argv: list[str]) -> Trial:
+    """A Trial of the config `argv` loads (`--job.config_file ...` and overrides) on this
+    process's cpu, at world size 1 (the process group already initialised)."""
+    cfg = load_config(["--job.device=cpu", *argv])
+    dims = parallel_dims_from_config(cfg, 1)
+    dims.build_mesh("cpu")
+    return Trial(cfg, dims, torch.device("cpu"))
+
+
 def run_trial_step(
     cfg: JobConfig, dims: ParallelDims, device: torch.device, steps: int = 2
 ) -> TrialStep:
-    """Build `cfg`'s model (a cut: see cut_config) with the recipe's placement, then `steps`
-    optimizer steps of the recipe's own step (Trial) on a synthetic batch; the last one is
-    timed (the first pays for allocations and kernel selection)."""
+    """Build `cfg`'s model (a cut: see cut_config) and run `steps` steps of the recipe's own
+    step on a synthetic batch (Trial); the last one is timed (the first pays for allocations
+    and kernel selection)."""
     dev.reset_peak_memory(device)
     rss_before = current_rss_bytes()
     trial = Trial(cfg, dims, device)

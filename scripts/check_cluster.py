@@ -58,6 +58,7 @@ from torch import nn  # noqa: E402
 from engram.config import load_config  # noqa: E402
 from engram.runtime import device as dev  # noqa: E402
 from engram.runtime.distributed import destroy_distributed, init_distributed  # noqa: E402
+from engram.runtime.logs import init_logging  # noqa: E402
 from scripts.cluster_step import real_step  # noqa: E402
 
 A2A_DTYPES = (torch.int64, torch.int32, torch.bfloat16, torch.float32)
@@ -571,7 +572,8 @@ def run_checks(argv: list[str] | None = None) -> tuple[int, str]:
     device_type = dev.resolve_device_type(cfg.job.device)
     dev.import_device_backend(device_type)
     dev.apply_device_env(device_type, cfg.job.deterministic)  # the same settings as training
-    _, local_rank, _ = init_distributed(device_type, timeout_s=args.timeout)
+    rank, local_rank, _ = init_distributed(device_type, timeout_s=args.timeout)
+    init_logging(rank)
     device = dev.local_device(device_type, local_rank)
     if not args.bandwidth_mib:
         args.bandwidth_mib = 4 if device_type == "cpu" else 64

@@ -29,7 +29,7 @@ from engram.config import load_config  # noqa: E402
 from engram.data.loader import build_dataloader  # noqa: E402
 from engram.inference import SOURCES, build_for_generation, load_weights  # noqa: E402
 from engram.runtime import device as dev  # noqa: E402
-from engram.train.metrics import init_logger  # noqa: E402
+from engram.runtime.logs import init_logging  # noqa: E402
 from engram.train.step import model_inputs  # noqa: E402
 
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if ns.batches <= 0:
         parser.error("--batches must be > 0")
     cfg = load_config(rest)
-    init_logger(0)
+    init_logging(0)
     device_type = dev.resolve_device_type(cfg.job.device)
     dev.import_device_backend(device_type)
     device = dev.local_device(device_type, 0)

@@ -44,7 +44,7 @@ from engram.hf.export import check_not_run_folder, export, prepare_output_folder
 from engram.hf.peft import export_peft  # noqa: E402
 from engram.inference import build_for_generation, load_checkpoint_weights  # noqa: E402
 from engram.models.lora import merge_lora_  # noqa: E402
-from engram.train.metrics import init_logger  # noqa: E402
+from engram.runtime.logs import init_logging  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     )
     ns, rest = parser.parse_known_args(argv)
     cfg = load_config(rest)
-    init_logger(0)
+    init_logging(0)
     path = find_checkpoint(cfg.run_folder / cfg.checkpoint.folder, ns.step)
     check_not_run_folder(ns.out, path, cfg.checkpoint.folder)  # before the (long) load
     model, tokenizer, hasher = build_for_generation(cfg, cfg.training.seq_len)

@@ -1,7 +1,28 @@
+"""Shared test machinery: where a new test's processes and reference runs come from.
+
+- Multi-process tests call `launcher.run_distributed(fn, world, *args)`: `fn(rank, world, *args)`
+  runs on `world` forked gloo ranks. Those come from a pool kept per world size
+  (tests/rank_pool.py), which puts state back between calls; pass `fresh=True` for a function
+  that must start in a new process (it destroys the default group, kills itself, counts
+  threads or process groups). A test that monkeypatches this process gets fresh ranks by itself.
+  A function passed to a pool must be importable (module level) and its arguments picklable;
+  other calls fork fresh ranks. `launcher.run_isolated` always forks.
+- A reference run that other tests compute too (a one-process run, a layout trained with the
+  same config) goes through `shared_runs.shared_run(fn, world, raw)`: once per session and
+  config ([job] dump_folder / run_name aside); never for a run whose folder is read afterwards.
+- The debug job: `small_job.small_job(...)`; build on it rather than on a private config.
+- Every process launch is counted (launcher.count_launches) and the total is printed at the end
+  of the run with how many shared runs were reused and why rank pools retired.
+"""
+
 import logging
 import os
 
+import launcher
 import pytest
+from launcher import LAUNCHES, count_launches
+from rank_pool import RETIRED
+from shared_runs import STATS
 
 # torch_npu (or any other out-of-tree backend) must never be auto-imported in tests.
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
@@ -9,11 +30,48 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 @pytest.fixture(autouse=True)
 def _engram_logs_reach_caplog():
-    """An in-process train() runs init_logger, which stops propagation and writes to the stdout
+    """An in-process train() runs init_logging, which stops propagation and writes to the stdout
     of the test that ran it; later tests' caplog needs the records to propagate again."""
-    log = logging.getLogger("engram")
-    for h in list(log.handlers):
-        log.removeHandler(h)
-    log.propagate = True
-    log.setLevel(logging.NOTSET)
+    from engram.runtime.logs import LOGGERS
+
+    for name in LOGGERS:
+        log = logging.getLogger(name)
+        for h in list(log.handlers):
+            log.removeHandler(h)
+        log.propagate = True
+        log.setLevel(logging.NOTSET)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _pooled_ranks_see_no_patches(request):
+    """Pooled ranks (tests/rank_pool.py) were forked before this test: while it has monkeypatched
+    anything here, or reads the ranks' output through capfd, run_distributed and run_isolated fork
+    fresh processes, which inherit the patches and the captured file descriptors."""
+    names = request.fixturenames
+    if "capfd" in names or "capfdbinary" in names:
+        launcher.parent_patched = lambda: True
+    elif "monkeypatch" in names:
+        mp = request.getfixturevalue("monkeypatch")
+        launcher.parent_patched = lambda: bool(
+            mp._setattr or mp._setitem or mp._savesyspath is not None or mp._cwd is not None
+        )
+    yield
+    launcher.parent_patched = lambda: False
+
+
+def pytest_configure(config):
+    count_launches()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The number of processes this run launched (forked ranks, other forks, subprocesses): the
+    suite's cost is mostly launches, so the count is kept in sight."""
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(LAUNCHES.items()))
+    terminalreporter.write_sep("=", f"process launches: {sum(LAUNCHES.values())} ({kinds})")
+    terminalreporter.write_line(
+        f"shared runs: {STATS['computed']} computed, {STATS['shared']} reused (tests/shared_runs.py)"
+    )
+    if RETIRED:
+        why = ", ".join(f"{k} {n}" for k, n in RETIRED.most_common())
+        terminalreporter.write_line(f"rank pools retired: {why}")

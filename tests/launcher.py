@@ -10,9 +10,63 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
+import sys
+import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
+
+# Process launches of this pytest process, by kind (printed at the end of the run by conftest).
+# Counted where every launch goes through: multiprocessing's Process.start and subprocess.Popen.
+LAUNCHES: Counter[str] = Counter()
+
+
+def _launch_kind_of_process(proc: Any) -> str:
+    target = getattr(proc, "_target", None)
+    # tests import this module both as `launcher` and as `tests.launcher`
+    module = getattr(target, "__module__", "").rsplit(".", 1)[-1]
+    if module == "launcher":
+        return "forked ranks"
+    if module == "rank_pool":
+        return "pooled ranks"
+    return "other forks"
+
+
+def _launch_kind_of_command(args: Any) -> str:
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    head = os.path.basename(os.fsdecode(argv[0])).split()[0] if argv else ""
+    if head.startswith("python") or head in ("torchrun", "deepspeed") or head.endswith(".sh"):
+        return "python subprocesses"
+    if os.fsdecode(argv[0]) == sys.executable:
+        return "python subprocesses"
+    return "tool subprocesses"
+
+
+def count_launches() -> None:
+    """Count every process this pytest process starts, in LAUNCHES (installed once by conftest).
+    Launches made inside a forked rank are that rank's own and are not counted."""
+    from multiprocessing.process import BaseProcess
+
+    if getattr(BaseProcess.start, "_counted", False):
+        return
+    parent = os.getpid()
+    start, popen_init = BaseProcess.start, subprocess.Popen.__init__
+
+    def counted_start(self):
+        if os.getpid() == parent:
+            LAUNCHES[_launch_kind_of_process(self)] += 1
+        return start(self)
+
+    def counted_popen_init(self, args, *a, **kw):
+        if os.getpid() == parent:
+            LAUNCHES[_launch_kind_of_command(args)] += 1
+        return popen_init(self, args, *a, **kw)
+
+    counted_start._counted = True  # type: ignore[attr-defined]
+    BaseProcess.start = counted_start  # type: ignore[method-assign]
+    subprocess.Popen.__init__ = counted_popen_init  # type: ignore[method-assign]
 
 
 def free_port() -> int:
@@ -57,10 +111,10 @@ def _worker(fn, rank, world_size, port, args, queue):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        _remove_page_files()
+        remove_page_files()
 
 
-def _remove_page_files() -> None:
+def remove_page_files() -> None:
     """A forked worker ends by os._exit, which runs no atexit: delete the NVMe tables' page
     files here (each is as large as its shard)."""
     import sys
@@ -70,13 +124,67 @@ def _remove_page_files() -> None:
         nvme.remove_page_files()
 
 
+# Set by conftest for the running test: True while it has monkeypatched anything in this (the
+# parent) process, or captures file descriptors, which pooled ranks forked earlier would not see.
+parent_patched: Callable[[], bool] = lambda: False  # noqa: E731
+
+
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    fresh: bool = False,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` in `world_size` forked gloo ranks; return results by rank.
 
+    The ranks come from a pool kept per world size (tests/rank_pool.py: a joined process group,
+    warm caches, state put back between calls) unless `fresh` is set, the test has monkeypatched
+    this process, or fn / args do not pickle: then `world_size` new ranks are forked for this
+    call. Use `fresh=True` for a function that needs a new process (it counts threads or
+    process groups from zero, kills itself, relies on a cold cache). TEST_FRESH_RANKS=1 forks
+    fresh ranks for every call (to tell a pooling problem from a test's own).
+
     Raises with the failing rank's traceback if any rank fails, and on timeout (a hang).
     """
+    start = time.monotonic()
+    try:
+        if not fresh and not parent_patched() and os.environ.get("TEST_FRESH_RANKS") != "1":
+            from rank_pool import run_pooled
+
+            pooled = run_pooled(fn, world_size, args, timeout)
+            if pooled is not None:
+                return pooled
+        return _run_forked(fn, world_size, args, timeout)
+    finally:
+        _log_call(fn, world_size, args, time.monotonic() - start)
+
+
+def _log_call(fn: Callable[..., Any], world_size: int, args: tuple, seconds: float) -> None:
+    """TEST_RUN_LOG=FILE: one JSON line per call (test, function, world, seconds, config key),
+    to find runs that several tests compute alike (candidates for shared_runs.shared_run)."""
+    path = os.environ.get("TEST_RUN_LOG")
+    if not path:
+        return
+    import hashlib
+    import json
+
+    from shared_runs import run_key
+
+    raw = next((a for a in args if isinstance(a, dict) and "job" in a), None)
+    key = run_key(fn, world_size, raw, args[1:]) if raw is not None and args[0] is raw else None
+    line = {
+        "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+        "fn": f"{fn.__module__}.{fn.__qualname__}",
+        "world": world_size,
+        "seconds": round(seconds, 2),
+        "key": hashlib.sha1(key.encode()).hexdigest()[:12] if key else None,
+    }
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def _run_forked(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) -> list[Any]:
     # DTensor and the profiler import torch._dynamo lazily (2-4 s); do it once before forking.
     import torch._dynamo  # noqa: F401
 
@@ -105,16 +213,22 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
     if errors:
-        # A rank killed by a signal (a segfault in a collective) reports nothing itself; its peers
-        # then fail with "connection closed by peer". Name it first: that is where to look.
-        died = [
-            f"rank {r} died with signal {signal.Signals(-p.exitcode).name} (its own stack, if "
-            "any, is in the captured stderr: faulthandler)"
-            for r, p in enumerate(procs)
-            if p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGKILL
-        ]
-        raise RuntimeError("\n".join(died + errors))
+        raise rank_failure(procs, errors)
     return [results[r] for r in range(world_size)]
+
+
+def rank_failure(procs: list[Any], errors: list[str]) -> RuntimeError:
+    """The error run_distributed raises when ranks failed (`errors`: their reports).
+
+    A rank killed by a signal (a segfault in a collective) reports nothing itself; its peers
+    then fail with "connection closed by peer". Name it first: that is where to look."""
+    died = [
+        f"rank {r} died with signal {signal.Signals(-p.exitcode).name} (its own stack, if "
+        "any, is in the captured stderr: faulthandler)"
+        for r, p in enumerate(procs)
+        if p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGKILL
+    ]
+    return RuntimeError("\n".join(died + errors))
 
 
 def _isolated_worker(fn, args, kwargs, queue):
@@ -128,13 +242,25 @@ def _isolated_worker(fn, args, kwargs, queue):
     except BaseException as e:  # re-raised in the parent
         queue.put((False, e))
     finally:
-        _remove_page_files()
+        remove_page_files()
 
 
 def run_isolated(fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any) -> Any:
-    """Run `fn(*args, **kwargs)` in one forked process and return its result (or re-raise its
+    """Run `fn(*args, **kwargs)` in another process and return its result (or re-raise its
     exception). For code that leaves process-global torch.distributed state behind (a fake
-    process group, DeviceMesh caches), which later forked ranks would otherwise inherit."""
+    process group, DeviceMesh caches), which later forked ranks would otherwise inherit.
+
+    The process is a pooled one without a process group (tests/rank_pool.py, which puts its
+    state back after each call), on the same terms as run_distributed's ranks; else forked."""
+    if not parent_patched() and os.environ.get("TEST_FRESH_RANKS") != "1":
+        from rank_pool import ISOLATED, run_pooled
+
+        pooled = run_pooled(fn, ISOLATED, args, timeout, kwargs)
+        if pooled is not None:
+            ((ok, payload),) = pooled
+            if not ok:
+                raise payload
+            return payload
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     proc = ctx.Process(target=_isolated_worker, args=(fn, args, kwargs, queue))

@@ -29,3 +29,18 @@ def small_job(
     for section, values in extra.items():
         raw[section] = {**raw.get(section, {}), **values}
     return raw
+
+
+DEBUG_CONFIG = "train_configs/debug_model.toml"
+
+
+def load_shipped(path: str, *overrides: str):
+    """load_config of a shipped config file with overrides. The debug config comes with a
+    per-rank batch of 8 sequences (global_batch_size 0): its file fixes the global batch
+    instead (8 at any world size), and the planner tests' per-rank counts are written for a
+    per-rank batch that any world size takes."""
+    from engram.config import load_config
+
+    per_rank = ("--training.global_batch_size=0", "--training.local_batch_size=8")
+    first = per_rank if path == DEBUG_CONFIG else ()
+    return load_config(["--job.config_file", path, *first, *overrides])

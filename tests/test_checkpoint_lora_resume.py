@@ -203,7 +203,7 @@ def test_full_fingerprint_unchanged_and_older_checkpoints_accepted(tmp_path, cap
         raw["lora"]["target_modules"])}  # fmt: skip
     assert lora["frozen_base"] == {"init_seed": 4}
     older = {k: v for k, v in lora.items() if k not in ("lora", "frozen_base")}
-    log = logging.getLogger("engram")  # it may not propagate (engram.train.metrics.init_logger)
+    log = logging.getLogger("engram")  # it may not propagate (engram.runtime.logs.init_logging)
     log.addHandler(caplog.handler)
     try:
         assert fingerprint_mismatches(older, lora) == []

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from launcher import run_distributed
+from small_job import small_job
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -51,28 +52,18 @@ def _pipeline(pp: int) -> tuple[int, dict]:
 
 def _raw(folder: str, world: int, rep: int, shard: int, tp: int, pp: int, steps: int) -> dict:
     pp, pipeline = _pipeline(pp)
-    return {
-        "job": {"dump_folder": folder, "run_name": "reshard", "device": "cpu", "seed": 11},
-        "model": {"flavor": "debug"},
-        "engram": {
-            "layer_ids": [1],
-            "n_head_per_ngram": 2,
-            "vocab_size_per_ngram": [1009, 997],
-            "n_embed_per_ngram": 32,
-            "init": "paper",
-        },
-        "training": {
-            "seq_len": SEQ,
-            "local_batch_size": GLOBAL_BATCH // (rep * shard),
-            "steps": steps,
-        },
+    extra = {
+        "job": {"seed": 11},
+        "training": {"seq_len": SEQ, "local_batch_size": GLOBAL_BATCH // (rep * shard)},
+        "data": {"synthetic_num_entities": 512},
         "optimizer": {"lr": LR, "eps": 1e-6, "table_optimizer": "lazy_adam"},
-        "lr_scheduler": {"warmup_steps": 2, "decay_type": "constant"},  # lr independent of steps
-        "parallelism": {"dp_replicate": rep, "dp_shard": shard, "tp": tp, "pp": pp},
+        "lr_scheduler": {"decay_type": "constant"},  # lr independent of steps
         "pipeline": pipeline,
         "checkpoint": {"enable": True, "interval": 2, "keep_latest_k": 0},
-        "metrics": {"enable_tensorboard": False},
+        "metrics": {"log_freq": 1},
     }
+    layout = {"dp_replicate": rep, "dp_shard": shard, "tp": tp, "pp": pp}
+    return small_job(folder, "reshard", world, steps, extra, parallelism=layout)
 
 
 def _full_state(pairs: list, loader) -> dict[str, np.ndarray]:

@@ -7,28 +7,21 @@ import json
 
 import pytest
 from launcher import run_distributed
+from small_job import small_job
 
 from engram.config import config_from_dict
 
 
 def _raw(folder: str, load_step: int, num_workers: int) -> dict:
-    return {
-        "job": {"dump_folder": folder, "run_name": "resume", "device": "cpu", "seed": 5},
-        "model": {"flavor": "debug"},
-        "engram": {
-            "layer_ids": [1],
-            "n_head_per_ngram": 2,
-            "vocab_size_per_ngram": [1009, 997],
-            "n_embed_per_ngram": 32,
-            "init": "paper",
-        },
-        "training": {"seq_len": 32, "local_batch_size": 2, "steps": 6},
-        "data": {"num_workers": num_workers, "synthetic_num_entities": 64},
-        "lr_scheduler": {"warmup_steps": 2},
-        "parallelism": {"dp_shard": 2},
+    extra = {
+        "job": {"seed": 5},
+        "training": {"local_batch_size": 2},
+        "data": {"num_workers": num_workers},
+        "optimizer": {"lr": 3e-4},
+        "metrics": {"log_freq": 1},
         "checkpoint": {"enable": True, "interval": 3, "keep_latest_k": 0, "load_step": load_step},
-        "metrics": {"enable_tensorboard": False},
     }
+    return small_job(folder, "resume", 2, 6, extra)
 
 
 def _train(rank: int, world: int, raw: dict) -> dict:

@@ -84,6 +84,7 @@ def _run(tmp, world, steps, full_every, location="nvme", load_step=-1):
     raw["engram"]["table_location"] = location
     if location == "nvme":
         raw["engram"] |= {"nvme_dirs": [str(tmp / f"pages{load_step}_{world}")],
+                          "nvme_create_dirs": True,
                           "nvme_host_cache_gib": 5 / 1024 / world}  # fmt: skip
     return raw
 

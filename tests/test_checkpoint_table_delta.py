@@ -134,7 +134,7 @@ def test_nvme_tables_resume_from_delta_bitwise(tmp_path):
     def job(load_step: int) -> dict:
         raw = _job(tmp_path, "nvme", 1, 4, 2, load_step=load_step)
         raw["engram"] |= {"table_location": "nvme", "nvme_dirs": [str(tmp_path / f"pages{load_step}")],
-                          "nvme_host_cache_gib": 5 / 1024}  # fmt: skip
+                          "nvme_create_dirs": True, "nvme_host_cache_gib": 5 / 1024}  # fmt: skip
         return raw
 
     whole = run_distributed(_nvme_train, 1, job(-1))  # its tables: read from the store

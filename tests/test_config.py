@@ -85,6 +85,34 @@ def test_bad_config_errors_name_the_fix(raw, needle):
     assert needle in str(e.value)
 
 
+def test_global_batch_size_derives_grad_accum_or_names_the_fix():
+    """training.global_batch_size: local x grad_accum x dp = global, grad_accum derived; the
+    shipped debug config trains 8 sequences per step at 1, 2 and 4 ranks."""
+    debug = load_config(["--job.config_file=train_configs/debug_model.toml"])
+    for dp, accum in ((1, 4), (2, 2), (4, 1)):
+        t = debug.at_dp(dp).training
+        assert (t.local_batch_size, t.grad_accum_steps) == (2, accum)
+        assert t.local_batch_size * t.grad_accum_steps * dp == t.global_batch_size == 8
+    unset = config_from_dict({"training": {"local_batch_size": 4, "grad_accum_steps": 3}})
+    assert unset.at_dp(5).training == unset.training  # per-rank batch: the global grows with dp
+    cfg = config_from_dict({"training": {"local_batch_size": 2, "global_batch_size": 8}})
+    with pytest.raises(ConfigError, match=r"not a multiple of 6.*number of data-parallel ranks"):
+        cfg.at_dp(3)
+    with pytest.raises(ConfigError, match=r"not a multiple of 16.*local_batch_size in \[1\]"):
+        cfg.at_dp(8)
+    agreed = config_from_dict(
+        {"training": {"local_batch_size": 2, "global_batch_size": 8, "grad_accum_steps": 2}}
+    )
+    assert agreed.at_dp(2).training.grad_accum_steps == 2
+    with pytest.raises(
+        ConfigError, match="grad_accum_steps=2 contradicts.*gives grad_accum_steps = 4"
+    ):
+        agreed.at_dp(1)
+    for bad, needle in ((-8, "must be >= 0"), (9, "not a multiple of training.local_batch_size=2")):
+        with pytest.raises(ConfigError, match=needle):
+            config_from_dict({"training": {"local_batch_size": 2, "global_batch_size": bad}})
+
+
 def test_compile_on_npu_needs_the_opt_in_and_then_warns():
     refused = {"job": {"device": "npu"}, "compile": {"enable": True}}
     with pytest.raises(ConfigError, match="compile.allow_on_npu = true"):

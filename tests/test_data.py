@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from launcher import run_distributed
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
@@ -23,7 +24,6 @@ from engram.data.datasets import (
 from engram.data.loader import StreamSource, build_dataloader
 from engram.data.synthetic import ATTRIBUTES, TEMPLATES, FactBase, SyntheticFacts
 from engram.data.tokenizer import DEBUG_TOKENIZER, load_tokenizer
-from tests.launcher import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = load_tokenizer("")

@@ -14,6 +14,7 @@ import pytest
 import torch
 from launcher import run_distributed, run_isolated
 from safetensors import safe_open
+from small_job import small_job
 
 from engram.checkpoint import CheckpointError
 from engram.config import config_from_dict, to_toml
@@ -23,23 +24,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _raw(folder: str) -> dict:
-    return {
-        "job": {"dump_folder": folder, "run_name": "export", "device": "cpu", "seed": 4},
-        "model": {"flavor": "debug"},
-        "engram": {
-            "layer_ids": [1, 2],
-            "n_head_per_ngram": 2,
-            "vocab_size_per_ngram": [1009, 997],
-            "n_embed_per_ngram": 32,
-            "init": "paper",
-        },
-        "training": {"seq_len": 16, "local_batch_size": 2, "steps": 2},
+    extra = {
+        "job": {"seed": 4},
+        "engram": {"layer_ids": [1, 2]},
+        "training": {"seq_len": 16, "local_batch_size": 2},
         "data": {"synthetic_num_entities": 32},
         "optimizer": {"lr": 1e-2},
-        "parallelism": {"dp_shard": 2},
+        "lr_scheduler": {"warmup_steps": 10},
         "checkpoint": {"enable": True, "interval": 2},
-        "metrics": {"enable_tensorboard": False},
+        "metrics": {"log_freq": 1},
     }
+    return small_job(folder, "export", 2, 2, extra)
 
 
 def _train(rank: int, world: int, raw: dict) -> None:

@@ -23,6 +23,7 @@ import pytest
 import torch
 from launcher import run_distributed, run_isolated
 from safetensors import safe_open
+from small_job import small_job
 
 from engram.checkpoint import CheckpointError
 from engram.checkpoint.fingerprint import config_fingerprint
@@ -223,17 +224,17 @@ def test_export_folder_contents_and_refusals(exported, tmp_path):
 
 
 def _raw(folder: str, run: str, dp_shard: int) -> dict:
-    return {
-        "job": {"dump_folder": folder, "run_name": run, "device": "cpu", "seed": 4},
-        "model": {"flavor": "debug"},
+    extra = {
+        "job": {"seed": 4},
         "engram": {**ENGRAM, "layer_ids": [1, 2]},
-        "training": {"seq_len": 16, "local_batch_size": 2, "steps": 2},
+        "training": {"seq_len": 16, "local_batch_size": 2},
         "data": {"synthetic_num_entities": 32},
         "optimizer": {"lr": 1e-2},
-        "parallelism": {"dp_shard": dp_shard},
+        "lr_scheduler": {"warmup_steps": 10},
         "checkpoint": {"enable": True, "interval": 2},
-        "metrics": {"enable_tensorboard": False},
+        "metrics": {"log_freq": 1},
     }
+    return small_job(folder, run, dp_shard, 2, extra, parallelism={"dp_shard": dp_shard})
 
 
 def _train(rank: int, world: int, raw: dict) -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from launcher import run_distributed
 from safetensors.torch import save_file
+from shared_runs import shared_run
 from small_job import small_job
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
@@ -106,7 +107,7 @@ def test_tied_training_one_matrix_fsdp_matches_single_process(tmp_path):
     """A tied flavor trained from scratch by recipes/train.py updates ONE matrix (output ==
     embedding after training, both moved from init), and FSDP2 and DDP over 2 ranks reproduce
     the single-process run (losses and weights)."""
-    single = run_distributed(_train, 1, _raw(str(tmp_path), 1))[0]
+    single = shared_run(_train, 1, _raw(str(tmp_path), 1))[0]
     init = _initial(_raw(str(tmp_path), 1)).numpy()
     assert single["tied"]
     assert "output.weight" not in single["names"]

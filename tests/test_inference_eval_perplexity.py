@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from launcher import run_distributed, run_isolated
+from small_job import small_job
 
 import engram.data.prepare as prep
 from engram.config import config_from_dict, to_toml
@@ -23,22 +24,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _raw(tmp_path: Path) -> dict:
-    return {
-        "job": {"dump_folder": str(tmp_path), "run_name": "ppl", "device": "cpu", "seed": 2},
-        "model": {"flavor": "debug"},
-        "engram": {
-            "layer_ids": [1],
-            "n_head_per_ngram": 2,
-            "vocab_size_per_ngram": [1009, 997],
-            "n_embed_per_ngram": 32,
-            "init": "paper",
-        },  # fmt: skip
-        "data": {"dataset": "tokens", "path": str(tmp_path / "prepared")},
-        "training": {"seq_len": 32, "local_batch_size": 2, "steps": 3},
+    extra = {
+        "job": {"seed": 2},
+        "data": {
+            "dataset": "tokens",
+            "path": str(tmp_path / "prepared"),
+            "synthetic_num_entities": 512,
+        },
+        "training": {"local_batch_size": 2},
         "optimizer": {"lr": 3e-3},
+        "lr_scheduler": {"warmup_steps": 10},
         "checkpoint": {"enable": True, "interval": 3},
-        "metrics": {"enable_tensorboard": False},
+        "metrics": {"log_freq": 1},
     }
+    return small_job(str(tmp_path), "ppl", 1, 3, extra, parallelism={})
 
 
 def _script(argv: list[str]) -> dict:

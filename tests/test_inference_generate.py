@@ -8,6 +8,7 @@ import pytest
 import torch
 from launcher import run_distributed
 from safetensors.torch import save_file
+from small_job import small_job
 from torch.distributed.tensor import DTensor
 
 from engram.checkpoint import CheckpointError
@@ -28,23 +29,16 @@ NEW = 5
 
 
 def _raw(folder: str = "unused", steps: int = 3) -> dict:
-    return {
-        "job": {"dump_folder": folder, "run_name": "gen", "device": "cpu", "seed": 7},
-        "model": {"flavor": "debug"},
-        "engram": {
-            "layer_ids": [1],
-            "n_head_per_ngram": 2,
-            "vocab_size_per_ngram": [1009, 997],
-            "n_embed_per_ngram": 32,
-            "init": "paper",  # Engram contributes, so wrong hash ids would change the tokens
-        },
-        "training": {"seq_len": 32, "local_batch_size": 2, "steps": steps},
+    extra = {  # paper init: Engram contributes, so wrong hash ids would change the tokens
+        "job": {"seed": 7},
+        "training": {"local_batch_size": 2},
         "data": {"synthetic_num_entities": 32},
+        "optimizer": {"lr": 3e-4},
         "lr_scheduler": {"warmup_steps": 1},
-        "parallelism": {"dp_shard": 2},
         "checkpoint": {"enable": True, "interval": 100, "keep_latest_k": 0},
-        "metrics": {"enable_tensorboard": False},
+        "metrics": {"log_freq": 1},
     }
+    return small_job(folder, "gen", 2, steps, extra)
 
 
 @pytest.fixture(scope="module")

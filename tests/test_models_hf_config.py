@@ -135,7 +135,7 @@ def test_hf_flavor_reads_the_folder(tmp_path):
 
 
 class _Records(logging.Handler):
-    """Collects engram warnings (init_logger stops propagation, so caplog may see nothing)."""
+    """Collects engram warnings (init_logging stops propagation, so caplog may see nothing)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from launcher import run_distributed
 
 from engram.config import Engram as EngramConfig
 from engram.config import Model as ModelConfig
 from engram.models import build_model
 from engram.models import init as init_mod
 from engram.models.init import CHUNK_NUMEL, chunk_rows, init_constant_, init_normal_
-from tests.launcher import run_distributed
 
 torch.set_num_threads(2)
 

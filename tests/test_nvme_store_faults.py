@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _store(dirs, name="t", rows=5000, cache_pages=4) -> NvmeRowStore:
+    for d in dirs:  # a store never creates its directory (check_nvme_settings does, at start)
+        os.makedirs(d, exist_ok=True)
     return NvmeRowStore(rows, {"weight": 8, "sum": 0}, [str(d) for d in dirs],
                         cache_bytes=cache_pages * 4096, name=name)  # fmt: skip
 

@@ -8,8 +8,11 @@ torchrun -> recipes/train.py via tests/fault_train.py), checkpoints every 2 of 6
   logged loss and grad norm equals the uninterrupted run's bit for bit;
 - 2 ranks, rank 1 killed mid-write-back without restarts: torchrun tears the job down (rank 0
   does not hang), and a second launch resumes from the last checkpoint bitwise;
-- the page files the killed processes left are removed by the next run's stores (logged), so
-  the NVMe directories end with none.
+- the page files the killed processes left are removed by the next run's stores (logged with
+  their GiB and the run that left them: pid, rank, last write), so the NVMe directories end
+  with none;
+- without a next run, scripts/page_files.py lists and removes exactly a killed run's files, never
+  a live store's in the same directories.
 
 The mid-write-back kill points are read off the uninterrupted run of the same config (its page
 write-backs counted per rank, ENGRAM_FAULTS "count"): halfway between the writes done when step
@@ -23,6 +26,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +35,7 @@ from launcher import free_port
 from small_job import small_job
 
 from engram.config import config_from_dict, to_toml
+from engram.rowstore.nvme_store import NvmeRowStore
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -41,7 +46,7 @@ def _config(tmp: Path, name: str, world: int, location: str) -> Path:
     engram = {"table_location": location, "vocab_size_per_ngram": [200003, 199999]}
     if location == "nvme":  # a rank's shard is ~10x its host cache: pages go back and forth
         engram |= {"nvme_dirs": [str(tmp / "nvme_a"), str(tmp / "nvme_b")],
-                   "nvme_host_cache_gib": 5 / world / 1024}  # fmt: skip
+                   "nvme_create_dirs": True, "nvme_host_cache_gib": 5 / world / 1024}  # fmt: skip
     raw = small_job(str(tmp), name, world, STEPS, {
         "engram": engram,
         "optimizer": {"table_optimizer": "lazy_adam"},
@@ -146,6 +151,10 @@ def test_kill_mid_step_resumes_bitwise(tmp_path, reference, location):
     _check_replay(tmp_path, "run", reference(location, 1)[0])
     if location == "nvme":
         assert out.count("left by a run that ended") == 2, out[-6000:]  # attempt 0's 2 files
+        for d in ("nvme_a", "nvme_b"):  # how many GiB, and which run left them
+            swept = (rf"WARNING NVMe Engram table: removed 1 page file\(s\), \d+\.\d{{3}} GiB, from "
+                     rf"\S+/{d}, left by a run that ended .*\(pid \d+, rank 0, last written ")  # fmt: skip
+            assert re.search(swept, out), out[-6000:]
         _no_page_files_left(tmp_path)
 
 
@@ -200,3 +209,41 @@ def test_no_space_mid_write_back_stops_the_run_naming_the_fix(tmp_path, referenc
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoint").iterdir()) == [
         "latest", "step-2", "step-4"
     ]  # fmt: skip
+
+
+def _page_files(action: str, dirs: list[Path]) -> list[str]:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "page_files.py"), action, *map(str, dirs)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    return proc.stdout.strip().splitlines()
+
+
+@pytest.mark.slow
+def test_killed_runs_page_files_are_listed_and_removed_by_hand(tmp_path):
+    """kill -9 of a 1-rank NVMe run, no restart: its page files stay (a shard per rank).
+    scripts/page_files.py lists exactly them and removes exactly them; a live store's files
+    in the same directories (this process's) are neither listed nor removed."""
+    dirs = [tmp_path / "nvme_a", tmp_path / "nvme_b"]
+    for d in dirs:
+        d.mkdir()
+    live = NvmeRowStore(5000, {"weight": 8}, list(map(str, dirs)), 4 * 4096, name="live")
+    try:
+        rc, out, _ = _launch(tmp_path, "run", 1, "nvme", 0, FAULTS="0:step:0:2")
+        assert rc != 0 and "SIGKILL" in out, out[-6000:]
+        left = sorted(str(p) for d in dirs for p in d.glob("*.pages") if str(p) not in live.paths)
+        assert len(left) == 2, left  # the killed run's table, striped over both drives
+        listed = _page_files("list", dirs)
+        assert sorted(line.split("\t")[0] for line in listed[:-1]) == left, listed
+        assert all(re.search(r"\tpid \d+, rank 0, last written ", line) for line in listed[:-1])
+        assert listed[-1].startswith("2 dead page files, "), listed
+        removed = _page_files("remove", dirs)
+        assert sorted(line.split("\t")[0] for line in removed[:-1]) == left, removed
+        assert not any(os.path.exists(p) for p in left)
+        assert all(os.path.exists(p) for p in live.paths)
+        assert _page_files("list", dirs) == [
+            "0 dead page files, 0.000 GiB (live runs' files left alone)"
+        ]
+    finally:
+        live.close()
+        live.remove_files()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 from launcher import run_distributed
+from shared_runs import shared_run
+from small_job import small_job
 from test_parallelisms_parity import (
     _assert_matches,
     _config,
@@ -123,7 +125,7 @@ def test_table_optimizer_parity_1_2_4_ranks(tmp_path, name):
     opt = {"optimizer": {"table_optimizer": name}, "training": {"steps": 3}}
     base = _with(_config(str(tmp_path / "ref"), 1, "full", {}), opt)
     init = _initial_weights(base)
-    ref = run_distributed(_train, 1, base)[0]
+    ref = shared_run(_train, 1, base)[0]
     assert ref["losses"][-1] < ref["losses"][0], "reference run did not learn"
     tables = [n for n in init if ".table." in n]
     assert all((ref["weights"][n] != init[n]).any() for n in tables)
@@ -136,24 +138,15 @@ def test_table_optimizer_parity_1_2_4_ranks(tmp_path, name):
 
 
 def _resume_raw(folder: str, world: int, name: str, load_step: int) -> dict:
-    return {
-        "job": {"dump_folder": folder, "run_name": "resume", "device": "cpu", "seed": 5},
-        "model": {"flavor": "debug"},
-        "engram": {
-            "layer_ids": [1],
-            "n_head_per_ngram": 2,
-            "vocab_size_per_ngram": [1009, 997],
-            "n_embed_per_ngram": 32,
-            "init": "paper",
-        },
-        "training": {"seq_len": 32, "local_batch_size": 4 // world, "steps": 4},
-        "data": {"synthetic_num_entities": 64},
-        "optimizer": {"table_optimizer": name},
+    extra = {
+        "job": {"seed": 5},
+        "training": {"local_batch_size": 4 // world},
+        "optimizer": {"lr": 3e-4, "table_optimizer": name},
         "lr_scheduler": {"warmup_steps": 1},
-        "parallelism": {"dp_shard": world},
         "checkpoint": {"enable": True, "interval": 2, "keep_latest_k": 0, "load_step": load_step},
-        "metrics": {"enable_tensorboard": False},
+        "metrics": {"log_freq": 1},
     }
+    return small_job(folder, "resume", world, 4, extra)
 
 
 def _train_losses(rank: int, world: int, raw: dict) -> dict:

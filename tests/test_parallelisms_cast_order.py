@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from launcher import run_distributed
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from tests.launcher import run_distributed
 from tests.small_job import small_job
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,7 @@
 """Context parallelism (parallelism.cp, parallelisms/context_parallel.py).
 
 - The model under cp (attention by Ulysses or all-gather K/V, the Engram ShortConv halo, RoPE at
-  global positions, the loss divisor over the cp group) equals one rank: logits, loss and every
+  global positions, the step's target-token count over the cp group) equals one rank: logits, loss and every
   parameter gradient, at cp 2 and 4, with labels ignored unevenly across the chunks.
 - Through the real recipe: every cp layout reproduces the single-process run
   (tests/test_parallelisms_parity.py's criteria), Engram at layer 0 (halo and n-grams cross the
@@ -17,6 +17,7 @@ import dataclasses
 import pytest
 import torch
 from launcher import run_distributed
+from shared_runs import shared_run
 
 from engram.config import ConfigError, Engram, config_from_dict
 from engram.models.args import ModelArgs, get_model_args
@@ -52,7 +53,7 @@ def _model_parity(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
     from engram.models.transformer import Transformer
-    from engram.train.loss import LanguageModelLoss, cross_entropy
+    from engram.train.loss import LanguageModelLoss, TargetTokens, summed_cross_entropy
     from parallelisms.context_parallel import apply_context_parallel, split_batch
 
     report = []
@@ -66,25 +67,28 @@ def _model_parity(rank: int, world: int) -> list[str]:
         model = copy.deepcopy(ref)
         batch = _batch()
         ref_logits = ref(batch["input_ids"], hash_ids=batch["hash_ids"])
-        ref_loss = cross_entropy(ref_logits, batch["labels"])
+        labels = batch["labels"]
+        ref_loss = summed_cross_entropy(ref_logits, labels) / (labels != -100).sum()
         ref_loss.backward()
 
         apply_context_parallel(model, dims)
         part = split_batch(batch, dims)
-        loss_fn = LanguageModelLoss(1, None, False, dims.mesh("cp").get_group())
+        cp_group = dims.mesh("cp").get_group()
+        tokens = TargetTokens.count([part["labels"]], cp_group)  # the step's count over cp
         logits = model(part["input_ids"], hash_ids=part["hash_ids"], positions=part["positions"])
-        loss = loss_fn(logits, part["labels"])
+        loss = LanguageModelLoss(1, None, False)(logits, part["labels"], tokens.divisor)
         loss.backward()
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss, group=dims.mesh("cp").get_group())
+        total_loss = loss.detach().clone()
+        dist.all_reduce(total_loss, group=cp_group)  # the shares add up to the token mean
         errs = {
             "logits": _rel(logits, ref_logits[:, part["positions"][0]]),
-            "loss": _rel(mean_loss / cp, ref_loss),
+            "loss": _rel(total_loss, ref_loss),
+            "count": float(tokens.total != (labels != -100).sum()),
         }
         for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             g = p.grad.clone()
-            dist.all_reduce(g, group=dims.mesh("cp").get_group())  # FSDP's mean over cp
-            errs[name] = _rel(g / cp, q.grad)
+            dist.all_reduce(g, group=cp_group)  # FSDP's sum over cp
+            errs[name] = _rel(g, q.grad)
         worst = max(errs, key=errs.get)
         report.append((f"cp{cp}-{method}", worst, errs[worst]))
     return report
@@ -214,7 +218,7 @@ def test_cp_layouts_match_single_process(tmp_path):
         key = f"{engram['engram'].get('enabled', True)}-{steps}"
         if key not in refs:
             raw = _recipe_raw(str(tmp_path / f"ref-{key}"), 1, {}, engram, steps)
-            refs[key] = (run_distributed(_train, 1, raw)[0], _initial_weights(raw))
+            refs[key] = (shared_run(_train, 1, raw)[0], _initial_weights(raw))
         ref, init = refs[key]
         raw = _with(_recipe_raw(str(tmp_path / label), world, layout, engram, steps), extra)
         results = run_distributed(_train, world, raw)
@@ -235,7 +239,7 @@ def test_ulysses_cp4_and_cp2_x_tp2_step_1(tmp_path):
     from test_parallelisms_parity import _train
 
     mid = {**ENGRAM_0_2, "model": {"flavor": "mid"}}
-    (ref,) = run_distributed(_train, 1, _recipe_raw(str(tmp_path / "ref"), 1, {}, mid, 1))
+    (ref,) = shared_run(_train, 1, _recipe_raw(str(tmp_path / "ref"), 1, {}, mid, 1))
     for label, layout in (("cp4", {"cp": 4}), ("cp2_x_tp2", {"cp": 2, "tp": 2})):
         raw = _recipe_raw(str(tmp_path / label), 4, layout, mid, 1)
         for rank, got in enumerate(run_distributed(_train, 4, raw)):
@@ -363,7 +367,7 @@ def test_cp_composes_with_host_tables_compile_and_lora(tmp_path):
 
     for label, (both, cp_only) in COMPOSED.items():
         ref_raw = _with(_recipe_raw(str(tmp_path / f"ref-{label}"), 1, {}, ENGRAM_0_2, 3), both)
-        ref, init = run_distributed(_train, 1, ref_raw)[0], _initial_weights(ref_raw)
+        ref, init = shared_run(_train, 1, ref_raw)[0], _initial_weights(ref_raw)
         raw = _recipe_raw(str(tmp_path / label), 2, {"cp": 2}, ENGRAM_0_2, 3)
         raw = _with(_with(raw, both), cp_only)
         for rank, got in enumerate(run_distributed(_train, 2, raw)):

@@ -280,10 +280,13 @@ def _universal_resume(folder: str, world: int, runs: str, stage: int) -> dict:
 
 @contextlib.contextmanager
 def _faulty(attr: str, calls: tuple[int, ...], fault):
-    """runner.engine_step.<attr> (the DeepSpeed recipe's step) runs as `fault(real, *args)` on
-    its `calls`-th calls (counted from 1), as itself otherwise."""
-    import runner.engine_step as recipe
+    """`attr` of the DeepSpeed recipe's step (runner.engine_step; "summed_cross_entropy": the
+    loss, engram.train.loss's) runs as `fault(real, *args)` on its `calls`-th calls (counted
+    from 1), as itself otherwise."""
+    import engram.train.loss
+    import runner.engine_step
 
+    recipe = engram.train.loss if attr == "summed_cross_entropy" else runner.engine_step
     real, n = getattr(recipe, attr), [0]
 
     def wrapped(*args):
@@ -297,8 +300,8 @@ def _faulty(attr: str, calls: tuple[int, ...], fault):
         setattr(recipe, attr, real)
 
 
-def _nan_loss(cross_entropy, logits, labels):
-    return cross_entropy(logits, labels) * math.nan  # so every gradient is NaN
+def _nan_loss(summed_cross_entropy, logits, labels):
+    return summed_cross_entropy(logits, labels) * math.nan  # so every gradient is NaN
 
 
 def _nan_table_grads(clip, engine, table_params, max_norm):
@@ -312,7 +315,7 @@ def _nonfinite(folder: str, world: int) -> dict:
     """Steps 2 and 3 with a NaN loss (so NaN gradients): both updates skipped, engine and tables."""
     import recipes.train_deepspeed as recipe
 
-    with _faulty("cross_entropy", (2, 3), _nan_loss):
+    with _faulty("summed_cross_entropy", (2, 3), _nan_loss):
         raw = _config(folder, world, "lazy_adam", deepspeed={"zero_stage": 2})
         raw["training"]["steps"] = 4
         result = recipe.train(config_from_dict(raw))
@@ -335,7 +338,7 @@ def _nonfinite_tables_only(folder: str, world: int, stage: int) -> dict:
     out = {}
     for label, attr, fault in (
         ("tables", "clip_engine_and_tables_", _nan_table_grads),
-        ("loss", "cross_entropy", _nan_loss),
+        ("loss", "summed_cross_entropy", _nan_loss),
     ):
         with _faulty(attr, (2,), fault):
             raw = _config(

@@ -54,7 +54,8 @@ def _step_one(rank: int, world: int, raws: list[dict]) -> list[dict]:
     from engram.data.loader import build_dataloader
     from engram.models.transformer import clean_fqn
     from engram.train.build import build_meta_model, init_process
-    from engram.train.step import dp_mean, next_batches
+    from engram.train.loss import TargetTokens
+    from engram.train.step import next_batches, ranks_sum
     from parallelisms.parallel_dims import parallel_dims_from_config
     from runner.model_parts import build_model_parts
     from runner.step import TrainStep
@@ -71,8 +72,9 @@ def _step_one(rank: int, world: int, raws: list[dict]) -> list[dict]:
         loader = build_dataloader(cfg, tokenizer, hasher, dp.get_local_rank(), dims.dp_size)
         step = TrainStep(cfg, dims, parts, loss_fn, [], [], pp=pp)
         batches = [step.cut(b) for b in next_batches(iter(loader), step.accum, proc.device)]
+        tokens = TargetTokens.count([b["labels"] for b in batches], step.dp_group)
         with loss_fn.context():  # TP: loss parallel, as the recipe's loop
-            loss = dp_mean(step.forward_backward(batches) / step.accum, step.dp_group)
+            loss = ranks_sum(step.forward_backward(batches, tokens), step.dp_group)
         grads = {}
         for part in parts:
             for name, p in part.named_parameters():

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from launcher import run_distributed
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -19,7 +20,6 @@ from parallelisms.engram_tables import (
     local_row_range,
     sharded_embedding_lookup,
 )
-from tests.launcher import run_distributed
 
 
 class CommCounter(TorchDispatchMode):

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from launcher import run_distributed
+from shared_runs import shared_run
 from small_job import small_job
 
 from engram.config import ConfigError, config_from_dict
@@ -247,7 +248,7 @@ def _ckpt_raw(
 def test_checkpoint_interchange_host_device(tmp_path, first, second):
     """Steps 1-2 with one location, resume steps 3-4 with the other: equal to 4 steps with the
     second location throughout (2 ranks)."""
-    ref = run_distributed(_train, 2, _raw(str(tmp_path / "ref"), "ref", 2, second, "lazy_adam"))
+    ref = shared_run(_train, 2, _raw(str(tmp_path / "ref"), "ref", 2, second, "lazy_adam"))
     run_distributed(_train, 2, _ckpt_raw(str(tmp_path), 2, first, -1))
     resumed = run_distributed(_train, 2, _ckpt_raw(str(tmp_path), 2, second, 2))
     for r, got in zip(ref, resumed, strict=True):

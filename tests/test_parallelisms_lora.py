@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from launcher import run_distributed, run_isolated
+from shared_runs import shared_run
 from test_parallelisms_parity import GLOBAL_BATCH, _assert_matches, _config, _with
 from torch.distributed.tensor import DTensor
 
@@ -101,7 +102,7 @@ LAYOUTS = {
 @pytest.mark.slow
 def test_lora_layouts_match_single_process(tmp_path):
     ref_raw = _raw(tmp_path / "ref", 1, {}, {})
-    ref = run_distributed(_train, 1, ref_raw)[0]
+    ref = shared_run(_train, 1, ref_raw)[0]
     init = _initial_weights(ref_raw)
     assert ref["losses"][-1] < ref["losses"][0], "reference lora run did not learn"
     changed = {n for n, w in ref["weights"].items() if not np.array_equal(w, init[n])}

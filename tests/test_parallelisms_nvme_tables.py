@@ -28,6 +28,12 @@ CACHE_MIB = 5
 STEPS = 6
 
 
+def _mkdirs(root, *names: str) -> None:
+    """A store's directories exist before it (check_nvme_settings creates them at start)."""
+    for name in names:
+        (root / name).mkdir(exist_ok=True)
+
+
 def test_page_layout():
     assert page_layout(192) == (4096, 21)  # 16-wide rows + two moments: 21 records a page
     assert page_layout(68) == (4096, 60)
@@ -48,6 +54,7 @@ def _direct_io_works(folder) -> bool:
 def test_row_store_roundtrip_eviction_and_pins(tmp_path, monkeypatch, engine):
     _page_io(monkeypatch, engine)
     rows, dim = 5000, 8
+    _mkdirs(tmp_path, "a", "b")
     store = NvmeRowStore(
         rows, {"weight": dim, "exp_avg": dim, "sum": 0}, [str(tmp_path / "a"), str(tmp_path / "b")],
         cache_bytes=4 * 4096,
@@ -90,6 +97,7 @@ def test_page_in_racing_updates_and_evictions_returns_current_rows(tmp_path, mon
 
     _page_io(monkeypatch, engine)
     rows, dim = 320, 64  # 16 rows a page, 20 pages, 6 cached
+    _mkdirs(tmp_path, "a", "b")
     store = NvmeRowStore(rows, {"weight": dim}, [str(tmp_path / "a"), str(tmp_path / "b")],
                          cache_bytes=6 * 4096)  # fmt: skip
     assert (store.io.aio is not None) == (engine == "aio" and _direct_io_works(tmp_path))
@@ -146,6 +154,7 @@ def test_adjacent_pages_move_in_one_call(tmp_path, monkeypatch):
     import os
 
     _page_io(monkeypatch, "syscalls")
+    _mkdirs(tmp_path, "a", "b")
     store = NvmeRowStore(16 * 40, {"weight": 64}, [str(tmp_path / "a"), str(tmp_path / "b")],
                          cache_bytes=12 * 4096)  # fmt: skip
     w = torch.randn(16 * 40, 64)
@@ -166,6 +175,18 @@ def test_nvme_needs_dirs_and_a_row_sparse_optimizer():
         )
     with pytest.raises(ConfigError, match="lazy_adam or rowwise_adagrad"):
         config_from_dict({"engram": {"table_location": "nvme", "nvme_dirs": ["/tmp"]}})
+    # NVMe settings without table_location = "nvme" were ignored (the DeepSpeed recipe refused
+    # them by its own rule): both recipes now read the config's one check.
+    for setting in (
+        {"nvme_dirs": ["/tmp"]},
+        {"nvme_host_cache_gib": 8.0},
+        {"nvme_create_dirs": True},
+    ):
+        (name,) = setting
+        for location in ("device", "host"):
+            with pytest.raises(ConfigError, match=rf'engram.{name} is set .* = "{location}".*'
+                               r'set table_location = "nvme" or remove'):  # fmt: skip
+                config_from_dict({"engram": {"table_location": location, **setting}})
 
 
 def _stores_of(model_parts) -> list:
@@ -241,7 +262,7 @@ def _train(rank: int, world: int, raw: dict) -> dict:
 def _run(tmp, name, world, location, opt):
     extra = {"engram": {"vocab_size_per_ngram": VOCAB}}
     if location == "nvme":
-        extra["engram"] |= {"nvme_dirs": [f"{tmp}/nvme_a", f"{tmp}/nvme_b"],
+        extra["engram"] |= {"nvme_dirs": [f"{tmp}/nvme_a", f"{tmp}/nvme_b"], "nvme_create_dirs": True,
                             "nvme_host_cache_gib": CACHE_MIB / world / 1024}  # fmt: skip
     raw = _raw(str(tmp), name, world, location, opt, extra)
     raw["training"]["steps"] = STEPS

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 from launcher import run_distributed
+from shared_runs import shared_run
 from small_job import small_job
 from torch.distributed.tensor import DTensor
 
@@ -80,7 +81,7 @@ def _initial_weights(raw: dict) -> dict[str, np.ndarray]:
 
 def _single_process(tmp_path, mode: str, extra: dict) -> dict:
     raw = _with(_config(str(tmp_path / "ref"), 1, mode, {}), extra)
-    return run_distributed(_train, 1, raw)[0]
+    return shared_run(_train, 1, raw)[0]
 
 
 def _with(raw: dict, extra: dict) -> dict:

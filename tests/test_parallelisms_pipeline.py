@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 from launcher import run_distributed
+from shared_runs import shared_run
 from test_parallelisms_parity import _assert_matches, _config, _initial_weights, _with
 from torch.distributed.tensor import DTensor
 
@@ -156,7 +157,7 @@ def _check_layouts(
     ref_raw["training"].update(ref_training or {})
     # The held-out loss over the same 16 sequences when the reference's batch is smaller.
     ref_raw["data"]["eval_batches"] = 2 * GLOBAL_BATCH // ref_raw["training"]["local_batch_size"]
-    ref = run_distributed(_train, 1, ref_raw)[0]
+    ref = shared_run(_train, 1, ref_raw)[0]
     init = _initial_weights(ref_raw)
     for label, (world, layout, pipeline) in layouts.items():
         raw = _raw(tmp_path / label, world, layout, {**extra, "pipeline": pipeline})

@@ -1,7 +1,7 @@
 """`parallelism.mixed_precision_param` is the compute dtype at every layout, not only under FSDP.
 
-A global forward hook records the input and weight dtype of every decoder `nn.Linear` during a
-real run of recipes/train.py with mixed_precision_param = "bfloat16": at 1 rank, FSDP 2, TP 2,
+A global forward hook records the input and weight dtype of every decoder `nn.Linear` and of
+the output head (the largest matmul of a small model) during a real run of recipes/train.py with mixed_precision_param = "bfloat16": at 1 rank, FSDP 2, TP 2,
 PP 2, TP 2 x PP 2 and in LoRA mode at 1 rank, every one must compute in bfloat16, while the
 master weights and the optimizer state stay float32 (LoRA's frozen backbone is held in bfloat16,
 with no optimizer state). The 1-rank bf16 run must also reproduce the FSDP 2 bf16 run on the
@@ -107,8 +107,9 @@ def _train_hooked(rank: int, world: int, raws: dict[str, dict]) -> dict:
         linears, masters, weights = {}, {}, {}
         for part in result.model_parts:
             for name, m in part.named_modules():
-                if isinstance(m, nn.Linear) and clean_fqn(name).startswith("layers."):
-                    linears[clean_fqn(name)] = seen.get(id(m), ("never called", ""))
+                fqn = clean_fqn(name)
+                if isinstance(m, nn.Linear) and (fqn.startswith("layers.") or fqn == "output"):
+                    linears[fqn] = seen.get(id(m), ("never called", ""))
             for name, p in part.named_parameters():
                 masters[clean_fqn(name)] = (_dtype(p), p.requires_grad)
                 full = p.full_tensor() if isinstance(p, DTensor) else p
@@ -122,6 +123,9 @@ def _train_hooked(rank: int, world: int, raws: dict[str, dict]) -> dict:
             "weights": weights,
             "log": list(lines),
             "wrapped": all(isinstance(part, FSDPModule) for part in result.model_parts),
+            "has_head": any(
+                getattr(part, "output", None) is not None for part in result.model_parts
+            ),
         }
     return out
 
@@ -146,10 +150,13 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("label", [k for k in LAYOUTS if not k.startswith("one_rank_fp32")])
-def test_decoder_linears_compute_in_bf16(runs, label):
+def test_decoder_linears_and_output_head_compute_in_bf16(runs, label):
+    heads = 0
     for rank, got in enumerate(runs[label]):
         where = f"{label} rank {rank}"
         assert got["linears"], f"{where}: no decoder linear on this rank"
+        assert ("output" in got["linears"]) == got["has_head"], f"{where}: head not probed"
+        heads += got["has_head"]
         wrong = {n: d for n, d in got["linears"].items() if d != ("bfloat16", "bfloat16")}
         assert not wrong, f"{where}: (input, weight) dtypes not bfloat16: {wrong}"
         # fp32 master weights, fp32 Adam state; lora: the frozen backbone held in bf16
@@ -162,6 +169,7 @@ def test_decoder_linears_compute_in_bf16(runs, label):
         assert got["losses"][-1] < got["losses"][0], f"{where}: did not learn"
         if rank == 0:  # the recipe's log is rank 0's
             assert any("compute bfloat16" in line for line in got["log"]), got["log"]
+    assert heads >= 1, f"{label}: no rank holds the output head"
 
 
 # The two runs compute the same bf16 matmuls on different batch splits and sum the fp32

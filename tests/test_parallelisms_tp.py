@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from launcher import run_distributed
+from shared_runs import shared_run
 from test_parallelisms_parity import (
     GLOBAL_BATCH,
     _assert_losses_and_norms_match,
@@ -77,7 +78,7 @@ def test_tp_layouts_match_single_process(tmp_path):
         key = f"{mode}-{flavor}-{engram['engram']['layer_ids'][-1]}"
         if key not in refs:
             raw = _raw(str(tmp_path / f"ref-{key}"), 1, 1, mode, flavor, {}, engram)
-            ref = run_distributed(_train, 1, raw)[0]
+            ref = shared_run(_train, 1, raw)[0]
             init = _initial_weights(raw)
             assert any(not np.array_equal(w, init[n]) for n, w in ref["weights"].items())
             refs[key] = (ref, init)
@@ -107,7 +108,7 @@ def test_tp_matches_over_10_steps_without_the_engram_gate(tmp_path):
         if name not in refs:
             raw = _raw(str(tmp_path / f"ref-{name}"), 1, 1, "full", "llama3", {}, engram)
             raw["training"]["steps"] = 10
-            refs[name] = (run_distributed(_train, 1, raw)[0], _initial_weights(raw))
+            refs[name] = (shared_run(_train, 1, raw)[0], _initial_weights(raw))
         ref, init = refs[name]
         raw = _raw(str(tmp_path / f"{label}-{name}"), world, 2, "full", "llama3", layout, engram)
         raw["training"]["steps"] = 10
@@ -156,7 +157,7 @@ def test_tp_with_activation_checkpointing(tmp_path):
     """FSDP2 x TP2 with full activation checkpointing against one process without it."""
     engram = MIDDLE
     ref_raw = _raw(str(tmp_path / "ref"), 1, 1, "full", "llama3", {}, engram)
-    ref = run_distributed(_train, 1, ref_raw)[0]
+    ref = shared_run(_train, 1, ref_raw)[0]
     init = _initial_weights(ref_raw)
     layout = {"tp": 2, "dp_shard": 2}
     raw = _raw(str(tmp_path / "ac"), 4, 2, "full", "llama3", layout, engram)
@@ -176,7 +177,7 @@ def test_tp_with_compile_and_checkpointing(tmp_path, world, layout):
     the embedding's gradient was zero here (FSDP2 x TP2) or the backward crashed (TP2)."""
     engram = MIDDLE
     ref_raw = _raw(str(tmp_path / "ref"), 1, 1, "full", "llama3", {}, engram)
-    ref = run_distributed(_train, 1, ref_raw)[0]
+    ref = shared_run(_train, 1, ref_raw)[0]
     init = _initial_weights(ref_raw)
     raw = _raw(str(tmp_path / "compiled"), world, 2, "full", "llama3", layout, engram)
     raw["activation_checkpoint"] = {"mode": "full"}

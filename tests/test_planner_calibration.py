@@ -109,7 +109,7 @@ def _step_peak_bytes(cfg) -> int:
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     optimizers = build_optimizers(model, cfg)
-    loss_fn = build_loss(cfg.training.loss_chunks, [model], False, None)
+    loss_fn = build_loss(cfg.training.loss_chunks, [model], False)
     shape = (cfg.training.local_batch_size, cfg.training.seq_len)
     ids, labels = torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
     tracker = LiveBytes()
@@ -117,7 +117,7 @@ def _step_peak_bytes(cfg) -> int:
     with tracker:
         for _ in range(2):
             output = model(ids)
-            loss_fn(output, labels).backward()
+            loss_fn(output, labels, labels.numel()).backward()
             del output
             for opt in optimizers:
                 opt.step()
@@ -198,12 +198,20 @@ H200_ROWS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("row", list(H200_ROWS))
-def test_planner_covers_the_h200_rows(row):
-    """scripts/cluster_step.py (check_cluster's planner child: the cut planned on CPU, live
-    tensors only) plans each float32 row of the H200 run at or above its measured peak and at
-    most 15% above it. Before the fix the LoRA cut was planned at 34.23 GiB (measured 36.10)."""
-    measured, layers, (config, *overrides) = H200_ROWS[row]
+# Caps on planned / measured. Eager rows: the planner's formulas, 15%. Compiled rows are planned
+# as eager (the planner builds on the meta device and never sees inductor's graph, whose
+# partitioner recomputes pointwise ops the eager formula counts as saved), an upper bound whose
+# excess is what compile saved: 2.1 GiB on the 8B cut, 4.4 with float8's casts fused (1.088 and
+# 1.148 of measured). Their cap is wider for that stated reason, not fitted to the rows.
+EAGER_CAP, COMPILED_CAP = 1.15, 1.20
+# The measured figures are quoted to 0.01 GiB: each is known to +-0.005.
+QUOTED = 0.005
+
+
+def _planned_gib(row: str) -> float:
+    """scripts/cluster_step.py (check_cluster's planner child: the cut planned on CPU for a cuda
+    device, live tensors only) for one H200 row."""
+    _, layers, (config, *overrides) = H200_ROWS[row]
     out = subprocess.run(
         [
             *(sys.executable, "scripts/cluster_step.py", "--world", "1", "--layers", str(layers)),
@@ -211,5 +219,39 @@ def test_planner_covers_the_h200_rows(row):
         ],
         capture_output=True, text=True, timeout=600, check=True, cwd=ROOT,
     )  # fmt: skip
-    planned = json.loads(out.stdout.strip().splitlines()[-1])["peak_gib"]
-    assert measured <= planned <= 1.15 * measured, (row, planned, measured, planned / measured)
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_gib"]
+
+
+@pytest.fixture(scope="module")
+def h200_plans() -> dict[str, float]:
+    return {row: _planned_gib(row) for row in H200_ROWS}
+
+
+@pytest.mark.parametrize("row", list(H200_ROWS))
+def test_planner_covers_the_h200_rows(row, h200_plans):
+    """Each float32 row of the H200 run is planned at or above its measured peak and at most
+    15% above it (20% for compiled rows, planned as eager: see COMPILED_CAP). Before the fix
+    the LoRA cut was planned at 34.23 GiB (measured 36.10)."""
+    measured, planned = H200_ROWS[row][0], h200_plans[row]
+    cap = COMPILED_CAP if "compile" in row else EAGER_CAP
+    assert measured <= planned <= cap * measured, (row, planned, measured, planned / measured)
+
+
+@pytest.mark.parametrize("held_out", list(H200_ROWS))
+def test_workspace_allowance_fitted_on_the_other_rows_covers_the_held_out_one(held_out, h200_plans):
+    """RUNTIME_WORKSPACE_GIB is fitted: it covers what the rows ran above the modelled tensors
+    (cuBLAS / cuBLASLt workspaces and the step's small tensors). Leave one out: fit it on the
+    other rows (the largest shortfall of the plan without it), then the held-out row must be
+    covered by that fit and the shipped constant must not be below any fit."""
+    from planner.estimate import RUNTIME_WORKSPACE_GIB
+
+    def shortfall(row: str) -> float:  # what the plan without the allowance misses, GiB
+        return H200_ROWS[row][0] - (h200_plans[row] - RUNTIME_WORKSPACE_GIB)
+
+    fitted = max(max(shortfall(r) for r in H200_ROWS if r != held_out), 0.0)
+    assert shortfall(held_out) <= fitted + QUOTED, (held_out, shortfall(held_out), fitted)
+    assert fitted <= RUNTIME_WORKSPACE_GIB, fitted
+    # the allowance is needed: without it the two rows whose peak it decides are not covered
+    assert sorted(r for r in H200_ROWS if shortfall(r) > 0) == [
+        "32b_npu_lora, 2 layers", "8b_gpu, 4 layers, Engram off"
+    ]  # fmt: skip

@@ -10,9 +10,9 @@ import pytest
 import torch
 from launcher import run_distributed, run_isolated
 from saved_bytes import saved_activation_bytes
+from small_job import load_shipped
 from test_planner_estimate import _real_rank_counts
 
-from engram.config import load_config
 from engram.models.args import get_model_args
 from engram.runtime.device_specs import usable_memory_gib
 from planner.activations import activation_estimate
@@ -25,7 +25,7 @@ GIB = 2**30
 
 
 def _cfg(path: str, *overrides: str):
-    return load_config(["--job.config_file", path, *overrides])
+    return load_shipped(path, *overrides)
 
 
 @pytest.mark.parametrize("method", ["ulysses", "allgather_kv"])
@@ -224,7 +224,7 @@ def test_cp_composes_with_pipeline_and_host_tables():
 )
 def test_long_context_npu_configs_fit_usable_memory_with_10_percent_free(path):
     """The shipped CP configs, planned against the usable memory of a 64 GB Atlas A2 / A3
-    (engram/runtime/device_specs.py: 61.0 GiB), keep at least 10% of it free, without TP or
+    (engram/runtime/device_specs.py: 60.96 GiB), keep at least 10% of it free, without TP or
     CPU offload."""
     cfg = _cfg(path)
     p = cfg.parallelism

@@ -14,8 +14,9 @@ import pytest
 import torch
 from launcher import run_distributed, run_isolated
 from saved_bytes import check_activation_formula
+from small_job import load_shipped
 
-from engram.config import ConfigError, load_config
+from engram.config import ConfigError
 from engram.data.tokenizer import load_tokenizer
 from engram.hashing.ngram import NgramHasher, engram_table_rows
 from engram.models.args import get_model_args
@@ -42,7 +43,7 @@ def _main(argv):
 
 
 def _cfg(path: str, *overrides: str):
-    return load_config(["--job.config_file", path, *overrides])
+    return load_shipped(path, *overrides)
 
 
 def _ceil_split(n: int, world: int, rank: int) -> int:
@@ -146,8 +147,8 @@ def test_32b_npu_parameter_totals_and_table_rows(est_32b):
 
 
 def test_32b_npu_fits_in_64gb_with_per_micro_batch_sync(est_32b):
-    # job.device = npu: the budget is the usable 61 GiB of a "64 GB" NPU, not the nameplate
-    assert est_32b.device_memory_bytes == int(usable_memory_gib("npu") * GIB) == int(61.0 * GIB)
+    # job.device = npu: the budget is the usable 60.96 GiB of a "64 GB" NPU, not the nameplate
+    assert est_32b.device_memory_bytes == int(usable_memory_gib("npu") * GIB) == int(60.96 * GIB)
     for mem in est_32b.ranks:
         assert mem.peak_bytes < 61 * GIB, f"rank {mem.rank}: {mem.peak_bytes / GIB:.1f} GiB"
     assert est_32b.fits
@@ -208,7 +209,7 @@ def test_cli_markdown_and_json(capfd):
     md = capfd.readouterr().out
     assert "| per rank | rank 0 | rank 1 | kind |" in md and "Fits: **yes**" in md
     # default budget: the usable memory of an NPU (also for cpu / auto), not the nameplate
-    assert "| device memory, GiB | 61.000 | 61.000 | --device_memory_gib |" in md
+    assert "| device memory, GiB | 60.960 | 60.960 | --device_memory_gib |" in md
     json_args = ["--json", "--training.seq_len=64", "--device_memory_gib", "64"]
     _main(["--job.config_file", DEBUG, "--world_size", "2", *json_args])
     data = json.loads(capfd.readouterr().out)

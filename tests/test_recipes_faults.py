@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from launcher import run_distributed
+from small_job import small_job
 
 from engram.checkpoint import CheckpointError, fingerprint_mismatches
 from engram.checkpoint.fingerprint import config_fingerprint
@@ -23,22 +24,15 @@ from engram.hashing.ngram import NgramHasher
 
 
 def _raw(folder: str, steps: int = 2, **overrides: dict) -> dict:
-    raw = {
-        "job": {"dump_folder": folder, "run_name": "faults", "device": "cpu", "seed": 3},
-        "model": {"flavor": "debug"},
-        "engram": {
-            "layer_ids": [1],
-            "n_head_per_ngram": 2,
-            "vocab_size_per_ngram": [1009, 997],
-            "n_embed_per_ngram": 32,
-            "init": "paper",
-        },
-        "training": {"seq_len": 16, "local_batch_size": 2, "steps": steps},
+    extra = {
+        "training": {"seq_len": 16, "local_batch_size": 2},
         "data": {"synthetic_num_entities": 32},
+        "optimizer": {"lr": 3e-4},
         "lr_scheduler": {"warmup_steps": 1},
         "checkpoint": {"enable": True, "interval": 2, "keep_latest_k": 0},
-        "metrics": {"enable_tensorboard": False},
+        "metrics": {"log_freq": 1},
     }
+    raw = small_job(folder, "faults", 1, steps, extra, parallelism={})
     for section, values in overrides.items():
         raw.setdefault(section, {}).update(values)
     return raw
@@ -49,14 +43,14 @@ def poison_loss(nan_steps: tuple[int, ...]) -> None:
     NaN, and so are their gradients."""
     import engram.train.loss
 
-    real, calls = engram.train.loss.cross_entropy, [0]
+    real, calls = engram.train.loss.summed_cross_entropy, [0]
 
     def poisoned(logits, labels):
         calls[0] += 1
         loss = real(logits, labels)
         return loss * float("nan") if calls[0] in nan_steps else loss
 
-    engram.train.loss.cross_entropy = poisoned
+    engram.train.loss.summed_cross_entropy = poisoned
 
 
 def _train(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) -> dict:

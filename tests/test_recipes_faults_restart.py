@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from launcher import free_port
+from small_job import small_job
 
 from engram.checkpoint import verify_checkpoint
 from engram.config import config_from_dict, to_toml
@@ -31,23 +32,15 @@ EXPECTED = [  # (complete checkpoints seen by each try, the step it resumed from
 
 
 def _config(tmp_path: Path, name: str) -> Path:
-    raw = {
-        "job": {"dump_folder": str(tmp_path), "run_name": name, "device": "cpu", "seed": 2},
-        "model": {"flavor": "debug"},
-        "engram": {
-            "layer_ids": [1],
-            "n_head_per_ngram": 2,
-            "vocab_size_per_ngram": [1009, 997],
-            "n_embed_per_ngram": 32,
-            "init": "paper",
-        },
-        "training": {"seq_len": 16, "local_batch_size": 2, "steps": STEPS},
+    extra = {
+        "job": {"seed": 2},
+        "training": {"seq_len": 16, "local_batch_size": 2},
         "data": {"synthetic_num_entities": 32},
-        "lr_scheduler": {"warmup_steps": 2},
-        "parallelism": {"dp_shard": 2},
+        "optimizer": {"lr": 3e-4},
         "checkpoint": {"enable": True, "interval": 2, "keep_latest_k": 0},
-        "metrics": {"enable_tensorboard": False},
+        "metrics": {"log_freq": 1},
     }
+    raw = small_job(str(tmp_path), name, 2, STEPS, extra)
     path = tmp_path / f"{name}.toml"
     path.write_text(to_toml(config_from_dict(raw)))
     return path

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from launcher import run_distributed
 
 import engram.runtime.device as device
 from engram.runtime.distributed import destroy_distributed, init_distributed, set_pg_timeouts
-from tests.launcher import run_distributed
 
 GIB = 1 << 30
 

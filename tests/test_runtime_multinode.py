@@ -21,8 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
-from tests.launcher import free_port
+from launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "debug_model.toml"

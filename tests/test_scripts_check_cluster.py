@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from tests.launcher import free_port, run_distributed
+from launcher import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 

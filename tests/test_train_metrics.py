@@ -8,7 +8,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from engram.config import JobConfig, Metrics, Profiling
-from engram.train.metrics import MetricsLogger, format_metrics, init_logger
+from engram.train.metrics import MetricsLogger, format_metrics
 from engram.train.profiling import maybe_profile, profile_schedule
 
 
@@ -92,14 +92,6 @@ def test_format_metrics():
     assert format_metrics(10, _metrics(10) | {"mem_gib": 1.2, "tokens_per_s": 12345.4}) == (
         "step 10 | loss 0.3000 | lr 1.0e-03 | grad_norm 10.5 | tok/s 12,345 | mem 1.2 GiB"
     )
-
-
-def test_init_logger_levels():
-    log = init_logger(1)
-    assert not log.isEnabledFor(logging.INFO) and log.isEnabledFor(logging.WARNING)
-    log = init_logger(0)
-    assert log.isEnabledFor(logging.INFO)
-    assert sum(type(h).__name__ == "_ConsoleHandler" for h in log.handlers) == 1
 
 
 def test_profile_schedule():

@@ -22,14 +22,28 @@ One file per job, lowest first (a file imports only files above it in this list)
 - `save_errors.py`: the message of a failed save (full disk: free and needed bytes).
 - `capacity.py`: what checkpoints need of disk (keep_latest_k, incremental tables) and of host
   memory (an async save's staging), the rules the planner and the run's start-up checks share.
-- `manager.py`: `CheckpointManager` (save / async save / load / prune / resume).
+- `streamed_dcp.py`: the DCP planners and writer that move NVMe tables' columns one row chunk
+  at a time.
+- `step_folder_ops.py`: `StepFolders`, every path operation on the folder of step folders (list,
+  make and remove a save's tmp folder, publish, prune, clean up leftovers).
+- `save_plan.py`: a save as a plan (`SavePlan`: the parts it writes, the record it commits);
+  the parts (`StreamedDcp`, `StagedDcp`, `FolderStates`, `JsonStates`, `TableRows`,
+  `TableChainStart`) and the plans (`full_save`, `table_delta_save`).
+- `writer.py`: `CheckpointWriter`, the one writer of every plan: open, write, commit, or finish
+  a pending (async) save.
+- `resume.py`: the load's steps: candidates, the first intact one, compatibility, the DCP and
+  JSON states (a table chain replayed).
+- `manager.py`: `CheckpointManager` (when to save and which plan, async save, load, resume).
 - `fingerprint.py`: what of the config a checkpoint must agree with to be resumed.
 - `run_folder.py`: what makes a folder a run's folder (`run_folder_markers`), for tools that
   must not write into one (the export).
 
 Where a new feature goes: a new file or field in a step folder -> `folder.py` (and `FORMAT` if
-old readers would misread it); a new kind of saved state -> `state.py`; a new rule for what a
-load may unpickle -> `dcp_io.py`; when to save, resume or prune -> `manager.py`; a config key a
+old readers would misread it); a new kind of save (another way to write the tables, another
+file per save) -> a part and a plan in `save_plan.py`, chosen in `CheckpointManager._plan`,
+never a branch in `writer.py`; another storage's path operations -> `step_folder_ops.py`; a new
+kind of saved state -> `state.py`; a new rule for what a load may unpickle -> `dcp_io.py`; when
+to save, resume or prune -> `manager.py` (the load's checks: `resume.py`); a config key a
 resume must agree on -> `fingerprint.py`.
 
 The names below are the package's public API (`from engram.checkpoint import ...`).

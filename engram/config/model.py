@@ -140,6 +140,10 @@ class Engram:
     """With table_location = nvme: seconds of random 4 KiB reads of the page files at start
     (after init), set against the page reads a step needs; a drive too slow for them is warned
     about, naming both numbers (runner/start_checks.py). 0: no probe."""
+    nvme_create_dirs: bool = False
+    """With table_location = nvme: create an engram.nvme_dirs entry that does not exist yet
+    (its parent must: a drive's mount point). false: a missing entry is refused at start, so a
+    mistyped or unmounted path never fills whatever disk holds it."""
 
     def __post_init__(self) -> None:
         check(
@@ -193,6 +197,17 @@ class Engram:
             'engram.table_location = "nvme" needs engram.nvme_dirs: directories on local disks '
             'for the table page files, e.g. nvme_dirs = ["/mnt/nvme0/engram"]',
         )
+        if self.table_location != "nvme":
+            nvme_only = {  # setting -> its default: read only with table_location = "nvme"
+                "nvme_dirs": [], "nvme_host_cache_gib": 1.0, "nvme_create_dirs": False
+            }  # fmt: skip
+            for name, default in nvme_only.items():
+                check(
+                    getattr(self, name) == default,
+                    f"engram.{name} is set ({getattr(self, name)!r}) but engram.table_location "
+                    f'= "{self.table_location}": it is read only with table_location = "nvme"; '
+                    f'set table_location = "nvme" or remove engram.{name}',
+                )
         check(
             self.table_location in TABLE_LOCATIONS,
             f"engram.table_location must be one of {', '.join(TABLE_LOCATIONS)}, "

@@ -77,6 +77,12 @@ class JobConfig:
             "model.attn_backend = 'sdpa'",
         )
 
+    def at_dp(self, dp: int) -> JobConfig:
+        """This config at `dp` data-parallel ranks (training.global_batch_size turned into
+        grad_accum_steps: Training.at_dp). The recipes and the planner call it once the world
+        is known."""
+        return dataclasses.replace(self, training=self.training.at_dp(dp))
+
     @property
     def run_folder(self) -> Path:
         return Path(self.job.dump_folder) / self.job.run_name

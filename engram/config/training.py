@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from dataclasses import dataclass, field, fields
@@ -60,9 +61,17 @@ class Training:
     the backbone, train LoRA adapters on lora.target_modules and every Engram parameter."""
     seq_len: int = 128
     local_batch_size: int = 8
-    """Sequences per data-parallel rank per micro-batch."""
+    """Sequences per data-parallel rank per micro-batch (what a rank holds at once: its memory)."""
     grad_accum_steps: int = 1
-    """Micro-batches per optimizer step."""
+    """Micro-batches per optimizer step. Derived when global_batch_size is set (leave it at 1
+    then, or give the derived value)."""
+    global_batch_size: int = 0
+    """Sequences per optimizer step over all data-parallel ranks (torchtitan's setting). 0: not
+    set, the global batch is local_batch_size x grad_accum_steps x dp, so it grows with the
+    number of ranks. > 0: the same global batch at every world size: at start the run derives
+    grad_accum_steps = global_batch_size / (local_batch_size x dp), which must come out whole
+    (else it stops, naming the fix); local_batch_size stays as given (global_batch_size and
+    local_batch_size win over grad_accum_steps)."""
     steps: int = 100
     """Optimizer steps to run."""
     max_norm: float = 1.0
@@ -85,6 +94,14 @@ class Training:
             check(
                 getattr(self, name) > 0, f"training.{name} must be > 0, got {getattr(self, name)}"
             )
+        g, b = self.global_batch_size, self.local_batch_size
+        check(g >= 0, f"training.global_batch_size must be >= 0 (0: not set), got {g}")
+        check(
+            g % b == 0,
+            f"training.global_batch_size={g} is not a multiple of training.local_batch_size={b}: "
+            "no number of ranks and accumulation steps gives it; choose a local_batch_size that "
+            "divides it",
+        )
         check(self.max_nonfinite_steps > 0, "training.max_nonfinite_steps must be > 0")
         check(
             1 <= self.loss_chunks <= self.seq_len,
@@ -92,6 +109,36 @@ class Training:
             f"{self.seq_len}, got {self.loss_chunks}",
         )
         check_finite(self.max_norm, "training.max_norm", "(use 0 to disable clipping)")
+
+    def at_dp(self, dp: int) -> Training:
+        """This section at `dp` data-parallel ranks: with global_batch_size set, grad_accum_steps
+        derived from it (local_batch_size x grad_accum_steps x dp = global_batch_size), or a
+        ConfigError naming the fix; unchanged without it."""
+        g, b, a = self.global_batch_size, self.local_batch_size, self.grad_accum_steps
+        if not g:
+            return self
+        per_micro = b * dp
+        if g % per_micro:
+            fits = [n for n in range(1, g // dp + 1) if g % (n * dp) == 0] if g % dp == 0 else []
+            fix = (
+                f"a training.local_batch_size in {fits}"
+                if fits
+                else f"a number of data-parallel ranks that divides {g}"
+            )
+            raise ConfigError(
+                f"training.global_batch_size={g} does not split into training.local_batch_size="
+                f"{b} x {dp} data-parallel ranks x whole accumulation steps ({g} is not a "
+                f"multiple of {per_micro}): use {fix}, or a global_batch_size that is a multiple "
+                f"of {per_micro}"
+            )
+        derived = g // per_micro
+        check(
+            a in (1, derived),
+            f"training.grad_accum_steps={a} contradicts training.global_batch_size={g}, which "
+            f"at local_batch_size={b} and {dp} data-parallel ranks gives grad_accum_steps = "
+            f"{derived}: leave grad_accum_steps out (it is derived), or set global_batch_size = 0",
+        )
+        return dataclasses.replace(self, grad_accum_steps=derived)
 
 
 @dataclass
@@ -156,7 +203,10 @@ class Data:
     eval_every: int = 0
     """Evaluate held-out loss every N steps (0: only at the end when eval_batches > 0)."""
     eval_batches: int = 0
-    """Held-out batches per evaluation (0: no evaluation)."""
+    """Held-out batches per evaluation (0: no evaluation): loader batches of
+    training.local_batch_size x dp sequences, or, with training.global_batch_size set, batches
+    of that many sequences (grad_accum_steps loader batches each), so that the held-out set is
+    the same at every number of ranks."""
     sources: list[DataSource] = field(default_factory=list)
     """tokens only: a weighted mixture of prepared folders, as a TOML array of tables
     [[data.sources]] path = "..." weight = 0.7 (instead of data.path)."""

@@ -20,6 +20,8 @@ backend (sharding.py `LOCATION_BACKENDS`).
     AIO with O_DIRECT, else preadv / pwritev, on a small thread pool).
 - `page_files.py`: the NVMe store's page files: created locked and preallocated, files of dead
   runs swept, page I/O errors that name the fix.
+- `nvme_checks.py`: the start-time refusals of the NVMe settings by name
+  (`check_nvme_settings`: missing, duplicate, unwritable directories; the host cache's size).
 - `linux_aio.py`: batched native Linux AIO (io_submit / io_getevents) for O_DIRECT pages.
 - `tier_rules.py`: the NVMe tier's rules the planner and the run's start-up checks share (page
   file bytes, page I/O per step, drive writes per day, the capacity problem, the warnings).

@@ -3,9 +3,10 @@ bf16 / fp8 peaks (MFU divides by the bf16 one), per device model (PEAK_SPECS, ma
 the device reports or by its key, the planner's --device) and per device type (DEVICE_SPECS, the
 fallback for models the table does not know).
 
-Usable memory is what the device reports as its total to PyTorch, not the nameplate: the
-nameplate less the share the driver / firmware keep (a "64 GB" Ascend Atlas A2 reports about
-61 GiB, a "141 GB" H200 139.8 GiB). The memory planner budgets against it by default
+Usable memory is the total `mem_get_info` reports on that model, not the nameplate: the
+nameplate less the share the driver / firmware keep (a "64 GB" Ascend Atlas A2 reports 60.96 GiB,
+a "141 GB" H200 139.8 GiB, an 80 GB H100 79.11 where nvidia-smi shows 79.65). Each entry cites
+where its figure was reported, or says "derived" and how. The memory planner budgets against it by default
 (`--device` / `--device_memory_gib` override) and adds its own reserve for the runtime context
 and collective buffers (`--reserve_gib`, 3 GiB) to every peak; at run time the device's
 `mem_get_info` total beats this table (engram/train/throughput.py log_device_memory logs which
@@ -31,19 +32,18 @@ class DeviceSpec:
 DEVICE_SPECS: dict[str, DeviceSpec] = {
     "npu": DeviceSpec(
         name="Ascend Atlas A2 / A3 (64 GB HBM per NPU)",
-        usable_memory_gib=61.0,
+        usable_memory_gib=60.96,
         memory_source=(
-            "PyTorch reports 60.97 GiB total on a 64 GB Atlas A2 (vllm-project/vllm-ascend#19) "
-            "and 61.27 GiB on A3 (sgl-project/sglang#29838, modelscope/ms-swift#7871); the "
-            "lower figure, rounded"
+            "the 64 GB Atlas A2's total as PyTorch reports it (60.96 GiB: "
+            "vllm-project/vllm-ascend#1670; A3 reports 61.27); the lower figure"
         ),
     ),
     "cuda": DeviceSpec(
         name="NVIDIA 80 GB class (A100 80GB, H100)",
-        usable_memory_gib=79.6,
+        usable_memory_gib=79.11,
         memory_source=(
-            "nvidia-smi reports 81,559 MiB total on an H100 80GB and 81,920 MiB on an A100 80GB "
-            "(modal-labs/modal-client#2797); the lower figure"
+            "the H100 80GB's mem_get_info total (79.11 GiB, vllm-project/vllm#27508; the "
+            "A100 80GB reports 79.14); the lower figure"
         ),
     ),
 }
@@ -86,34 +86,48 @@ class PeakSpec:
 
 
 _NV_DATASHEET = "NVIDIA datasheet, dense (half the sparsity figure)"
+_A100_80 = (
+    "80 GB HBM2e",
+    79.14,
+    "mem_get_info total 79.14 GiB on an A100 80GB (OOM message in "
+    "lianqi1008/Control-GIC#6; levihsu/OOTDiffusion#235 reports 79.25): the lower figure",
+)
 _A2_64 = (
     "64 GB HBM2e",
-    61.0,
-    "PyTorch reports 60.97 GiB total on a 64 GB Atlas A2 (vllm-project/vllm-ascend#19); rounded",
+    60.96,
+    "PyTorch's total on a 64 GB Atlas A2: 60.96 GiB (NPU OOM messages in "
+    "vllm-project/vllm-ascend#1670, vllm-project/vllm-omni#1199; 60.97 in vllm-ascend#19)",
 )
 _A2_PEAK = (
     "verl _DEVICE_FLOPS ('910B': 354e12), one figure for the 910B bins; no fp8 matmul on 910B "
     "(Ascend operator docs: FP8 only on 950): set metrics.peak_tflops if your bin's sheet differs"
 )
 
-# First match wins: the more specific markers come first. Peaks as torchtitan's `get_peak_flops`
+# Matched by the longest marker the reported name contains, so the most specific entry wins
+# wherever one marker holds another ("GH200" over "H200", "GB200" over "B200", "Ascend910B4-1"
+# over "Ascend910B4", "H200" over "H20"). Peaks as torchtitan's `get_peak_flops`
 # (torchtitan/tools/utils.py), verl's `_DEVICE_FLOPS` and torchao's roofline_utils state them
-# (vendors' dense figures). Ascend names as torch_npu reports them: "Ascend910B1".."Ascend910B4"
-# (Atlas A2), "Ascend910_93xx" (Atlas A3, 910C: one torch device per die).
+# (vendors' dense figures). Usable memory is the total torch.cuda / torch.npu .mem_get_info
+# reports on that model (or the "total capacity" of its OOM message, the same figure), each
+# with its source, or "derived" and how. Names as torch.cuda / torch_npu .get_device_name()
+# return them: "NVIDIA H100 80GB HBM3", "NVIDIA GH200 480GB", "Ascend910B2", "Ascend910B4-1"
+# (the 64 GB 910B4), "Ascend910_9391" (Atlas A3, 910C: one torch device per die);
+# tests/test_device_specs.py lists one real name per entry with where it was seen.
 PEAK_SPECS: tuple[PeakSpec, ...] = (
     PeakSpec(
         "H100 NVL", "NVIDIA H100 NVL", 835.0, _NV_DATASHEET, "h100-nvl", "cuda", 1671.0,
-        "94 GB HBM3", 93.6, "nvidia-smi 95,830 MiB (H100 NVL); lower by the 80 GB parts' share",
+        "94 GB HBM3", 93.0, "mem_get_info total 93.00 GiB on an H100 NVL (OOM message in "
+        "ali-vilab/VACE#56)",
     ),
     PeakSpec(
         "H100 PCIe", "NVIDIA H100 PCIe", 756.0, _NV_DATASHEET, "h100-pcie", "cuda", 1513.0,
-        "80 GB HBM2e", 79.6, "nvidia-smi 81,559 MiB total on an H100 80GB "
-        "(modal-labs/modal-client#2797)",
+        "80 GB HBM2e", 79.11, "derived: the H100 SXM's figure (no PCIe total found; both "
+        "report 81,559 MiB in nvidia-smi, modal-labs/modal-client#2797)",
     ),
     PeakSpec(
         "H100", "NVIDIA H100 SXM", 989.0, _NV_DATASHEET, "h100", "cuda", 1979.0,
-        "80 GB HBM3", 79.6, "nvidia-smi 81,559 MiB total on an H100 80GB "
-        "(modal-labs/modal-client#2797)",
+        "80 GB HBM3", 79.11, "mem_get_info total 79.11 GiB on an H100 80GB (OOM message in "
+        "vllm-project/vllm#27508)",
     ),
     PeakSpec(
         "H200", "NVIDIA H200", 989.0, _NV_DATASHEET + " (H200 = H100 SXM compute)", "h200",
@@ -121,28 +135,45 @@ PEAK_SPECS: tuple[PeakSpec, ...] = (
         "mem_get_info total 139.8 GiB on an H200 (this project's first accelerator run, "
         "2026-12-03, driver 580.159.04)",
     ),
+    PeakSpec(
+        "GH200 144G", "NVIDIA GH200 144G HBM3e", 989.0, _NV_DATASHEET + " (GH200: H100 SXM "
+        "compute)", "gh200-144g", "cuda", 1979.0, "144 GB HBM3e", 139.8,
+        "derived: no total found; the H200's 139.8 GiB (same HBM3e, 141 GB enabled) as a lower "
+        "bound",
+    ),
+    PeakSpec(
+        "GH200", "NVIDIA GH200 480GB (96 GB HBM3)", 989.0, _NV_DATASHEET + " (GH200: H100 SXM "
+        "compute)", "gh200", "cuda", 1979.0, "96 GB HBM3", 94.88,
+        "mem_get_info total 94.88 GiB on a GH200 (OOM message in Lightning-AI/litgpt#1892)",
+    ),
     PeakSpec("H800", "NVIDIA H800", 989.0, "verl _DEVICE_FLOPS", "", "cuda", 1979.0),
     PeakSpec("H20", "NVIDIA H20", 148.0, "verl _DEVICE_FLOPS", "", "cuda", 296.0),
     PeakSpec(
         "B200", "NVIDIA B200", 2250.0, "torchao roofline_utils (bf16 2.25e15, fp8 4.5e15 dense; "
-        "HGX B200 datasheet)", "b200", "cuda", 4500.0, "180 GB HBM3e", 178.3,
-        "totalGlobalMem 178.35 GiB on a B200 (pytorch/ao#4002)",
+        "HGX B200 datasheet)", "b200", "cuda", 4500.0, "180 GB HBM3e", 178.35,
+        "totalGlobalMem 178.35 GiB on a B200 (pytorch/ao#4002; the total mem_get_info reports, "
+        "178.4 GiB on sm100 in sgl-project/sglang#25225)",
+    ),
+    PeakSpec(
+        "GB200", "NVIDIA GB200 (per GPU)", 2500.0, "GB200 NVL72 datasheet: 180 PFLOPS dense "
+        "bf16, 360 fp8 over 72 GPUs", "gb200", "cuda", 5000.0, "186 GB HBM3e", 184.3,
+        "derived: no total found; 186 GB per GPU (NVL72: 13.4 TB / 72) less the 1.65 GiB the "
+        "B200 reports below its 180 GB nameplate (178.35)",
     ),
     PeakSpec(
         "A100-SXM4-40GB", "NVIDIA A100 40GB", 312.0, "torchtitan get_peak_flops "
-        "(nvidia.com/a100); no fp8", "a100-40gb", "cuda", None, "40 GB HBM2", 39.6,
-        "nvidia-smi 40,960 MiB; less the 0.4 GiB the 80 GB class reports below its nameplate",
+        "(nvidia.com/a100); no fp8", "a100-40gb", "cuda", None, "40 GB HBM2", 39.39,
+        "totalGlobalMem 42,298,834,944 bytes (39.39 GiB) on an A100-SXM4-40GB (deviceQuery in "
+        "bottlerocket-os/bottlerocket#3873)",
     ),
     PeakSpec(
         "A100-PCIE-40GB", "NVIDIA A100 40GB PCIe", 312.0, "torchtitan get_peak_flops "
-        "(nvidia.com/a100); no fp8", "", "cuda", None, "40 GB HBM2", 39.6,
-        "as the A100 SXM4 40GB",
+        "(nvidia.com/a100); no fp8", "", "cuda", None, "40 GB HBM2", 39.39,
+        "derived: the A100-SXM4-40GB's figure (same memory)",
     ),
     PeakSpec(
         "A100", "NVIDIA A100 80GB", 312.0, "torchtitan get_peak_flops (nvidia.com/a100); no fp8",
-        "a100-80gb", "cuda", None, "80 GB HBM2e", 79.6,
-        "nvidia-smi 81,920 MiB on an A100 80GB (modal-labs/modal-client#2797); the H100's lower "
-        "81,559 MiB kept for the class",
+        "a100-80gb", "cuda", None, *_A100_80,
     ),
     PeakSpec("A800", "NVIDIA A800", 312.0, "verl _DEVICE_FLOPS", "", "cuda"),
     PeakSpec("L40S", "NVIDIA L40S", 362.0, "torchtitan get_peak_flops (L40S datasheet)"),
@@ -152,17 +183,22 @@ PEAK_SPECS: tuple[PeakSpec, ...] = (
         "Ascend910_93", "Ascend 910C (Atlas A3, per die)", 354.0,
         "no public per-die bf16 figure found; the 910B figure (a 910C is two 910B-class dies, "
         "each one torch device); no fp8: set metrics.peak_tflops if your sheet differs",
-        "910c", "npu", None, "64 GB per die (128 GB per package)", 61.0,
-        "PyTorch reports 61.27 GiB per die on A3 (sgl-project/sglang#29838, "
-        "modelscope/ms-swift#7871); rounded down to the A2 figure",
+        "910c", "npu", None, "64 GB per die (128 GB per package)", 61.27,
+        "PyTorch's total per die on A3: 61.27 GiB (NPU OOM message in sgl-project/sglang#29838)",
     ),
     PeakSpec("Ascend910B1", "Ascend 910B1 (Atlas A2)", 354.0, _A2_PEAK, "910b1", "npu", None, *_A2_64),
     PeakSpec("Ascend910B2", "Ascend 910B2 (Atlas A2)", 354.0, _A2_PEAK, "910b2", "npu", None, *_A2_64),
     PeakSpec("Ascend910B3", "Ascend 910B3 (Atlas A2)", 354.0, _A2_PEAK, "910b3", "npu", None, *_A2_64),
     PeakSpec(
-        "Ascend910B4", "Ascend 910B4 (Atlas A2)", 354.0, _A2_PEAK, "910b4", "npu", None,
-        "32 GB HBM2e", 29.0, "not measured: the 32 GB part less the ~3 GiB the 64 GB A2 keeps "
-        "(an assumption: pass --device_memory_gib with your mem_get_info total)",
+        "Ascend910B4-1", "Ascend 910B4-1 (Atlas A2, 64 GB)", 354.0, _A2_PEAK, "910b4-1", "npu",
+        None, "64 GB HBM2e", 60.96, "derived: the 64 GB A2 bins' 60.96 GiB (npu-smi shows "
+        "65,536 MB HBM on a 910B4-1, Project-HAMi/HAMi-WebUI#47)",
+    ),
+    PeakSpec(
+        "Ascend910B4", "Ascend 910B4 (Atlas A2, 32 GB)", 354.0, _A2_PEAK, "910b4", "npu", None,
+        "32 GB HBM2e", 28.96, "derived: 32 GiB (npu-smi 32,768 MB, vllm-project/vllm-ascend#8746) "
+        "less the 3.04 GiB the 64 GB bins keep (64 - 60.96); pass your mem_get_info total as "
+        "--device_memory_gib",
     ),
     PeakSpec(
         "Ascend910B", "Ascend 910B (Atlas A2)", 354.0, _A2_PEAK, "910b", "npu", None, *_A2_64
@@ -173,9 +209,11 @@ DEVICE_MODELS = {s.key: s for s in PEAK_SPECS if s.key}
 
 
 def peak_spec_for(device_name: str) -> PeakSpec | None:
-    """The table entry whose marker occurs in `device_name` (case-insensitive), None if none."""
+    """The most specific table entry for `device_name`: of the markers it contains
+    (case-insensitive), the longest; None if none."""
     low = device_name.lower()
-    return next((s for s in PEAK_SPECS if s.marker.lower() in low), None)
+    found = [s for s in PEAK_SPECS if s.marker.lower() in low]
+    return max(found, key=lambda s: len(s.marker), default=None)
 
 
 def device_memory_gib(device: str) -> float:

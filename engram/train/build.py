@@ -28,7 +28,8 @@ from engram.models.builder import build_hasher, build_model_from_config
 from engram.runtime import device as dev
 from engram.runtime.affinity import pin_to_device_numa
 from engram.runtime.distributed import init_distributed
-from engram.train.metrics import init_logger, logger
+from engram.runtime.logs import init_logging
+from engram.train.metrics import logger
 from engram.train.table_check import warn_if_tables_collide
 from engram.train.throughput import log_device_memory
 
@@ -57,7 +58,7 @@ def init_process(cfg: JobConfig) -> Process:
     env = dev.apply_device_env(device_type, cfg.job.deterministic, longest)  # before HCCL / alloc
     rank, local_rank, world_size = init_distributed(device_type, timeout_s=init_timeout)
     device = dev.local_device(device_type, local_rank)
-    init_logger(rank)
+    init_logging(rank)
     log_device_memory(device)  # total / free beside the usable figure, before anything is placed
     affinity = pin_to_device_numa(device, cfg.job.cpu_affinity)
     logger.info(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -13,29 +12,6 @@ from typing import Any
 from engram.config import JobConfig, Metrics, sections_to_toml
 
 logger = logging.getLogger("engram")
-
-
-class _ConsoleHandler(logging.StreamHandler):
-    """The handler init_logger installs (a subclass, so a second call can find and replace it)."""
-
-
-def init_logger(rank: int, level: int = logging.INFO) -> logging.Logger:
-    """Configure the "engram" logger: rank 0 shows INFO, other ranks only WARNING and above.
-
-    Idempotent: calling it again replaces the handler instead of adding a second one.
-    """
-    log = logging.getLogger("engram")
-    for h in list(log.handlers):
-        if isinstance(h, _ConsoleHandler):
-            log.removeHandler(h)
-    handler = _ConsoleHandler(sys.stdout)
-    handler.setFormatter(
-        logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    )
-    log.addHandler(handler)
-    log.setLevel(level if rank == 0 else max(level, logging.WARNING))
-    log.propagate = False  # one line per message even when the root logger has handlers
-    return log
 
 
 def is_log_step(cfg: JobConfig, step: int) -> bool:

@@ -55,10 +55,11 @@ class Progress:
         self.metrics, self.train_loader, self.device = metrics, train_loader, device
         self.throughput, self.telemetry = throughput, telemetry
         self.tokens_per_step = t.local_batch_size * t.seq_len * t.grad_accum_steps  # this rank's
-        self.losses: list[torch.Tensor] = []  # global mean loss per step, on the device
+        self.losses: list[torch.Tensor] = []  # the step's token mean per step, on the device
         self.grad_norms: list[torch.Tensor] = []
         dev.reset_peak_memory(device)
         self.window_start, self.window_steps = time.perf_counter(), 0
+        self.window_targets = torch.zeros((), dtype=torch.int64, device=device)
 
     def data_timer(self):
         """Around the step's wait for its batches (the data_time_s metric)."""
@@ -68,15 +69,23 @@ class Progress:
         return is_log_step(self.cfg, step)
 
     def record(
-        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, nonfinite: int
+        self,
+        step: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        lr: float,
+        nonfinite: int,
+        target_tokens: torch.Tensor,
     ) -> None:
         """Count the step; on a log step write its metrics (`lr`: the one its update used;
-        `nonfinite`: the guard's count of skipped steps)."""
+        `nonfinite`: the guard's count of skipped steps; `target_tokens`: the step's count of
+        target tokens over every rank, the loss's divisor, on the device)."""
         self.state.step = step
         self.state.tokens_seen += self.tokens_per_step * self.dp_size
         self.losses.append(loss)
         self.grad_norms.append(grad_norm)
         self.window_steps += 1
+        self.window_targets += target_tokens
         if not self.is_log_step(step):
             return
         dev.synchronize(self.device)
@@ -84,6 +93,7 @@ class Progress:
         mem = dev.memory_stats(self.device)
         seq_len = self.cfg.training.seq_len
         tokens_per_s = self.tokens_per_step * self.dp_size / dt
+        targets_per_s = self.window_targets.item() / self.window_steps / dt
         extra = (
             self.throughput.metrics(tokens_per_s, dt, self.window_steps) if self.throughput else {}
         )
@@ -96,6 +106,10 @@ class Progress:
                 "lr": lr,
                 "grad_norm": grad_norm.item(),
                 "tokens_per_s": tokens_per_s,
+                # the loss's divisor: tokens with a label (all of packed text, the answers of
+                # a prompt-masked chat set), this step's and per second over the window
+                "target_tokens": int(target_tokens.item()),
+                "target_tokens_per_s": targets_per_s,
                 "step_time_s": dt,  # mean over the steps since the last log
                 "tokens_seen": self.state.tokens_seen,
                 "nonfinite_steps": nonfinite,
@@ -115,6 +129,7 @@ class Progress:
         time is in no window)."""
         if self.is_log_step(step):
             self.window_start, self.window_steps = time.perf_counter(), 0
+            self.window_targets.zero_()
 
     def history(self) -> tuple[list[float], list[float]]:
         """Every step's (loss, grad norm) of this run, read from the device once."""

@@ -1,6 +1,10 @@
 """One optimizer step's pieces: forward-backward of a micro-batch (whole model, or this rank's
-pipeline stages through their schedule), the data-parallel mean of a logged value, and the update
-(or the guard's skip) with the learning-rate schedules.
+pipeline stages through their schedule), the sum of a logged loss share over the ranks with other
+tokens, and the update (or the guard's skip) with the learning-rate schedules.
+
+Every loss here is a share of the step's token mean: the micro-batch's token-loss sum over the
+step's one count of target tokens (engram/train/loss.py TargetTokens), so shares add up, over
+micro-batches, pipeline micro-batches and ranks.
 
 runner/step.py's TrainStep calls these in order (the one step of the recipes, check_cluster and
 the benchmarks: forward / backward, clip, guard, update); what an engine does differently
@@ -45,28 +49,29 @@ def forward_backward(
     model_parts: list[nn.Module],
     batch: dict[str, torch.Tensor],
     loss_fn: LanguageModelLoss,
-    loss_scale: float,
+    divisor: torch.Tensor,
 ) -> torch.Tensor:
-    """One micro-batch: forward, loss, backward of `loss * loss_scale`; returns the detached
-    loss. Hash ids and positions go by keyword (model_inputs)."""
+    """One micro-batch: forward, loss (its token-loss sum / `divisor`, the step's
+    TargetTokens.divisor), backward; returns the detached loss. Hash ids and positions go by
+    keyword (model_inputs)."""
     (model,) = model_parts  # pp = 1: one part
     output = model(batch["input_ids"], **model_inputs(batch))
-    loss = loss_fn(output, batch["labels"])
-    (loss * loss_scale).backward()
+    loss = loss_fn(output, batch["labels"], divisor)
+    loss.backward()
     return local_value(loss)
 
 
 class PipelineLoss:
-    """The last stage's loss per micro-batch, times `scale`. torch does not rescale pipeline
-    grads (scale_grads=False): scale = 1 / (micro-batches x accumulation steps) makes the
-    gradients those of the mean loss over the local batch, as without PP."""
+    """The last stage's loss per pipeline micro-batch: its token-loss sum / `divisor` (the
+    step's TargetTokens.divisor, set before each schedule step). torch does not rescale pipeline
+    gradients (scale_grads=False), so the schedule's micro-batches add up like any others."""
 
     def __init__(self, loss_fn: LanguageModelLoss) -> None:
         self.loss_fn = loss_fn
-        self.scale = 1.0
+        self.divisor: torch.Tensor | float = 1.0
 
     def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(output, labels) * self.scale
+        return self.loss_fn(output, labels, self.divisor)
 
 
 @dataclass
@@ -87,13 +92,17 @@ class PipelineRun:
 
 
 def pipeline_forward_backward(
-    pp: PipelineRun, batch: dict[str, torch.Tensor], loss_scale: float, train: bool = True
+    pp: PipelineRun,
+    batch: dict[str, torch.Tensor],
+    divisor: torch.Tensor | float,
+    train: bool = True,
 ) -> torch.Tensor:
-    """One local batch through the pipeline schedule (split into micro-batches by torch).
-    Returns the mean loss over the batch on the rank holding the last stage, 0 elsewhere.
-    Hash ids go by keyword: torch splits them along dim 0 and gives every stage its slice."""
+    """One local batch through the pipeline schedule (split into micro-batches by torch), each
+    pipeline micro-batch's loss its token-loss sum / `divisor`. Returns the sum of those losses
+    on the rank holding the last stage, 0 elsewhere. Hash ids go by keyword: torch splits them
+    along dim 0 and gives every stage its slice."""
     schedule = pp.schedule if train else pp.eval_schedule
-    pp.loss.scale = loss_scale / pp.microbatches
+    pp.loss.divisor = divisor
     args = (batch["input_ids"],) if pp.has_first_stage else ()
     kwargs = model_inputs(batch)
     losses: list[torch.Tensor] = []
@@ -101,14 +110,15 @@ def pipeline_forward_backward(
     run(*args, target=batch["labels"], losses=losses, **kwargs)
     if not losses:
         return torch.zeros((), device=batch["labels"].device)
-    return sum(local_value(x) for x in losses) / loss_scale
+    return sum(local_value(x) for x in losses)
 
 
-def dp_mean(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Mean of a per-rank scalar over the data-parallel ranks, on the device (no host read)."""
+def ranks_sum(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum of a per-rank value over `group` (the ranks with other tokens: a loss's shares), on
+    the device (no host read)."""
     value = value.detach().float().clone()
     dist.all_reduce(value, group=group)
-    return value / dist.get_world_size(group)
+    return value
 
 
 def step_optimizers(

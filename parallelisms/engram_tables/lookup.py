@@ -8,10 +8,11 @@ rowwise_adagrad), keep (unique local rows, fp32 summed row gradients) on the par
 (engram/models/table_grad.py), so nothing of the table's size is allocated. No table is ever
 gathered or replicated, and no sparse tensor is used (HCCL rejects them).
 
-Gradient semantics: each rank's loss is the mean over its local batch, so the owners receive the
-sum over the ranks that looked the rows up; `grad_scale` turns that into the mean the caller
-needs, exactly once (parallelize_model: 1 / dp, since the tp ranks of a replica look up disjoint
-tokens of the same loss).
+Gradient semantics: the owners receive the sum over the ranks that looked the rows up;
+`grad_scale` multiplies it, exactly once. In training each rank's loss is its share of the step's
+token mean (engram/train/loss.py), so that sum is the gradient and parallelize_model passes 1 (the
+tp ranks of a replica look up disjoint tokens of the same loss); DeepSpeed's step passes 1 / dp
+(runner/engine_step.py).
 """
 
 from __future__ import annotations

@@ -69,8 +69,9 @@ def apply_engram_table_sharding(
     Each table's `weight` becomes `nn.Parameter(DTensor)` with Shard(0) (works on the meta device;
     a materialised weight is sliced to the local rows) and its forward becomes the all-to-all
     lookup. `grad_scale` multiplies the table gradient the owners receive (the sum over the
-    ranks that looked the rows up, each differentiating its local-mean loss): 1 / dp for the
-    data-parallel mean, which is 1 / mesh size only without TP (parallelize_model passes it).
+    ranks that looked the rows up): 1 when each rank's loss is its share of the step's token
+    mean (engram/train/loss.py; parallelize_model's shard_engram_tables), 1 / W where each of
+    W ranks differentiates its own local mean and the mean over them is wanted.
     `row_sparse`: the backward leaves row-sparse gradients for a row-sparse optimizer
     (engram/config/table_optimizers.py) instead of a dense gradient. The returned list is in module
     order (identical on every rank): pass it to `fully_shard(..., ignored_params=...)` and give
