@@ -62,6 +62,7 @@ def test_refused_at_start_by_name(tmp_path):
 
     # Page files of a few MiB on a drive with 64 KiB free: refused before any is created.
     nvme_dir = tmp_path / "nvme"
+    nvme_dir.mkdir()  # a missing entry is refused before (engram/rowstore/nvme_checks.py)
     nvme = _job(tmp_path, "nvme", optimizer={"table_optimizer": "lazy_adam"},
                 engram={"table_location": "nvme", "nvme_dirs": [str(nvme_dir)]})  # fmt: skip
     text = _refusal(nvme, free=64 * 1024)
