@@ -92,9 +92,10 @@ def _train(
                 tables[n] = p.full_tensor().detach().clone() if isinstance(p, DTensor) else p
                 where[n] = (p.to_local() if isinstance(p, DTensor) else p).device.type
     run = Path(raw["job"]["dump_folder"]) / raw["job"]["run_name"]
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     telemetry = [  # rank 0's Engram telemetry of the logged steps (engram/train/telemetry.py)
-        {k: v for k, v in json.loads(line).items() if k.startswith("engram/")}
-        for line in (run / "metrics.jsonl").read_text().splitlines()
+        {k: v for k, v in r.items() if k.startswith("engram/")}
+        for r in records if "loss" in r  # a step's record, not an eval_loss one
     ] if rank == 0 else []  # fmt: skip
     return {
         "losses": result.losses,
