@@ -17,7 +17,7 @@ from engram.config import JobConfig
 from engram.config.table_optimizers import table_optimizer_spec
 from engram.rowstore import tier_rules
 from engram.rowstore.memory import STAGING_CHUNK_BYTES
-from engram.rowstore.nvme_store import page_layout
+from engram.rowstore.nvme_store import INDEX_BYTES_PER_PAGE, page_layout
 from engram.rowstore.tier_rules import page_file_bytes
 from planner.results import GIB, RankMemory
 from planner.tier_results import NvmeTier, TierAssumptions
@@ -39,6 +39,7 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
         "docs/host_tables.md)",
         "reuse_last_step": "share of a step's rows touched the step before (measured)",
         "reuse_window": "share of a step's rows touched in the last few steps (measured)",
+        "reuse_source": "where the reuse figures were measured: tokenizer and corpus (printed)",
         "checkpoint_write_gbs": "GB/s a node writes checkpoints at",
         "rated_dwpd": "drive writes per day the NVMe drives are rated for",
     }
@@ -89,7 +90,11 @@ def nvme_tier(
     io_s = tier_rules.io_seconds(read, page, drives, a.nvme_read_kiops, a.nvme_read_gbs)
     io_s += tier_rules.io_seconds(read, page, drives, a.nvme_write_kiops, a.nvme_write_gbs)
     drive = int(a.nvme_drives_per_node * a.nvme_tb_per_drive * 1e12)
-    host_rank = cache + STAGING_CHUNK_BYTES * n + mem.host_bytes + mem.async_staging_bytes
+    pages = sum(-(-r // per_page) for r in local)
+    host_rank = (
+        cache + STAGING_CHUNK_BYTES * n + INDEX_BYTES_PER_PAGE * pages + mem.host_bytes
+        + mem.async_staging_bytes
+    )  # fmt: skip
     tier = NvmeTier(
         assumptions=a,
         record_bytes=record,
@@ -121,7 +126,7 @@ def _nvme_problems(t: NvmeTier, n_tables: int) -> list[str]:
     out += [space] if space else []
     if t.host_bytes and t.host_bytes_needed > t.host_bytes:
         out.append(
-            f"host memory: NVMe host caches + staging need {gib(t.host_bytes_needed)} per node, "
+            f"host memory: NVMe host caches + staging + page index need {gib(t.host_bytes_needed)} per node, "
             f"{gib(t.host_bytes)} available (engram.host_memory_gib / --host_memory_gib): lower "
             "engram.nvme_host_cache_gib"
         )
@@ -154,11 +159,12 @@ def nvme_markdown(t: NvmeTier | None) -> list[str]:
         f"- records {t.record_bytes} B, {t.rows_per_page} per {t.page_bytes} B page; page files "
         f"{gib(t.drive_bytes_needed)} GiB of {gib(t.drive_bytes)} GiB "
         f"({a.nvme_drives_per_node} x {a.nvme_tb_per_drive} TB)",
-        f"- host: caches + staging + offload {gib(t.host_bytes_needed)} GiB of "
+        f"- host: caches + staging + page index + offload {gib(t.host_bytes_needed)} GiB of "
         + (f"{gib(t.host_bytes)} GiB" if t.host_bytes else "(host memory not stated)")
         + f"; cache {gib(t.cache_bytes_per_rank)} GiB per rank",
         f"- per step: {t.step_rows_per_table:,} rows per table per rank (measured reuse "
-        f"{a.reuse_last_step:.0%} from the last step); {t.pages_read_per_step:,} pages read and "
+        f"{a.reuse_last_step:.0%} from the last step; reuse from {a.reuse_source}); "
+        f"{t.pages_read_per_step:,} pages read and "
         f"as many written back per node: {t.io_seconds_per_step:.2f} s of I/O per "
         f"{a.step_time_s} s step ({a.nvme_read_kiops:g}k / {a.nvme_write_kiops:g}k IOPS, "
         f"{a.nvme_read_gbs:g} / {a.nvme_write_gbs:g} GB/s per drive)",

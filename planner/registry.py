@@ -116,6 +116,10 @@ MODELLED = {  # setting -> where the planner models it
     ),
     "lora.dropout": "estimated without the dropout masks of the adapters' inputs",
     "checkpoint.trainable_only": "measure (async staging counts the whole model: upper bound)",
+    **dict.fromkeys(
+        ("data.eval_exact_match", "data.eval_max_new_tokens"),
+        "not counted: the evaluation's greedy decode between steps (one prompt's KV cache)",
+    ),
 }
 
 MODELLED_VALUES = {  # setting -> the values the planner models (others are refused)
@@ -144,6 +148,7 @@ NO_MEMORY_EFFECT = frozenset(
         # fine-tuning data: which tokens and rows the loader builds, not their shape [B, T]
         *("data.synthetic_part", "data.synthetic_pretrain_fraction", "data.train_on"),
         *("data.pack", "data.overflow", "data.chat_template", "data.chat_template_kwargs"),
+        *("export.folder", "export.lora"),  # one process after training, on the host
         *("optimizer.lr", "optimizer.betas", "optimizer.eps", "optimizer.weight_decay"),
         *("optimizer.engram_lr_mult", "optimizer.table_lr_mult", "optimizer.table_weight_decay"),
         "optimizer.table_lazy",  # read into table_optimizer, then false

@@ -24,7 +24,8 @@ class NvmeTier:
     drive_bytes: int
     cache_bytes_per_rank: int
     host_bytes_needed: int
-    """Per node: host caches + staging + cpu_offload state + async checkpoint staging."""
+    """Per node: host caches + staging + the stores' page index (INDEX_BYTES_PER_PAGE a page) +
+    cpu_offload state + async checkpoint staging."""
     host_bytes: int
     """Host memory per node (engram.host_memory_gib / --host_memory_gib; 0: not checked)."""
     step_rows_per_table: int

@@ -11,9 +11,11 @@ parallelised). The loop is at the end, written out: per optimizer step the data
 (`run.batches`), runner/step.py's TrainStep (the context-parallel cut, host-table prefetch,
 forward / backward per micro-batch or the PP schedule, clip, the non-finite guard, the update:
 the one step that check_cluster's real_step and bench_mfu time too), then `run.end_step`
-(record, evaluate, save). Add a metric, another evaluation cadence, an early stop or a hook
-after the update there; what each `run.` call does is runner/loop.py's `TrainRun`. The other
-pieces are engram/train/ (build.py, progress.py, ...) and runner/model_parts.py.
+(record; evaluate: the held-out loss and, with data.eval_exact_match, greedy answers to held-out
+questions; save). Add a metric, another evaluation cadence, an early stop or a hook after the
+update there; what each `run.` call does is runner/loop.py's `TrainRun`. With export.folder set,
+the last checkpoint is exported when training ends (run_recipe). The other pieces are
+engram/train/ (build.py, progress.py, ...) and runner/model_parts.py.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from engram.train.flops import model_flops
 from engram.train.metrics import logger
 from engram.train.progress import TrainResult
 from parallelisms.parallel_dims import parallel_dims_from_config
+from runner.exact_match import build_exact_match
 from runner.loop import TrainRun, run_recipe
 from runner.model_parts import build_model_parts
 from runner.step import TrainStep
@@ -69,6 +72,7 @@ def train(cfg: JobConfig) -> TrainResult:
     optimizers = [opt for opts in part_optimizers for opt in opts]
     schedulers = build_lr_schedulers(optimizers, cfg)
     train_loader, make_eval_loader = build_loaders(cfg, tokenizer, hasher, dp_rank, dims.dp_size)
+    exact_match = build_exact_match(cfg, tokenizer, hasher)  # data.eval_exact_match, or None
 
     # --- run folder: checkpoints, then metrics, TensorBoard ---------------------------------
     state = TrainState()
@@ -96,7 +100,7 @@ def train(cfg: JobConfig) -> TrainResult:
         cfg, dims, model_parts, loss_fn, optimizers, schedulers, pp=pp, guard=run.guard,
         dp_group=dp_group,
     )  # fmt: skip
-    with run.start(train_step, train_loader, make_eval_loader):
+    with run.start(train_step, train_loader, make_eval_loader, exact_match):
         for step in range(start_step + 1, cfg.training.steps + 1):
             batches, ahead = run.batches(step)
             out = train_step(batches, step, ahead)

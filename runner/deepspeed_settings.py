@@ -39,6 +39,8 @@ HONOURED = frozenset(
         # fine-tuning data: which tokens and rows the loader builds, not their shape [B, T]
         *("data.synthetic_part", "data.synthetic_pretrain_fraction", "data.train_on"),
         *("data.pack", "data.overflow", "data.chat_template", "data.chat_template_kwargs"),
+        # run_recipe exports the engine's last step (engram/hf/export_run.py reads DeepSpeed steps)
+        *("export.folder", "export.lora"),
         *("optimizer.name", "optimizer.lr", "optimizer.betas", "optimizer.eps"),
         *("optimizer.weight_decay", "optimizer.engram_lr_mult", "optimizer.table_lr_mult"),
         *("optimizer.table_weight_decay", "optimizer.table_lazy", "optimizer.table_optimizer"),
@@ -88,6 +90,8 @@ REFUSED = {
     "forward, where ZeRO-3 has not gathered it; set it to 1 or use recipes/train.py",
     "checkpoint.table_full_every": "the engine saves every weight in full at every step; "
     "incremental table checkpoints are wired into recipes/train.py only; set it to 1 or use it",
+    "data.eval_exact_match": "the exact-match evaluation decodes with the FSDP model of "
+    "recipes/train.py; run scripts/eval_qa.py on the step (it reads DeepSpeed steps)",
     "checkpoint.trainable_only": "the engine's checkpoint holds every weight (DeepSpeed saves the "
     "whole module); set it to false, or train with recipes/train.py to save only the trained "
     "weights",
@@ -123,6 +127,7 @@ IRRELEVANT = {
         ("compile.backend", "compile.allow_on_npu"), "read only with compile.enable, refused here"
     ),
     "engram.host_memory_gib": 'read only with engram.table_location = "host", refused here',
+    "data.eval_max_new_tokens": "read only with data.eval_exact_match, refused here",
 }
 
 

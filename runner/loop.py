@@ -20,8 +20,10 @@ Per step, in order:
                  runner/engine_step.py EngineStep under DeepSpeed)
     end_step     the profiler's step; record (loss: the step's token mean, gradient norm,
                  learning rate, target tokens; on log steps throughput and memory:
-                 engram/train/progress.py); evaluate every
-                 data.eval_every steps and at the last (through the step's cut and loss); save
+                 engram/train/progress.py); evaluate every data.eval_every steps and at the last
+                 (the held-out loss through the step's cut and loss; with data.eval_exact_match
+                 the exact match of greedy answers to held-out questions, runner/exact_match.py);
+                 save
                  at the checkpoint manager's interval, never at a skipped step; then the next
                  timing window starts, and after the first step the process groups get their
                  training timeout (start-up is over)
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from engram.checkpoint import CheckpointManager, TrainState
 from engram.config import JobConfig
 from engram.data.loader import DataLoader
+from engram.inference.export_run import export_at_end
 from engram.rowstore.host_worker import wait_host_work
 from engram.runtime.distributed import destroy_distributed, set_pg_timeouts
 from engram.train.build import Process
@@ -52,6 +55,7 @@ from engram.train.profiling import maybe_profile
 from engram.train.progress import Progress, TrainResult
 from engram.train.step import next_batches
 from engram.train.throughput import Throughput
+from runner.exact_match import ExactMatchEval
 from runner.step import Batch, StepResult, TrainStep
 
 
@@ -98,17 +102,24 @@ class TrainRun:
         last_good = checkpointer.last_good_checkpoint
         self.guard = NonFiniteGuard(cfg.training.max_nonfinite_steps, last_good)
         self.eval_losses: dict[int, float] = {}
+        self.eval_exact_match: dict[int, float] = {}
         self.last_step = start_step  # the last step ended (an early stop ends before the config's)
 
     @contextmanager
     def start(
-        self, train_step: TrainStep, loader: DataLoader, make_eval_loader: Callable[[], Iterable]
+        self,
+        train_step: TrainStep,
+        loader: DataLoader,
+        make_eval_loader: Callable[[], Iterable],
+        exact_match: ExactMatchEval | None = None,
     ) -> Iterator[TrainRun]:
         """Around the loop: the data read ahead, the progress record (its peak-memory counters
         reset, its first timing window started), one loss context (TP loss parallel) around
-        every forward path (train, pipeline, eval), and the profiler."""
+        every forward path (train, pipeline, eval), and the profiler. `exact_match`: the
+        evaluation's greedy answers (runner/exact_match.py build_exact_match; None: not asked)."""
         cfg, proc, device = self.cfg, self.proc, self.proc.device
         self.train_step, self.make_eval_loader = train_step, make_eval_loader
+        self.exact_match = exact_match
         self.data = ReadAhead(loader, cfg.training.grad_accum_steps, device, cfg.training.steps)
         profile = maybe_profile(
             cfg.profiling, cfg.run_folder, proc.rank, proc.device_type, self.start_step
@@ -141,13 +152,20 @@ class TrainRun:
             set_pg_timeouts(self.cfg.comm.train_timeout_s)
         self.last_step = step
 
-    def evaluate(self, step: int) -> float:
-        """The held-out loss now (data.eval_batches batches: engram/train/evaluate.py
-        eval_batches), logged as eval_loss at `step`."""
-        loader, n = self.make_eval_loader(), eval_batches(self.cfg)
-        loss = self.train_step.evaluate(loader, n, self.proc.device)
-        self.eval_losses[step] = loss
-        self.metrics.log(step, {"eval_loss": loss})
+    def evaluate(self, step: int) -> float | None:
+        """The held-out evaluation now, logged at `step`: the loss of data.eval_batches batches
+        (eval_loss; returned, None without eval batches) and, with data.eval_exact_match, the
+        exact match of greedy answers to held-out questions (eval_exact_match, eval_questions)."""
+        loss = None
+        if self.cfg.data.eval_batches > 0:
+            loader, n = self.make_eval_loader(), eval_batches(self.cfg)
+            loss = self.train_step.evaluate(loader, n, self.proc.device)
+            self.eval_losses[step] = loss
+            self.metrics.log(step, {"eval_loss": loss})
+        if self.exact_match is not None:
+            em = self.exact_match(self.train_step.model_parts, self.train_step.dp_group)
+            self.eval_exact_match[step] = em.score
+            self.metrics.log(step, {"eval_exact_match": em.score, "eval_questions": em.total})
         return loss
 
     def save(self, step: int, out: StepResult) -> bool:
@@ -163,16 +181,22 @@ class TrainRun:
         wait_host_work()
         result.losses, result.grad_norms = self.progress.history()
         result.eval_losses.update(self.eval_losses)
+        result.eval_exact_match.update(self.eval_exact_match)
         self.metrics.close()
         self.guard.check_finished(self.last_step)
         return result
 
 
 def run_recipe(train: Callable[[JobConfig], TrainResult], cfg: JobConfig) -> None:
-    """A recipe's main: train, then tear the process groups down (also after an error)."""
+    """A recipe's main: train, then tear the process groups down (also after an error); then,
+    with export.folder set, rank 0 exports the last checkpoint in one process
+    (engram/inference/export_run.py, as scripts/export_hf.py) while the other ranks exit."""
     try:
         train(cfg)
         # Every rank leaves the last collective before any rank tears its process groups down.
         dist.barrier()
+        rank = dist.get_rank()
     finally:
         destroy_distributed()
+    if cfg.export.folder and rank == 0:
+        export_at_end(cfg)

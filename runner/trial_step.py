@@ -32,6 +32,7 @@ from engram.runtime.device_specs import Peak, resolve_peak
 from engram.train.flops import FlopCount, model_flops
 from engram.train.nonfinite import NonFiniteGuard
 from parallelisms.parallel_dims import ParallelDims, axis_divisors, parallel_dims_from_config
+from runner.loop import ReadAhead
 from runner.model_parts import build_model_parts
 from runner.step import TrainStep
 
@@ -166,12 +167,34 @@ class TimedStep:
     loss: float
 
 
+class _SyntheticLoader:
+    """A synthetic batch per step (seeded by the step), read as the loop reads a loader
+    (nothing to hold: no loader state is checkpointed here)."""
+
+    def __init__(self, cfg: JobConfig, vocab: int, seed: int) -> None:
+        self.cfg, self.vocab, self.seed = cfg, vocab, seed
+
+    def __iter__(self):
+        step = 0
+        while True:
+            yield _synthetic_batch(self.cfg, self.vocab, self.seed + 7919 * step, "cpu")
+            step += 1
+
+    def hold(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
 class Trial:
     """`cfg`'s model built with the recipe's placement and stepped by the recipe's one step
     (runner/step.py TrainStep with the recipe's schedules and non-finite guard: the
     context-parallel cut, the pipeline schedule under PP, the loss, clip, the guard, the update)
-    on one synthetic batch. What the trial step, bench_mfu and the benchmarks that compare two
-    variants (compile on / off, Engram on / off; interleaved step by step) time."""
+    on synthetic batches, one per step, read one step ahead with the loop's ReadAhead: NVMe
+    tables page in step N + 1's rows while step N runs, as in training. What the trial step,
+    bench_mfu and the benchmarks that compare two variants (compile on / off, Engram on / off;
+    interleaved step by step) time."""
 
     def __init__(self, cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None:
         self.device = device
@@ -189,17 +212,20 @@ class Trial:
         )  # fmt: skip
         # Whole samples, one per dp rank (the cp ranks of a replica share it; the step cuts it).
         seed = 1000 + dims.mesh("dp").get_local_rank()
-        self.batch = _synthetic_batch(cfg, meta.args.vocab_size, seed, device)
+        loader = _SyntheticLoader(cfg, meta.args.vocab_size, seed)
+        self.data = ReadAhead(loader, 1, device, last_step=2**62)  # (no last step: always ahead)
         self.steps = 0
 
     def timed_step(self) -> TimedStep:
-        """One optimizer step, timed (wall and CPU) from the batch on the device to the update,
-        and on a log step the loss and the telemetry read as the loop's Progress reads them."""
+        """One optimizer step, timed (wall and CPU) from the batch on the device to the update
+        (the next step's batch read before the clock starts, as the loop's data time), and on a
+        log step the loss and the telemetry read as the loop's Progress reads them."""
         self.steps += 1
+        batches, ahead = self.data.take(self.steps)
         with self.loss_fn.context():
             dev.synchronize(self.device)
             t0, c0 = time.perf_counter(), time.process_time()
-            result = self.train_step([self.batch], self.steps)
+            result = self.train_step(batches, self.steps, ahead)
             if self.train_step.telemetry.is_log_step(self.steps):
                 self.train_step.telemetry.metrics()
             loss = float(result.loss)

@@ -24,26 +24,20 @@ earlier one's shards and index would mix two models). A run's folder (or a folde
 holding the checkpoint) is refused as --out. Every folder gets checksums.sha256
 (`sha256sum -c checksums.sha256` checks it; our readers verify it). It runs in one process (no
 GPU needed); DCP reshards whatever layout the run was saved with. A checkpoint of recipes/train_deepspeed.py is
-read with DeepSpeed's zero_to_fp32 (docs/deepspeed.md).
+read with DeepSpeed's zero_to_fp32 (docs/deepspeed.md). The work is engram/inference/export_run.py's,
+which the training recipes also run at the end of a run with export.folder set.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engram.checkpoint import find_checkpoint  # noqa: E402
-from engram.checkpoint.deepspeed_folder import is_deepspeed_step, load_deepspeed_weights  # noqa: E402
-from engram.checkpoint.fingerprint import config_fingerprint  # noqa: E402
-from engram.config import load_config, to_toml  # noqa: E402
-from engram.hf.export import check_not_run_folder, export, prepare_output_folder  # noqa: E402
-from engram.hf.peft import export_peft  # noqa: E402
-from engram.inference import build_for_generation, load_checkpoint_weights  # noqa: E402
-from engram.models.lora import merge_lora_  # noqa: E402
+from engram.config import load_config  # noqa: E402
+from engram.inference.export_run import export_checkpoint  # noqa: E402
 from engram.runtime.logs import init_logging  # noqa: E402
 
 
@@ -67,34 +61,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     ns, rest = parser.parse_known_args(argv)
     cfg = load_config(rest)
     init_logging(0)
-    path = find_checkpoint(cfg.run_folder / cfg.checkpoint.folder, ns.step)
-    check_not_run_folder(ns.out, path, cfg.checkpoint.folder)  # before the (long) load
-    model, tokenizer, hasher = build_for_generation(cfg, cfg.training.seq_len)
-    fingerprint = config_fingerprint(cfg, tokenizer, hasher)
-    if ns.merged and cfg.training.mode != "lora":
-        raise SystemExit("--merged folds LoRA adapters: the run's training.mode is not lora")
-    if is_deepspeed_step(path):  # written by recipes/train_deepspeed.py
-        load_deepspeed_weights(model, path, fingerprint)
-    else:
-        load_checkpoint_weights(model, cfg, path, fingerprint)
-    prepare_output_folder(ns.out, ns.overwrite, path, cfg.checkpoint.folder)
-    engram_config = dataclasses.asdict(cfg.engram)
-    if cfg.training.mode == "lora" and not (ns.merged or ns.engram_only):
-        files = export_peft(model, cfg, path, engram_config, fingerprint, ns.out)
-    else:
-        merge_lora_(model)
-        files = export(
-            model,
-            cfg.model.name,
-            engram_config,
-            fingerprint,
-            ns.out,
-            engram_only=ns.engram_only,
-            tokenizer=tokenizer,
-            hasher=hasher,
-            config_toml=to_toml(cfg),
-            chat_template=cfg.data.chat_template,
-        )
+    files = export_checkpoint(cfg, ns.out, ns.step, ns.merged, ns.engram_only, ns.overwrite)
     for f in files:
         print(f"wrote {f}")
     return files

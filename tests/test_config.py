@@ -16,7 +16,10 @@ CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("train_configs").g
 
 def test_there_are_shipped_configs():
     names = {p.name for p in CONFIGS}
-    assert {"debug_model.toml", "32b_npu.toml", "32b_gpu.toml", "8b_gpu.toml"} <= names
+    assert {
+        "debug_model.toml", "debug_sft.toml", "32b_npu.toml", "32b_gpu.toml", "8b_gpu.toml",
+        "32b_npu_sft_lora.toml", "32b_npu_sft_lora_32k.toml",
+    } <= names  # fmt: skip
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -77,6 +80,25 @@ def test_cli_overrides_toml(tmp_path):
         ({"comm": {"train_timeout_s": 0}}, "comm.train_timeout_s must be > 0"),
         ({"job": {"cpu_affinity": "socket"}}, "job.cpu_affinity must be numa or none"),
         ({"job": {"device": "npu"}, "compile": {"enable": True}}, "triton-lang/triton-ascend#424"),
+        ({"data": {"eval_exact_match": 8}}, "data.dataset = 'synthetic_facts' is plain text"),
+        (
+            {
+                "data": {"dataset": "synthetic_chat", "eval_exact_match": 8},
+                "parallelism": {"tp": 2},
+            },
+            "parallelism.tp > 1 splits it: set data.eval_exact_match = 0",
+        ),
+        (
+            {
+                "data": {"dataset": "synthetic_chat", "eval_exact_match": 8},
+                "engram": {"table_location": "host"},
+                "optimizer": {"table_optimizer": "lazy_adam"},
+            },
+            "run scripts/eval_qa.py on the checkpoint",
+        ),  # fmt: skip
+        ({"export": {"folder": "out"}}, "set checkpoint.enable = true"),
+        ({"export": {"lora": "merged"}}, "training.mode = 'full': remove it"),
+        ({"export": {"lora": "fused"}}, "export.lora must be one of peft, merged"),
     ],
 )
 def test_bad_config_errors_name_the_fix(raw, needle):

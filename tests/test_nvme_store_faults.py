@@ -126,3 +126,46 @@ def test_write_back_error_names_the_fix_and_surfaces_on_the_main_thread(
         worker.wait()
     store.close()
     store.remove_files()
+
+
+def test_a_page_changed_behind_the_store_stops_it_by_name(tmp_path):
+    """A page file overwritten while its store is live (here: random bytes over page 7 and
+    page 30, the way the outside battery overwrote a live run's files): the next read of either
+    page, a demand load on the worker and a page-in ahead, raises an error naming the file, the
+    page, the table, its rows and the resume; pages read intact still come back exact."""
+    from engram.rowstore.page_sums import PageChecksumError, page_sums
+
+    store = _store([tmp_path], name="layer1_table", cache_pages=8)  # 113 rows a page, 45 pages
+    w, s = torch.randn(5000, 8), torch.rand(5000)
+    store.load({"weight": w, "sum": s})
+    store.flush()
+    rpp = store.rows_per_page
+    store.read_rows(torch.arange(10 * rpp, 18 * rpp, rpp))  # pages 10-17 cached: 7, 30 are not
+    for page in (7, 30):  # one a demand load reads, one a page-in reads
+        with open(store.paths[0], "r+b") as f:
+            f.seek(page * store.page_bytes)
+            f.write(os.urandom(store.page_bytes))
+            f.flush()
+            os.fsync(f.fileno())
+    assert torch.equal(store.read_rows(torch.tensor([3 * rpp + 1])), w[[3 * rpp + 1]])
+    worker = HostWorker()
+    job = worker.submit(store.read_rows, torch.tensor([7 * rpp + 2]))
+    with pytest.raises(PageChecksumError) as e:
+        job.result()
+    for part in (f"table layer1_table: page 7 of {store.paths[0]}",
+                 f"rows {7 * rpp}-{8 * rpp - 1} of the table", "checksum mismatch",
+                 "the checkpoint is the record: resume from the last checkpoint"):  # fmt: skip
+        assert part in str(e.value), (part, str(e.value))
+    store.page_in_now(torch.tensor([30 * rpp]))
+    with pytest.raises(PageChecksumError, match="page 30 of"):
+        store.read_rows(torch.tensor([30 * rpp]))
+    # the checksum: modulo-2^64 wrap-around as in integer arithmetic, and the page in it
+    page = torch.randint(-(2**62), 2**62, (1, 512), dtype=torch.int64)
+    keys = __import__("engram.rowstore.page_sums", fromlist=["_keys"])._keys(512).tolist()
+    want = sum(a * b for a, b in zip(page[0].tolist(), keys[:-1], strict=True)) + 5 * keys[-1]
+    want = ((want % 2**64) >> 32) - (2**32 if (want % 2**64) >> 63 else 0)
+    got = page_sums(page.view(torch.float32), torch.tensor([0]), torch.tensor([5]))
+    assert int(got[0]) == want and int(page_sums(page.view(torch.float32), torch.tensor([0]),
+                                                 torch.tensor([6]))[0]) != want  # fmt: skip
+    store.close()
+    store.remove_files()

@@ -93,9 +93,11 @@ def _train(
                 where[n] = (p.to_local() if isinstance(p, DTensor) else p).device.type
     run = Path(raw["job"]["dump_folder"]) / raw["job"]["run_name"]
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    telemetry = [  # rank 0's Engram telemetry of the logged steps (engram/train/telemetry.py)
+    steps = [r for r in records if "loss" in r]  # a step's record, not an eval_loss one
+    telemetry = [  # rank 0's Engram telemetry of this run's steps (engram/train/telemetry.py;
+        # runs resuming each other share the run folder and append to its metrics.jsonl)
         {k: v for k, v in r.items() if k.startswith("engram/")}
-        for r in records if "loss" in r  # a step's record, not an eval_loss one
+        for r in steps[len(steps) - len(result.losses) :]
     ] if rank == 0 else []  # fmt: skip
     return {
         "losses": result.losses,
@@ -122,8 +124,12 @@ def _assert_bitwise(host: list[dict], device: list[dict], label: str) -> None:
         assert h["tables"].keys() == d["tables"].keys()
         for n, t in d["tables"].items():
             assert np.array_equal(h["tables"][n], t), f"{where}: table {n} differs"
-        # Engram telemetry (gates, rows touched, the update's RMS from the host worker): equal
-        assert h["telemetry"] == d["telemetry"], where
+        # Engram telemetry (gates, rows touched, the update's RMS from the host worker): equal,
+        # up to the order a sum of squares adds in (out_rms_ratio 6e-8 apart after the 4 -> 2
+        # reshard resume, its losses and tables bitwise)
+        assert len(h["telemetry"]) == len(d["telemetry"]), where
+        for ht, dt in zip(h["telemetry"], d["telemetry"], strict=True):
+            assert ht == pytest.approx(dt, rel=1e-6, abs=0), where
         assert rank or all(len(t) % 6 == 0 and t for t in h["telemetry"]), h["telemetry"]
 
 

@@ -18,7 +18,7 @@ from test_parallelisms_host_tables import _raw, _same
 
 from engram.config import ConfigError, config_from_dict
 from engram.rowstore import page_io
-from engram.rowstore.nvme_store import NvmeRowStore, page_layout
+from engram.rowstore.nvme_store import INDEX_BYTES_PER_PAGE, NvmeRowStore, page_layout
 
 # Big enough that a step's rows are a small share of the pages: 800k rows x 16 (51 MB of fp32
 # weights per table, 3x with lazy_adam's moments) against a host cache of 5 MiB / ranks (a
@@ -60,6 +60,10 @@ def test_row_store_roundtrip_eviction_and_pins(tmp_path, monkeypatch, engine):
         cache_bytes=4 * 4096,
     )  # fmt: skip
     assert store.direct == _direct_io_works(tmp_path)  # else buffered, with the reason logged
+    # the host memory it keeps per page besides the cache (the planner's page index term)
+    index = (store.cache.slot_of, store.io.sums, store.io.written, store.cache.writing)
+    assert all(len(t) == store.pages for t in index)
+    assert sum(t.element_size() for t in index) == INDEX_BYTES_PER_PAGE
     w, m, s = torch.randn(rows, dim), torch.randn(rows, dim), torch.rand(rows)
     store.load({"weight": w, "exp_avg": m, "sum": s})
     assert store.writes > 0 and store.cached_bytes <= 4 * 4096  # evicted pages went to disk
@@ -72,7 +76,7 @@ def test_row_store_roundtrip_eviction_and_pins(tmp_path, monkeypatch, engine):
     store.pin(torch.tensor([0, 1]))  # page 0, held while everything else streams through
     for r in range(0, rows, 97):
         store.read_rows(torch.tensor([r]))
-    assert 0 in store.cache.where
+    assert 0 in store.cache.cached()
     with pytest.raises(RuntimeError, match="nvme_host_cache_gib"):
         store.pin(torch.arange(0, rows, store.rows_per_page))  # a "step" larger than the cache
     store.release_all()
@@ -131,13 +135,14 @@ def test_page_in_racing_updates_and_evictions_returns_current_rows(tmp_path, mon
     w[step_n] += 1.0
     store.write_rows(step_n, w[step_n])
     store.release_all()
-    for p in [p for p in store.cache.where if p > 1]:  # pages 0, 1 are the least recently used
+    for p in sorted(p for p in store.cache.cached().tolist() if p > 1):  # 0, 1 the least recent
         store.read_rows(torch.tensor([p * page]))
     store.page_in_now(torch.arange(4 * page, 6 * page))  # pages 4, 5: evicts dirty pages 0, 1
-    assert set(store.cache.writing) == {0, 1} and set(store.cache.loading) == {4, 5}
+    writing, loading = store.cache.in_flight()
+    assert set(writing.tolist()) == {0, 1} and set(loading.tolist()) == {4, 5}
     assert torch.equal(store.read_rows(torch.tensor([3, page + 5])), w[[3, page + 5]])
     store.page_in_now(torch.arange(10 * page, 11 * page))  # page 10, read in flight
-    assert 10 in store.cache.loading
+    assert 10 in store.cache.in_flight()[1]
     w[10 * page : 11 * page] = -7.0
     store.write_rows(torch.arange(10 * page, 11 * page), w[10 * page : 11 * page])
     assert store.page_in_waits >= 1 and store.paged_in == 3
@@ -198,40 +203,79 @@ def _stores_of(model_parts) -> list:
     ]  # fmt: skip
 
 
-def _train(rank: int, world: int, raw: dict) -> dict:
+def _train(rank: int, world: int, raw: dict, chunk_bytes: int = 0) -> dict:
+    """Train `raw`; the losses, grad norms, every table and per NVMe store its page counts (at
+    the first step: what the init or the resume read and wrote) and the largest write of rows
+    into it by a resume (`load`, inside the checkpoint's load); the stores' I/O counters' growth
+    from the step's build to the end, rank 0's metrics and the tier's start-up lines.
+    `chunk_bytes`: the checkpoint's streamed chunks (CHUNK_BYTES), if not the default."""
     import logging
     from pathlib import Path
 
+    import engram.checkpoint.manager as manager
+    import engram.rowstore.streamed_columns as sc
     import recipes.train as recipe
+    import runner.step as step_mod
     from engram.optim.lazy_adam import RowSparseOptimizer
     from engram.rowstore.host_worker import row_store_of
+    from engram.rowstore.nvme_store import NvmeRowStore
     from parallelisms.engram_tables import NvmeShardedEngramTable
     from runner.step import TrainStep
 
     # The stores' own page counters when the step is built (after init) and at the end; the
     # start-up lines the run logged.
-    init, at_start, lines = TrainStep.__init__, [], []
+    init, at_build, lines = TrainStep.__init__, [], []
 
     def counted_from_here(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        at_start.extend(s.io_counters() for s in _stores_of(self.model_parts))
+        at_build.extend(s.io_counters() for s in _stores_of(self.model_parts))
 
     TrainStep.__init__ = counted_from_here
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("engram").addHandler(handler)
 
-    update = RowSparseOptimizer._update
+    sc.CHUNK_BYTES = chunk_bytes or sc.CHUNK_BYTES
+    update, call, load = RowSparseOptimizer._update, step_mod.TrainStep.__call__, NvmeRowStore.load
+    resume = manager.CheckpointManager.load
     unpinned = [0]  # updates of rows whose pages no prefetch pinned
+    at_start: dict[int, tuple[int, int]] = {}  # store -> (reads, writes) before step 1
+    loads: dict[int, int] = {}  # store -> the most bytes one load of the resume wrote
+    resuming = [False]
+
+    def first_step(self, *args, **kwargs):
+        for part in self.model_parts if not at_start else ():
+            for m in part.modules():
+                if isinstance(m, NvmeShardedEngramTable) and m._engram_store is not None:
+                    at_start[id(m._engram_store)] = (m._engram_store.reads, m._engram_store.writes)
+        return call(self, *args, **kwargs)
+
+    def counted_load(self, values, *args, **kwargs):
+        if resuming[0]:
+            nbytes = sum(v.nbytes for v in values.values())
+            loads[id(self)] = max(loads.get(id(self), 0), nbytes)
+        return load(self, values, *args, **kwargs)
+
+    def counted_resume(self):
+        resuming[0] = True
+        try:
+            return resume(self)
+        finally:
+            resuming[0] = False
+
+    step_mod.TrainStep.__call__ = first_step
+    NvmeRowStore.load = counted_load
+    manager.CheckpointManager.load = counted_resume
 
     def checked(self, p, hyper, rows, g):
         store = row_store_of(p)
         if store is not None and rows.numel():
-            unpinned[0] += any(page not in store.cache.pins for page in store._pages(rows))
+            unpinned[0] += not bool(store.cache.pinned(store._pages(rows)).all())
         return update(self, p, hyper, rows, g)
 
     RowSparseOptimizer._update = checked
     result = recipe.train(config_from_dict(raw))
+    at_end = [s.io_counters() for s in _stores_of(result.model_parts)]  # before the read-out
     tables, stores = {}, []
     for part in result.model_parts:
         state = part.state_dict()  # an NVMe table's rows come from its store
@@ -244,11 +288,11 @@ def _train(rank: int, world: int, raw: dict) -> dict:
                 stores.append(
                     {"reads": s.reads, "writes": s.writes, "cache": s.cache_pages * s.page_bytes,
                      "pins": s.pins_taken, "paged_in": s.paged_in,
-                     "table": s.rows * s.columns["weight"] * 4}
+                     "table": s.rows * s.columns["weight"] * 4, "pages": s.pages,
+                     "start": at_start.get(id(s)), "largest_load": loads.get(id(s), 0)}
                 )  # fmt: skip
-    at_end = [s.io_counters() for s in _stores_of(result.model_parts)]
     grew = {
-        k: sum(e[k] - b[k] for b, e in zip(at_start, at_end, strict=True)) for k in at_end[0]
+        k: sum(e[k] - b[k] for b, e in zip(at_build, at_end, strict=True)) for k in at_end[0]
     } if at_end else {}  # fmt: skip
     metrics = Path(raw["job"]["dump_folder"]) / raw["job"]["run_name"] / "metrics.jsonl"
     return {
@@ -297,6 +341,8 @@ def test_nvme_equals_device(tmp_path, world, opt):
         assert n["stores"] and not d["stores"]
         for s in n["stores"]:
             assert s["table"] >= 8 * s["cache"], s  # the host cache is far smaller than the table
+            # the init wrote every page (all but what it left cached) and read none
+            assert s["start"][0] == 0 and s["start"][1] >= s["pages"] - s["cache"] // 4096, s
             assert s["writes"] > 0 and s["reads"] > 0, s  # evicted, written back and read again
             assert s["pins"] == STEPS, s  # every step's rows came pinned by a prefetch
             assert s["paged_in"] > 0, s  # steps 2-6 were paged in while the step before ran
@@ -340,7 +386,10 @@ def _check_telemetry(runs: dict, world: int, nvme_run) -> None:
 def test_nvme_checkpoint_resumes_bitwise(tmp_path, first):
     """Steps 1-6 with `first`, saved at 3 (DCP, the rows and moments read from the store),
     resumed at steps 4-6 with NVMe tables in fresh page files: equal to 6 device-table steps
-    (2 ranks)."""
+    (2 ranks). Saved in chunks of 64 KiB: the resume writes the store a window of at most 64 KiB
+    of records at a time (a device table's checkpoint holds a rank's whole column as one chunk:
+    ~1.6 MB) and reads no page back."""
+    chunk = 64 << 10
 
     def ckpt(location: str, load_step: int) -> dict:
         raw = _run(tmp_path, "ckpt", 2, location, "lazy_adam")
@@ -349,17 +398,19 @@ def test_nvme_checkpoint_resumes_bitwise(tmp_path, first):
                              "load_step": load_step}  # fmt: skip
         return raw
 
-    saved = run_distributed(_train, 2, ckpt(first, -1))  # 6 steps, saved at 3 and 6
+    saved = run_distributed(_train, 2, ckpt(first, -1), chunk)  # 6 steps, saved at 3 and 6
     ref = (
         saved
         if first == "device"
         else run_distributed(_train, 2, _run(tmp_path / "ref", "ref", 2, "device", "lazy_adam"))
     )
-    resumed = run_distributed(_train, 2, ckpt("nvme", 3))
+    resumed = run_distributed(_train, 2, ckpt("nvme", 3), chunk)
     for r, got in zip(ref, resumed, strict=True):
         assert _same(got["losses"], r["losses"][3:]), (got["losses"], r["losses"])
         for n, t in r["tables"].items():
             assert np.array_equal(got["tables"][n], t), n
+        for s in got["stores"]:  # the resume's windows: each at most a chunk
+            assert s["start"][0] == 0 and 0 < s["largest_load"] <= chunk < s["table"], s
 
 
 def test_planner_models_nvme():

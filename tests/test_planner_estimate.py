@@ -357,3 +357,20 @@ def test_lora_mode_frozen_backbone_in_compute_dtype():
         assert m.grad_bytes == 4 * (trainable + table)
         assert m.optimizer_bytes == 8 * (trainable + table)
     assert est.training_mode == "lora"
+
+
+@pytest.mark.parametrize(
+    "path", ["train_configs/32b_npu_sft_lora.toml", "train_configs/32b_npu_sft_lora_32k.toml"]
+)
+def test_sft_lora_configs_plan_within_usable_memory(path):
+    """The 32B LoRA + Engram SFT configs (packed conversations, block-causal SDPA mask; 4K rows
+    at FSDP 64, 32K rows at CP 2 x FSDP 32) at 64 ranks keep at least 10% of the usable memory
+    of a 64 GB NPU free, and their headers state the planned peak."""
+    cfg = _cfg(path)
+    assert cfg.training.mode == "lora" and cfg.model.attn_mask_type == "block_causal"
+    budget = usable_memory_gib("npu")
+    est = run_isolated(estimate, cfg, 64, ranks=[0], device_memory_gib=budget, timeout=600)
+    peak = est.ranks[0].peak_bytes
+    assert est.fits and peak <= 0.9 * budget * GIB, peak / GIB
+    header = open(path).read().split("\n[job]")[0]
+    assert f"estimated peak {peak / GIB:.1f} GiB of {budget:g} usable" in header

@@ -94,8 +94,9 @@ def test_nvme_terms_against_counts_by_hand():
     # capacity: 4 ranks x 2 tables x 200,001 pages x 4096 B, of 2 x 1 TB
     assert t.drive_bytes_needed == 4 * 2 * 200_001 * 4096 == 6_553_632_768
     assert t.drive_bytes == 2 * 10**12
-    # host per node: 4 x (1 GiB cache + 2 tables x 64 MiB staging)
-    assert t.host_bytes_needed == 4 * (GIB + 2 * 64 * 2**20) == 4_831_838_208
+    # host per node: 4 x (1 GiB cache + 2 tables x 64 MiB staging + 2 x 200,001 pages x 10 B
+    # of page index)
+    assert t.host_bytes_needed == 4 * (GIB + 2 * 64 * 2**20 + 2 * 200_001 * 10) == 4_847_838_288
     # step rows: 2 x 1024 tokens per rank x 16 heads / (tp 1 x cp 1) = 32,768 ids >= 10,000
     assert t.step_rows_per_table == 10_000
     # the 1 GiB cache gives each table 512 MiB >= 2 steps x 10,000 pages x 4 KiB: reuse counts.

@@ -18,6 +18,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("recipes", "engram", "parallelisms", "runner", "planner", "scripts", "benchmarks")
 PIECES = {
@@ -133,3 +135,58 @@ def test_every_caller_runs_the_step() -> None:
     assert "EngineStep(" in (ROOT / "recipes/train_deepspeed.py").read_text()
     for rel in ("benchmarks/bench_mfu.py", "scripts/cluster_step.py"):
         assert "run_trial_step" in (ROOT / rel).read_text(), rel
+
+
+def _trial_pages(rank: int, world: int, folder: str) -> list[tuple[int, int, int]]:
+    """run_trial_step of the debug config's cut with NVMe tables; (pins, page-ins of a later
+    step's rows) of each store."""
+    import torch
+
+    from engram.config import load_config
+    from engram.rowstore.nvme_store import NvmeRowStore
+    from parallelisms.engram_tables import NvmeShardedEngramTable
+    from parallelisms.parallel_dims import parallel_dims_from_config
+    from runner import trial_step
+
+    argv = [f"--job.config_file={ROOT / 'train_configs/debug_model.toml'}", "--job.device=cpu",
+            f"--job.dump_folder={folder}", "--engram.table_location=nvme",
+            f"--engram.nvme_dirs={folder}/pages", "--engram.nvme_create_dirs=true",
+            "--engram.nvme_host_cache_gib=0.002",
+            "--optimizer.table_optimizer=lazy_adam"]  # fmt: skip
+    cfg = load_config(argv)
+    dims = parallel_dims_from_config(cfg, world)
+    cut, _ = trial_step.cut_config(cfg, 2, True)
+    dims.build_mesh("cpu")
+    build, parts = trial_step.build_model_parts, []
+
+    def kept(*args):
+        out = build(*args)
+        parts.extend(out[0])
+        return out
+
+    page_in, page_ins = NvmeRowStore.page_in_now, {}
+
+    def counted(self, idx):
+        page_ins[id(self)] = page_ins.get(id(self), 0) + 1
+        return page_in(self, idx)
+
+    trial_step.build_model_parts = kept
+    NvmeRowStore.page_in_now = counted
+    trial_step.run_trial_step(cut, dims, torch.device("cpu"), steps=3)
+    stores = [m._engram_store for p in parts for m in p.modules()
+              if isinstance(m, NvmeShardedEngramTable)]  # fmt: skip
+    return [(s.pins_taken, page_ins.get(id(s), 0)) for s in stores]
+
+
+@pytest.mark.slow
+def test_trial_step_pages_in_the_next_step_as_the_loop_does(tmp_path: Path) -> None:
+    """The trial step (check_cluster's real_step, bench_mfu) reads its batches one step ahead
+    with the loop's ReadAhead: with NVMe tables, steps 2 and 3 are paged in while the step
+    before runs, and step 3 the next (a trial knows no last step); before, the tools timed NVMe
+    configs without the page-in training has."""
+    from launcher import run_distributed
+
+    (stores,) = run_distributed(_trial_pages, 1, str(tmp_path))
+    assert stores, "the cut has an NVMe table"
+    for pins, page_ins in stores:
+        assert pins == 3 and page_ins == 3, (pins, page_ins)

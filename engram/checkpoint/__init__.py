@@ -23,7 +23,8 @@ One file per job, lowest first (a file imports only files above it in this list)
 - `capacity.py`: what checkpoints need of disk (keep_latest_k, incremental tables) and of host
   memory (an async save's staging), the rules the planner and the run's start-up checks share.
 - `streamed_dcp.py`: the DCP planners and writer that move NVMe tables' columns one row chunk
-  at a time.
+  at a time; `streamed_read.py`: the reader that loads them into the store a window of whole
+  records at a time, every column together, from where the stored chunks sit in the files.
 - `step_folder_ops.py`: `StepFolders`, every path operation on the folder of step folders (list,
   make and remove a save's tmp folder, publish, prune, clean up leftovers).
 - `save_plan.py`: a save as a plan (`SavePlan`: the parts it writes, the record it commits);

@@ -101,6 +101,9 @@ class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
     """Reads a non-tensor item (older checkpoints stored the schedule's step as a Python int)
     with torch's weights-only unpickler: plain values load, anything else is refused."""
 
+    reader: type[FileSystemReader] = RestrictedFileSystemReader
+    """The storage reader `dcp_load` reads with for this planner."""
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
             obj = torch.load(value, weights_only=True)
@@ -138,9 +141,5 @@ def dcp_load(
     planner: TensorsOnlyLoadPlanner | None = None,
 ) -> None:
     """dcp.load of checkpoint folder `path` without running pickled code from it."""
-    dcp.load(
-        state,
-        storage_reader=RestrictedFileSystemReader(path),
-        planner=planner or TensorsOnlyLoadPlanner(),
-        no_dist=no_dist,
-    )
+    planner = planner or TensorsOnlyLoadPlanner()
+    dcp.load(state, storage_reader=planner.reader(path), planner=planner, no_dist=no_dist)

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from engram.checkpoint.dcp_io import TensorsOnlyLoadPlanner, TensorsOnlySavePlanner
+from engram.checkpoint.streamed_read import StreamedReader
 from engram.rowstore import streamed_columns
 from engram.rowstore.streamed_columns import ColumnSource, source_of
 
@@ -114,8 +115,11 @@ class StreamedWriter(FileSystemWriter):
 
 
 class StreamedLoadPlanner(TensorsOnlyLoadPlanner):
-    """A placeholder's stored chunks are read into buffers of their size and written into its
-    store (the checkpoint's chunks bound the memory: a streamed save's CHUNK_BYTES)."""
+    """Its reader (streamed_read.py) moves a placeholder's plain stored chunks into the store a
+    window of rows at a time, every column together; any other stored chunk of a placeholder is
+    read into a buffer of its size and written into the store here."""
+
+    reader = StreamedReader
 
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()

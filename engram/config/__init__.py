@@ -1,7 +1,7 @@
 """The job configuration: what a run is told, and nothing else.
 
 - `model.py` (`[model]`, `[engram]`, `[lora]`), `training.py` (`[job]`, `[training]`, `[data]`,
-  `[optimizer]`, `[lr_scheduler]`, `[checkpoint]`, `[metrics]`, `[profiling]`) and
+  `[optimizer]`, `[lr_scheduler]`, `[checkpoint]`, `[export]`, `[metrics]`, `[profiling]`) and
   `parallelism.py` (`[parallelism]`, `[pipeline]`, `[activation_checkpoint]`, `[float8]`,
   `[compile]`, `[deepspeed]`, `[comm]`): one typed dataclass per TOML section, each field documented and
   checked in `__post_init__`. A new setting goes in its section's class.
@@ -36,6 +36,7 @@ from engram.config.training import (
     Checkpoint,
     Data,
     DataSource,
+    Export,
     Job,
     LRScheduler,
     Metrics,
@@ -54,6 +55,7 @@ __all__ = [
     "DataSource",
     "DeepSpeed",
     "Engram",
+    "Export",
     "FLOAT8_RECIPES",
     "Float8",
     "Job",

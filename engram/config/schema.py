@@ -24,6 +24,7 @@ from engram.config.table_locations import table_location_error
 from engram.config.training import (
     Checkpoint,
     Data,
+    Export,
     Job,
     LRScheduler,
     Metrics,
@@ -45,6 +46,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    export: Export = field(default_factory=Export)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     pipeline: Pipeline = field(default_factory=Pipeline)
@@ -75,6 +77,36 @@ class JobConfig:
             not (self.model.attn_backend == "flex" and self.job.device == "npu"),
             "model.attn_backend = 'flex': FlexAttention is not available on NPU; set "
             "model.attn_backend = 'sdpa'",
+        )
+        check(
+            not (self.export.folder and not self.checkpoint.enable),
+            "export.folder exports the run's last checkpoint: set checkpoint.enable = true",
+        )
+        check(
+            not (self.export.lora != "peft" and self.training.mode != "lora"),
+            f"export.lora = {self.export.lora!r} chooses the folder of LoRA adapters, but "
+            f"training.mode = {self.training.mode!r}: remove it",
+        )
+        self._check_exact_match()
+
+    def _check_exact_match(self) -> None:
+        """The training loop's exact match decodes every rank's whole model (engram/inference/qa.py)."""
+        if not self.data.eval_exact_match:
+            return
+        p = self.parallelism
+        split = [name for name in ("tp", "pp", "cp") if getattr(p, name) > 1]
+        check(
+            not split,
+            f"data.eval_exact_match decodes with each rank's whole model (FSDP / HSDP / DDP), but "
+            f"parallelism.{split[0] if split else ''} > 1 splits it: set data.eval_exact_match = 0 "
+            "and run scripts/eval_qa.py on the checkpoint (one process)",
+        )
+        check(
+            not (self.engram.enabled and self.engram.table_location != "device"),
+            "data.eval_exact_match decodes token by token, but "
+            f"engram.table_location = {self.engram.table_location!r} tables are prefetched per "
+            "training step only: set data.eval_exact_match = 0 and run scripts/eval_qa.py on the "
+            "checkpoint",
         )
 
     def at_dp(self, dp: int) -> JobConfig:

@@ -207,6 +207,15 @@ class Data:
     training.local_batch_size x dp sequences, or, with training.global_batch_size set, batches
     of that many sequences (grad_accum_steps loader batches each), so that the held-out set is
     the same at every number of ranks."""
+    eval_exact_match: int = 0
+    """chat datasets: held-out questions answered greedily through the chat template at every
+    evaluation (every eval_every steps and at the last), scored by exact match against the
+    reference answers and logged as eval_exact_match (engram/inference/qa.py says what is asked
+    and how answers are normalised). 0: none. The first N of the held-out split (synthetic_chat:
+    its held-out phrasings)."""
+    eval_max_new_tokens: int = 32
+    """Most tokens of one answer in the exact-match evaluation (it stops earlier at eos or the
+    chat template's end-of-turn token)."""
     sources: list[DataSource] = field(default_factory=list)
     """tokens only: a weighted mixture of prepared folders, as a TOML array of tables
     [[data.sources]] path = "..." weight = 0.7 (instead of data.path)."""
@@ -236,8 +245,14 @@ class Data:
             "data.dataset = synthetic_chat is generated and reads no files: remove data.path, or "
             'use data.dataset = "chat" for a chat set on disk',
         )
-        for name in ("num_workers", "eval_every", "eval_batches"):
+        for name in ("num_workers", "eval_every", "eval_batches", "eval_exact_match"):
             check(getattr(self, name) >= 0, f"data.{name} must be >= 0")
+        check(self.eval_max_new_tokens >= 1, "data.eval_max_new_tokens must be >= 1")
+        check(
+            not self.eval_exact_match or self.dataset in CHAT_DATASETS,
+            f"data.eval_exact_match asks questions of a chat set, but data.dataset = "
+            f"{self.dataset!r} is plain text: use chat or synthetic_chat, or remove it",
+        )
         check(self.synthetic_num_entities > 0, "data.synthetic_num_entities must be > 0")
         check(
             self.synthetic_part in SYNTHETIC_PARTS,
@@ -432,6 +447,29 @@ class Checkpoint:
         check(
             self.on_damaged in ("error", "previous"),
             f"checkpoint.on_damaged must be error or previous, got {self.on_damaged!r}",
+        )
+
+
+EXPORT_LORA = ("peft", "merged")
+
+
+@dataclass
+class Export:
+    folder: str = ""
+    """When training ends, export the run's last checkpoint into this folder, as
+    scripts/export_hf.py does (docs/export.md): a Hugging Face folder transformers loads (with
+    Engram: trust_remote_code), or with training.mode = "lora" the folder `lora` says. Its model
+    files are replaced (scripts/export_hf.py --overwrite); a run's own folder is refused. Empty:
+    no export. Needs checkpoint.enable = true (the last step is always saved)."""
+    lora: str = "peft"
+    """training.mode = "lora": peft (a PEFT adapter folder + engram.safetensors, loaded on the
+    transformers base model of model.hf_checkpoint) | merged (the Hugging Face folder of the whole
+    model with the adapters folded into the base weights: scripts/export_hf.py --merged)."""
+
+    def __post_init__(self) -> None:
+        check(
+            self.lora in EXPORT_LORA,
+            f"export.lora must be one of {', '.join(EXPORT_LORA)}, got {self.lora!r}",
         )
 
 

@@ -121,6 +121,13 @@ def _table(job_cfg: JobConfig, tokenizer: Tokenizer, split: str):
     return table, np.nonzero(keep)[0], skipped
 
 
+def split_locations(job_cfg: JobConfig, tokenizer: Tokenizer, split: str) -> list[str]:
+    """Where each conversation of `split` came from (file:line, or parquet row group and row),
+    in input order: the records a held-out evaluation asks (engram/inference/qa.py)."""
+    table, members, _ = _table(job_cfg, tokenizer, split)
+    return [table.where(int(i)) for i in members]
+
+
 def build_chat_samples(job_cfg: JobConfig, tokenizer: Tokenizer, split: str) -> SftSamples:
     """The samples of one split of a chat / synthetic_chat dataset (cached per process)."""
     if split not in ("train", "val"):

@@ -6,6 +6,10 @@
 - `decode.py`: the token-by-token decode loop (KV cache, on-device Engram hash ids).
 - `sampling.py`: the next token from the last position's logits (greedy, temperature, top-k).
 - `prompt.py`: a prompt's token ids and the warning for positions past training.seq_len.
+- `qa.py`: exact match of greedy answers to a chat set's questions (scripts/eval_qa.py, the
+  training loop's data.eval_exact_match).
+- `export_run.py`: a run's checkpoint -> an export folder (scripts/export_hf.py, and the recipes'
+  export.folder at the end of a run; the formats are engram/hf/'s).
 
 A new sampler, decoding strategy or inference source goes here; the CLI stays in the recipe.
 """

@@ -9,7 +9,10 @@ step instead (O(T^2); the reference the cached path is tested against).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.distributed as dist
 
 from engram.hashing.ngram import NgramHasher
 from engram.inference.sampling import sample_next
@@ -25,10 +28,11 @@ def generate(
     max_new_tokens: int,
     temperature: float = 0.0,
     top_k: int = 0,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
     use_cache: bool = True,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """input_ids [B, T] (or [T]) -> [B, T + n] with n <= max_new_tokens new tokens.
 
@@ -52,6 +56,9 @@ def generate(
         raise ValueError(
             f"vocab_size {vocab_size} must be in 1..{model.args.vocab_size} (the output rows)"
         )
+    stops = None
+    if eos_id is not None:
+        stops = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), device=device)
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
     cache = DecodeCache() if use_cache else None
     for _ in range(max_new_tokens):
@@ -64,10 +71,19 @@ def generate(
         if vocab_size is not None:
             logits[:, vocab_size:] = float("-inf")
         nxt = sample_next(logits, temperature, top_k, generator)
-        if eos_id is not None:
-            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
-            done |= nxt == eos_id
+        if stops is not None:
+            nxt = torch.where(done, stops[0], nxt)
+            done |= torch.isin(nxt, stops)
         ids = torch.cat([ids, nxt[:, None]], dim=1)
-        if eos_id is not None and bool(done.all()):
+        if stops is not None and _all_done(done, group):
             break
     return ids
+
+
+def _all_done(done: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """Every row finished, on every rank of `group` (one all-reduce of a count)."""
+    if group is None:
+        return bool(done.all())
+    left = (~done).sum().to(torch.int64)
+    dist.all_reduce(left, group=group)
+    return int(left) == 0

@@ -9,13 +9,12 @@ from pathlib import Path
 
 from torch import nn
 
-from engram.checkpoint import (
-    CheckpointError,
-    find_checkpoint,
-    load_model_checkpoint,
-    step_folders,
-)
+from engram.checkpoint import CheckpointError, find_checkpoint, load_model_checkpoint
 from engram.checkpoint.fingerprint import config_fingerprint
+
+# The function, not the package attribute: importing engram/checkpoint/step_folders.py (the
+# module) rebinds `engram.checkpoint.step_folders` to that module.
+from engram.checkpoint.folder import step_folders
 from engram.config import JobConfig
 from engram.data.tokenizer import load_tokenizer
 from engram.hf.load import load_frozen_backbone, load_hf_backbone

@@ -17,7 +17,9 @@ backend (sharding.py `LOCATION_BACKENDS`).
   - `page_cache.py`: which page is in which host slot (LRU, dirty pages written back when
     evicted, pins, pages read ahead of their step, and why a step still sees exact rows);
   - `page_io.py`: the page files and the moves of pages between them and the slots (native
-    AIO with O_DIRECT, else preadv / pwritev, on a small thread pool).
+    AIO with O_DIRECT, else preadv / pwritev, on a small thread pool; pages never written read
+    as zeros without I/O);
+  - `page_sums.py`: a checksum per page written, checked on every page read.
 - `page_files.py`: the NVMe store's page files: created locked and preallocated, files of dead
   runs swept, page I/O errors that name the fix.
 - `nvme_checks.py`: the start-time refusals of the NVMe settings by name

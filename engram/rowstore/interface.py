@@ -71,6 +71,9 @@ class ColumnRowStore(RowStore):
 
     rows: int
     columns: dict[str, int]
+    rows_per_page: int = 1
+    """Rows stored together as one unit: a `load` of every column of whole units (row offsets
+    and counts multiples of it) writes them without reading them first."""
 
     def read_columns(
         self, idx: torch.Tensor, names: list[str] | None = None

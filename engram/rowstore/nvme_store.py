@@ -22,19 +22,23 @@ killed run left them, swept by page_files.py; page I/O errors name the fix there
 
 from __future__ import annotations
 
-import mmap
 from concurrent.futures import Future
 
 import torch
 
 from engram.rowstore.host_worker import HOST_WORKER
 from engram.rowstore.interface import ColumnRowStore
+from engram.rowstore.linux_aio import DEPTH
 from engram.rowstore.page_cache import PageCache
-from engram.rowstore.page_io import PageIO
+from engram.rowstore.page_io import PageBuffer, PageIO
 
-__all__ = ["PAGE_BYTES", "NvmeRowStore", "page_layout"]
+__all__ = ["INDEX_BYTES_PER_PAGE", "PAGE_BYTES", "NvmeRowStore", "page_layout"]
 
 PAGE_BYTES = 4096  # the logical block size O_DIRECT aligns offsets, lengths and buffers to
+INDEX_BYTES_PER_PAGE = 10
+"""Host memory a store keeps per page of its files besides the cache: the page's slot (int32,
+page_cache.py), its checksum (int32), whether it was ever written and whether its write-back is
+in flight (a bool each)."""
 
 
 def page_layout(record_bytes: int) -> tuple[int, int]:
@@ -47,7 +51,9 @@ def page_layout(record_bytes: int) -> tuple[int, int]:
 class NvmeRowStore(ColumnRowStore):
     """Rows [rows, columns...] of one shard in page files under `dirs`, cached in `cache_bytes`
     of host memory (see the module docstring). `columns`: name -> width in fp32 values (0: one
-    value per row, read as shape [n]); the first is the weight."""
+    value per row, read as shape [n]); the first is the weight. `name` names its files; `label`
+    (the table's name in the model) and `row0` (the shard's first row in the table) name its
+    rows in errors."""
 
     location = "nvme"
 
@@ -60,6 +66,8 @@ class NvmeRowStore(ColumnRowStore):
         name: str = "table",
         threads: int = 4,
         direct: bool = True,
+        label: str = "",
+        row0: int = 0,
     ) -> None:
         if not columns or not dirs:
             raise ValueError("an NVMe row store needs at least one column and one directory")
@@ -78,10 +86,14 @@ class NvmeRowStore(ColumnRowStore):
                 f"NVMe host cache of {cache_bytes} B holds no {self.page_bytes} B page: raise "
                 "engram.nvme_host_cache_gib"
             )
-        self.io = PageIO(self.pages, self.page_bytes, self.cache_pages, dirs, name, threads, direct)
+        self.io = PageIO(
+            self.pages, self.page_bytes, self.cache_pages, dirs, name, threads, direct,
+            self.rows_per_page, row0, label or name,
+        )  # fmt: skip
         self.cache = PageCache(self.io, self.pages, self.cache_pages)
         self.pins_taken = 0
         self.read_out_bytes = self.read_out_peak = 0  # columns read out (checkpoints)
+        self.read_out_pages = 0  # pages read from the files for those (`read_range`)
 
     # -- what tests and benchmarks count ------------------------------------------------------
     @property
@@ -115,42 +127,61 @@ class NvmeRowStore(ColumnRowStore):
 
     @property
     def cached_bytes(self) -> int:
-        return len(self.cache.where) * self.page_bytes
+        return len(self.cache.cached()) * self.page_bytes
 
     def io_counters(self) -> dict[str, float]:
         """Cumulative page I/O since the store was made (engram/train/telemetry.py logs their
-        growth per log window): pages read on demand and ahead, pages written back, pages the
-        step's lookups pinned and of them those already resident (cached or read ahead),
-        seconds loads waited for page-ins still in flight, bytes moved."""
-        c = self.cache
+        growth per log window): pages read on demand and ahead (pages never written are not
+        read: page_io.py), pages written back, pages the step's lookups pinned and of them
+        those already resident (cached or read ahead), seconds loads waited for page-ins still
+        in flight, bytes moved; pages read out for checkpoints (`read_range`), apart."""
+        c, io = self.cache, self.io
         return {
-            "pages_read_demand": self.io.reads - c.paged_in,
-            "pages_read_ahead": c.paged_in,
-            "pages_written": self.io.writes,
+            "pages_read_demand": io.reads - io.reads_ahead - self.read_out_pages,
+            "pages_read_ahead": io.reads_ahead,
+            "pages_read_out": self.read_out_pages,
+            "pages_written": io.writes,
             "lookup_pages": c.lookup_pages,
             "lookup_hits": c.lookup_hits,
             "page_in_wait_s": c.page_in_wait_s,
-            "bytes_moved": (self.io.reads + self.io.writes) * self.page_bytes,
+            "bytes_moved": (io.reads + io.writes) * self.page_bytes,
         }
 
     # -- records --------------------------------------------------------------------------
-    def _pages(self, idx: torch.Tensor) -> list[int]:
-        return torch.unique(idx.to("cpu", torch.long) // self.rows_per_page).tolist()
+    def _pages(self, idx: torch.Tensor) -> torch.Tensor:
+        return torch.unique(idx.to("cpu", torch.long) // self.rows_per_page)
 
     def _record_index(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cache slot, record within the page) of each row of `idx` (its page is cached)."""
         idx = idx.to("cpu", torch.long)
         return self.cache.slot_of[idx // self.rows_per_page], idx % self.rows_per_page
 
-    def _records(self) -> torch.Tensor:
-        """The cache as [slot, record, fp32 value] (a view: writes land in the slots)."""
+    def _records(self, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """The cache (or `slots` of it: a copy) as [slot, record, fp32 value] (a view: writes
+        land in the slots)."""
         per = self.rows_per_page * self.record_floats
-        return self.io.slots[:, :per].view(self.cache_pages, self.rows_per_page, -1)
+        pages = self.io.slots if slots is None else self.io.slots[slots]
+        return pages[:, :per].view(len(pages), self.rows_per_page, self.record_floats)
+
+    def _whole_pages(self, idx: torch.Tensor, names) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(pages of rows `idx`, which of them a write of columns `names` to rows `idx`
+        overwrites whole: every column of every row they hold; None when none can be)."""
+        if set(names) != set(self.columns):
+            return self._pages(idx), None
+        pages, counts = torch.unique(
+            idx.to("cpu", torch.long) // self.rows_per_page, return_counts=True
+        )
+        held = (self.rows - pages * self.rows_per_page).clamp(max=self.rows_per_page)
+        return pages, counts == held
 
     # -- the row-store interface ------------------------------------------------------------
     def read_columns(self, idx: torch.Tensor, names: list[str] | None = None) -> dict:
         """{column: its rows `idx`} (copies; a width-0 column as shape [n])."""
         self.cache.load(self._pages(idx))
+        return self._gather(idx, names)
+
+    def _gather(self, idx: torch.Tensor, names: list[str] | None = None) -> dict:
+        """read_columns of rows whose pages are cached."""
         rec = self._records()[self._record_index(idx)]
         out = {}
         for col in names or list(self.columns):
@@ -160,17 +191,28 @@ class NvmeRowStore(ColumnRowStore):
         return out
 
     def write_columns(self, idx: torch.Tensor, values: dict) -> None:
-        """Overwrite columns of rows `idx` (unique) with `values` {column: [n, width] or [n]}."""
-        pages = self._pages(idx)
-        self.cache.load(pages)
+        """Overwrite columns of rows `idx` (unique) with `values` {column: [n, width] or [n]};
+        pages it overwrites whole are not read first."""
+        pages, whole = self._whole_pages(idx, values)
+        self.cache.load(pages, overwrite=whole)
         where = self._record_index(idx)
         records = self._records()
-        rows = records[where]
-        for col, v in values.items():
-            lo, width = self.offsets[col]
-            rows[:, lo : lo + width] = v.reshape(-1, width).to(torch.float32)
-        records[where] = rows
-        self.cache.dirty.update(pages)
+        if len(values) == len(self.columns):  # whole records: one scatter
+            rows = torch.cat(
+                [
+                    values[c].reshape(-1, max(1, w)).to(torch.float32)
+                    for c, w in self.columns.items()
+                ],
+                dim=1,
+            )
+            records[where] = rows
+        else:
+            rows = records[where]
+            for col, v in values.items():
+                lo, width = self.offsets[col]
+                rows[:, lo : lo + width] = v.reshape(-1, width).to(torch.float32)
+            records[where] = rows
+        self.cache.mark_dirty(pages)
 
     def read_rows(self, idx: torch.Tensor) -> torch.Tensor:
         return self.read_columns(idx, [next(iter(self.columns))])[next(iter(self.columns))]
@@ -183,9 +225,13 @@ class NvmeRowStore(ColumnRowStore):
         return HOST_WORKER.submit(self._read_to, idx, device, pin)
 
     def _read_to(self, idx: torch.Tensor, device: torch.device, pin: bool):
+        pages = self._pages(idx)
+        self.cache.load(pages, lookup=pin)  # a pinned read is a step's lookup
         if pin:
-            self.pin(idx, lookup=True)
-        return self.read_rows(idx).to(device), None
+            self.pins_taken += 1
+            self.cache.hold(pages)
+        weight = next(iter(self.columns))
+        return self._gather(idx, [weight])[weight].to(device), None
 
     def page_in(self, idx: torch.Tensor) -> Future:
         """Queued on the host worker (behind every queued update): `page_in_now`."""
@@ -196,10 +242,9 @@ class NvmeRowStore(ColumnRowStore):
         (page_cache.py, "Page-in ahead"); on the host worker, in program order."""
         self.cache.page_in(self._pages(idx))
 
-    def pin(self, idx: torch.Tensor, lookup: bool = False) -> None:
-        """`lookup`: a step's lookup (its pages count toward the cache hit rate)."""
+    def pin(self, idx: torch.Tensor) -> None:
         pages = self._pages(idx)
-        self.cache.load(pages, lookup)
+        self.cache.load(pages)
         self.pins_taken += 1
         self.cache.hold(pages)
 
@@ -219,40 +264,52 @@ class NvmeRowStore(ColumnRowStore):
         return self.read_range(name or next(iter(self.columns)), 0, self.rows)
 
     def read_range(self, name: str, r0: int, n: int) -> torch.Tensor:
-        """Column `name` of rows [r0, r0 + n), read page by page without touching the cache's
-        order: cached pages (newer than the disk when dirty) from the cache, the others from
-        disk into a scratch page. Counts the bytes it returns (`read_out_bytes`, the largest
-        one read in `read_out_peak`)."""
-        self.cache.settle(list(self.cache.writing))  # an evicted page's disk copy is current now
+        """Column `name` of rows [r0, r0 + n), read without touching the cache's order: cached
+        pages (newer than the disk when dirty) from the cache, the others from disk into
+        scratch pages, `DEPTH` at a time. Counts the bytes it returns (`read_out_bytes`, the
+        largest one read in `read_out_peak`)."""
+        self.cache.settle()  # page-ins done, write-backs on disk: the disk copy is current
         lo, width = self.offsets[name]
         out = torch.empty(n, width, dtype=torch.float32)
-        scratch = mmap.mmap(-1, self.page_bytes)
-        per = self.rows_per_page * self.record_floats
-        end = r0 + n
-        for p in range(r0 // self.rows_per_page, -(-end // self.rows_per_page)):
-            if p in self.cache.where:
-                page = self.io.slots[self.cache.where[p], :per]
-            else:
-                self.io.read_page(p, scratch)
-                page = torch.frombuffer(scratch, dtype=torch.float32)[:per]
-            a, b = max(r0, p * self.rows_per_page), min(end, (p + 1) * self.rows_per_page)
-            first = a - p * self.rows_per_page
-            out[a - r0 : b - r0] = page.view(self.rows_per_page, -1)[
+        rpp, end = self.rows_per_page, r0 + n
+        scratch = PageBuffer(min(DEPTH, -(-end // rpp) - r0 // rpp), self.page_bytes)
+        for p0 in range(r0 // rpp, -(-end // rpp), DEPTH):
+            pages = torch.arange(p0, min(p0 + DEPTH, -(-end // rpp)))
+            slots = self.cache.slot_of[pages]
+            on_disk = slots < 0
+            reads = self.io.reads
+            self.io.read_now(pages[on_disk], torch.arange(int(on_disk.sum())), into=scratch)
+            self.read_out_pages += self.io.reads - reads
+            records = torch.empty(len(pages), rpp, self.record_floats)
+            records[~on_disk] = self._records(slots[~on_disk])
+            per = rpp * self.record_floats
+            records[on_disk] = scratch.tensor[: int(on_disk.sum()), :per].view(
+                -1, rpp, self.record_floats
+            )
+            a, b = max(r0, p0 * rpp), min(end, (p0 + len(pages)) * rpp)
+            first = a - p0 * rpp
+            out[a - r0 : b - r0] = records.view(-1, self.record_floats)[
                 first : first + b - a, lo : lo + width
             ]
-        scratch.close()
         self.read_out_bytes += out.nbytes
         self.read_out_peak = max(self.read_out_peak, out.nbytes)
         return out.squeeze(1) if self.columns[name] == 0 else out
 
     def load(self, values: dict, chunk_rows: int | None = None, row0: int = 0) -> None:
         """Write columns {name: [n, width] or [n]} into rows [row0, row0 + n) (a fresh init,
-        a resume; default all rows), through the cache in chunks of at most half of it."""
-        chunk = chunk_rows or max(1, self.cache_pages // 2 * self.rows_per_page)
+        a resume; default all rows), through the cache in chunks of at most half of it, cut at
+        page boundaries: pages written whole (every column) or never written before are not
+        read first (page_io.py: a fresh store's pages are zeros)."""
         n = len(next(iter(values.values()))) if values else 0
-        for r0 in range(0, n, chunk):
-            idx = torch.arange(row0 + r0, row0 + min(n, r0 + chunk))
-            self.write_columns(idx, {k: v[r0 : r0 + idx.numel()] for k, v in values.items()})
+        chunk_pages = max(
+            1, (chunk_rows or self.cache_pages // 2 * self.rows_per_page) // self.rows_per_page
+        )
+        a = row0
+        while a < row0 + n:
+            b = min(row0 + n, (a // self.rows_per_page + chunk_pages) * self.rows_per_page)
+            idx = torch.arange(a, b)
+            self.write_columns(idx, {k: v[a - row0 : b - row0] for k, v in values.items()})
+            a = b
 
     def close(self) -> None:
         self.io.close()  # drops the files' locks: a later sweep may remove them

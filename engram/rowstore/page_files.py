@@ -51,8 +51,9 @@ _FIX_SPACE = (
 
 
 def _open(path: str, direct: bool) -> tuple[int, str | None]:
-    """(fd, why O_DIRECT is off or None)."""
-    flags = os.O_RDWR | os.O_CREAT
+    """(fd, why O_DIRECT is off or None). Truncated: a store's new file reads as zeros
+    (page_io.py reads nothing of a page it never wrote)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
     if direct and hasattr(os, "O_DIRECT"):
         try:
             return os.open(path, flags | os.O_DIRECT, 0o600), None

@@ -31,7 +31,7 @@ import signal
 import sys
 import threading
 
-__all__ = ["configure", "hits", "point"]
+__all__ = ["armed", "configure", "hits", "point"]
 
 _ACTIONS = ("kill", "enospc", "eio", "count")
 _armed: dict[str, tuple[int, str]] = {}  # point -> (n, action), for this process only
@@ -77,6 +77,11 @@ def point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     code = errno.ENOSPC if action == "enospc" else errno.EIO
     raise OSError(code, f"{os.strerror(code)} (injected by ENGRAM_FAULTS: hit {n} of {name})")
+
+
+def armed(name: str) -> bool:
+    """Whether `name` is armed for this process (a batch then passes its point once per item)."""
+    return name in _armed
 
 
 def hits(name: str) -> int:

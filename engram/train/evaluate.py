@@ -1,6 +1,8 @@
-"""Held-out loss during training (data.eval_batches batches, every data.eval_every steps and at the
-last step), through the same loss and, under PP, the same pipeline as the training step. Like the
-training loss it is a token mean: the sum of the target tokens' losses over all the batches of
+"""Evaluation during training, every data.eval_every steps and at the last: the held-out loss
+(data.eval_batches batches) through the same loss and, under PP, the same pipeline as the
+training step; and with chat data the exact match of greedy answers to data.eval_exact_match
+held-out questions (engram/inference/qa.py, run by runner/exact_match.py). Like the training loss
+the held-out loss is a token mean: the sum of the target tokens' losses over all the batches of
 every rank with other tokens, over their count (engram/train/loss.py)."""
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def eval_batches(cfg: JobConfig) -> int:
 
 def eval_due(cfg: JobConfig, step: int) -> bool:
     d = cfg.data
-    if d.eval_batches <= 0:
+    if d.eval_batches <= 0 and d.eval_exact_match <= 0:
         return False
     return bool(d.eval_every and step % d.eval_every == 0) or step == cfg.training.steps
 

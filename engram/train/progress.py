@@ -30,6 +30,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     eval_losses: dict[int, float] = field(default_factory=dict)
+    eval_exact_match: dict[int, float] = field(default_factory=dict)
     model: torch.nn.Module | None = None
     model_parts: list[torch.nn.Module] = field(default_factory=list)  # this rank's stages under PP
     start_step: int = 0

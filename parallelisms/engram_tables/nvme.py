@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from engram.config.table_optimizers import table_optimizer_spec
 from engram.rowstore.host_worker import (
@@ -85,9 +86,11 @@ class NvmeShardedEngramTable(HostShardedEngramTable):
     _engram_nvme: NvmeSettings
     _engram_store: NvmeRowStore | None
 
-    def set_nvme(self, settings: NvmeSettings) -> None:
-        """The NVMe settings (once, at sharding time, after set_lookup)."""
+    def set_nvme(self, settings: NvmeSettings, label: str = "") -> None:
+        """The NVMe settings (once, at sharding time, after set_lookup); `label`: the table's
+        name in the model, for errors about its pages."""
         self._engram_nvme = settings
+        self._engram_label = label
         self._engram_store = None
         self._engram_ahead: deque = deque()  # (ids, route) paged in for a later prefetch
         mark_host_resident(self.weight, "nvme")
@@ -144,9 +147,16 @@ class NvmeShardedEngramTable(HostShardedEngramTable):
         columns = {"weight": local.shape[1]} | {
             k: (local.shape[1] if per_param else 0) for k, per_param in state.items()
         }
+        w = self.weight
+        row0 = (
+            compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)[1][0]
+            if isinstance(w, DTensor)
+            else 0
+        )
+        name = f"engram_table{next(_TABLE_NUMBERS)}"
         store = NvmeRowStore(
-            local.shape[0], columns, list(s.dirs), s.cache_bytes_per_table,
-            name=f"engram_table{next(_TABLE_NUMBERS)}", direct=s.direct_io,
+            local.shape[0], columns, list(s.dirs), s.cache_bytes_per_table, name=name,
+            direct=s.direct_io, label=getattr(self, "_engram_label", "") or name, row0=int(row0),
         )  # fmt: skip
         _STORES.append((os.getpid(), store))
         return store

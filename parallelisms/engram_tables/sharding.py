@@ -117,10 +117,10 @@ def apply_engram_table_sharding(
         module.set_lookup(settings)
         params.append(module.weight)
     if location == "nvme":
-        tables = [m for m in model.modules() if isinstance(m, NvmeShardedEngramTable)]
+        tables = [(n, m) for n, m in model.named_modules() if isinstance(m, NvmeShardedEngramTable)]
         share = dataclasses.replace(
             nvme, cache_bytes_per_table=nvme.cache_bytes_per_table // len(tables)
         )
-        for table in tables:
-            table.set_nvme(share)
+        for name, table in tables:
+            table.set_nvme(share, label=name)
     return params
