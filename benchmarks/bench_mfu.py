@@ -5,6 +5,7 @@ of any config's real-width cut, against the memory planner.
     torchrun --nproc_per_node=8 benchmarks/bench_mfu.py     # a GPU / NPU node: FSDP-8, bf16
     python benchmarks/bench_mfu.py --config train_configs/8b_gpu.toml --layers 4 \
         --parallelism.tp=1 [--section.key=value ...]        # a config's cut (below)
+    python benchmarks/bench_mfu.py --telemetry [--steps 24]  # Engram telemetry on / off (below)
 
 With --config: the config's model cut to --layers decoder layers (one Engram layer kept, with its
 full tables; runner/trial_step.py cut_config) at the config's layout, compute dtype
@@ -28,11 +29,18 @@ Without --config:
 3. The table: step time, tokens/s, TFLOP/s and MFU per device, the share of the CPU threads the
    step got (cpu: a machine shared with other jobs shows here, not as a slow kernel), and the
    on / off ratios.
+
+With --telemetry: the Engram-on model of 2., one instance, stepped --steps times with the
+log-step telemetry (engram/train/telemetry.py: the blocks' gate sums, the table update's
+statistics, the one all-reduce and host read) and --steps times without, alternating step by
+step (the loss is read on both, as every log step does); medians, and the overhead per log step
+and per step at metrics.log_freq = 10 (docs/benchmarks.md, "Telemetry overhead").
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -48,7 +56,7 @@ from engram.runtime.device_specs import measure_gemm_tflops, peak_spec_for  # no
 from engram.runtime.distributed import destroy_distributed, init_distributed  # noqa: E402
 from engram.runtime.logs import init_logging  # noqa: E402
 from parallelisms.parallel_dims import parallel_dims_from_config  # noqa: E402
-from runner.trial_step import cut_config, run_trial_step  # noqa: E402
+from runner.trial_step import Trial, cut_config, run_trial_step  # noqa: E402
 from scripts.cluster_step import GIB, planner_peak_gib  # noqa: E402
 
 FLAVOR = "bench-256M"
@@ -114,6 +122,50 @@ def run_config(args, cfg_argv: list[str], device) -> list[str]:
     ]
 
 
+def telemetry_overhead(args, device) -> list[str]:
+    """--telemetry: the Engram-on model's step with the log-step telemetry read (Progress's
+    loss read on both) and without, alternating step by step on one model, so a loaded
+    machine's noise hits both alike; medians after two warm-up steps each."""
+    cfg = config_from_dict(
+        {
+            "job": {"device": device.type},
+            "model": {"name": "llama3", "flavor": FLAVOR},
+            "engram": {**ENGRAM, "enabled": True},
+            "training": {"seq_len": args.seq, "local_batch_size": args.batch, "steps": 10**6},
+            "parallelism": {"mixed_precision_param": args.dtype},
+            "metrics": {"log_freq": 1},  # every step a log step: on pays it every step
+        }
+    )
+    dims = parallel_dims_from_config(cfg, dist.get_world_size())
+    dims.build_mesh(device.type)
+    trial = Trial(cfg, dims, device)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(2 * (args.steps + 2)):
+        on = i % 2 == 1
+        trial.train_step.telemetry.enabled = on
+        timed = trial.timed_step()
+        if i >= 4:
+            times[on].append(timed.wall_s)
+        if dist.get_rank() == 0:  # progress: a long run on a loaded machine shows it
+            print(f"step {i + 1}: telemetry {'on' if on else 'off'} {timed.wall_s:.4f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    extra = (on - off) / off
+    return [
+        f"model llama3/{FLAVOR} + Engram at layer 1, seq {args.seq}, batch {args.batch} per "
+        f"rank, {args.dtype}; {args.steps} steps each, alternating, after 2 warm-up steps each",
+        "| telemetry | median step s | min | max |",
+        "| --- | --- | --- | --- |",
+        *[
+            f"| {'on (every step a log step)' if k else 'off'} | {statistics.median(v):.4f} "
+            f"| {min(v):.4f} | {max(v):.4f} |"
+            for k, v in ((False, times[False]), (True, times[True]))
+        ],
+        f"on / off: x{on / off:.4f} at metrics.log_freq = 1 ({100 * extra:+.2f}% per log "
+        f"step); at log_freq = 10: {100 * extra / 10:+.3f}% of step time",
+    ]
+
+
 def share(step) -> str:
     """cpu: the share of this process's threads' time the timed step got (a loaded machine
     shows here, not as a slow kernel)."""
@@ -133,6 +185,9 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=2, help="cpu threads")
     ap.add_argument("--dtype", default="", help="FSDP compute dtype (default: bf16 off cpu)")
+    ap.add_argument(
+        "--telemetry", action="store_true", help="time the log-step telemetry on / off (above)"
+    )
     args, overrides = ap.parse_known_args()
     if overrides and not args.config:
         ap.error(f"unknown arguments {overrides} (--section.key=value needs --config)")
@@ -143,7 +198,7 @@ def main() -> None:
     args.dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
     # cpu: one ~40 s step per variant (a warm-up step would double the run); accelerators: the
     # first steps pay for kernel selection and allocator growth.
-    args.steps = args.steps or (1 if device_type == "cpu" else 3)
+    args.steps = args.steps or (24 if args.telemetry else 1 if device_type == "cpu" else 3)
     if device_type == "cpu":
         torch.set_num_threads(args.threads)
     dev.import_device_backend(device_type)
@@ -151,8 +206,9 @@ def main() -> None:
     init_logging(rank)
     device = dev.local_device(device_type, local_rank)
     try:
-        if args.config:
-            lines = run_config(args, cfg_argv, device)
+        if args.config or args.telemetry:
+            run_one = run_config if args.config else lambda a, _, d: telemetry_overhead(a, d)
+            lines = run_one(args, cfg_argv, device)
             if dist.get_rank() == 0:
                 print("\n".join(lines), flush=True)
             return

@@ -39,6 +39,7 @@ from torch.distributed.pipelining.schedules import (
 from engram.config import ConfigError, JobConfig
 from engram.config import Pipeline as PipelineConfig
 from engram.config.table_optimizers import table_optimizer_spec
+from engram.models import engram_stats
 from parallelisms.engram_tables.host import lookups_off_queue
 from parallelisms.parallel_dims import ParallelDims
 
@@ -212,12 +213,13 @@ class _Stage(PipelineStage):
     When a schedule (re)initialises its stages (its first step, and a switch between eval and
     train) torch runs each stage's forward once more on micro-batch 0, to infer the shapes it
     sends; host / NVMe tables look that forward's rows up when it runs, off their prefetch
-    queues (parallelisms/table_prefetch.py queues the step's real lookups only). If a torch
+    queues (parallelisms/table_prefetch.py queues the step's real lookups only), and Engram
+    blocks record no log-step statistics (engram/models/engram_stats.py). If a torch
     version infers elsewhere, the first real lookup finds its ids differ from its queue's head
     and fails naming the prefetch (never rows of other ids)."""
 
     def _prepare_forward_infra(self, *args, **kwargs):
-        with lookups_off_queue():
+        with lookups_off_queue(), engram_stats.paused():  # nor one of the step's statistics
             return super()._prepare_forward_infra(*args, **kwargs)
 
 

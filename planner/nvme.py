@@ -2,15 +2,9 @@
 node, the host cache and everything else the host holds per node, the page reads and writes a
 step needs against the drives' IOPS and bandwidth, and drive endurance.
 
-Counted as engram/rowstore/nvme_store.py lays a shard out: one fp32 record per row
-(the weight, then the row-sparse optimizer's state columns), whole records in 4 KiB pages
-(`page_layout`), so a rank's page files hold ceil(rows / rows_per_page) pages per table.
-
-Traffic per step comes from the measured row reuse (docs/host_tables.md, "Row reuse on real
-text"): `unique_rows_per_step` rows of each table per owner rank (at most its lookup ids), of
-which `reuse_last_step` were in the last step and still cached (when the cache holds two steps'
-pages), so the rest is read; the rows are scattered, so each read row costs one page I/O, and in
-steady state every page read is later written back dirty (the update touched it). Hardware
+The rules (page-file bytes, page reads per step, I/O time, drive writes per day, and the
+capacity problem) are engram/rowstore/tier_rules.py's, which the run's start-up checks
+(runner/start_checks.py) call too: this file feeds them a config and the planned rank. Hardware
 figures are assumptions (planner CLI flags), printed with the plan.
 """
 
@@ -21,12 +15,14 @@ import dataclasses
 
 from engram.config import JobConfig
 from engram.config.table_optimizers import table_optimizer_spec
+from engram.rowstore import tier_rules
 from engram.rowstore.memory import STAGING_CHUNK_BYTES
 from engram.rowstore.nvme_store import INDEX_BYTES_PER_PAGE, page_layout
+from engram.rowstore.tier_rules import page_file_bytes
 from planner.results import GIB, RankMemory
 from planner.tier_results import NvmeTier, TierAssumptions
 
-SECONDS_PER_DAY = 86_400
+__all__ = ["nvme_tier", "page_file_bytes", "record_bytes", "step_rows", "tier_assumptions"]
 
 
 def add_tier_flags(p: argparse.ArgumentParser) -> None:
@@ -45,6 +41,7 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
         "reuse_window": "share of a step's rows touched in the last few steps (measured)",
         "reuse_source": "where the reuse figures were measured: tokenizer and corpus (printed)",
         "checkpoint_write_gbs": "GB/s a node writes checkpoints at",
+        "rated_dwpd": "drive writes per day the NVMe drives are rated for",
     }
     for f in dataclasses.fields(TierAssumptions):
         p.add_argument(
@@ -62,39 +59,19 @@ def tier_assumptions(opts: argparse.Namespace) -> TierAssumptions:
 
 
 def record_bytes(table_optimizer: str, dim: int) -> int:
-    """Bytes of one row's record: fp32 weight + the optimizer's state columns (a per-row
-    state is one value), as NvmeRowStore packs it."""
+    """Bytes of one row's record under `table_optimizer` (tier_rules.record_bytes)."""
     spec = table_optimizer_spec(table_optimizer)
-    return 4 * (dim + spec.fp32_states_per_param * dim + spec.fp32_states_per_row)
-
-
-def page_file_bytes(rows: int, record: int) -> int:
-    """Bytes of the page files of a `rows`-row shard with `record`-byte records."""
-    page, per_page = page_layout(record)
-    return -(-rows // per_page) * page
+    return tier_rules.record_bytes(dim, spec.fp32_states_per_param, spec.fp32_states_per_row)
 
 
 def step_rows(cfg: JobConfig, a: TierAssumptions, local_rows: int) -> int:
-    """Distinct rows of one table a step touches on its owner rank: the measured figure, at most
-    the step's lookup ids per owner and the shard's rows. Lookup ids per owner: global tokens x
-    hash heads spread over the stage's ranks, = per-rank tokens x heads / (tp x cp) (a tp x cp
-    group shares its sequences)."""
+    """Distinct rows of one table a step touches on its owner rank (tier_rules.step_rows over
+    tier_rules.lookup_ids_per_owner)."""
     t, par = cfg.training, cfg.parallelism
-    ids = t.local_batch_size * t.seq_len * t.grad_accum_steps * cfg.engram.num_heads
-    return min(a.unique_rows_per_step, ids // (max(1, par.tp) * max(1, par.cp)), local_rows)
-
-
-def _io_seconds(pages: int, page_bytes: int, drives: int, kiops: float, gbs: float) -> float:
-    """The slower of the IOPS and the bandwidth limit for `pages` random page I/Os."""
-    ios = pages * -(-page_bytes // 4096)  # a page above 4 KiB counts as its 4 KiB pieces
-    return max(ios / (drives * kiops * 1e3), pages * page_bytes / (drives * gbs * 1e9))
-
-
-def _pages_moved(a: TierAssumptions, rows: int, page: int, cache: int, n: int) -> int:
-    """Pages one rank reads per step over its `n` tables: the step's rows not cached from the
-    last step (reuse counts only when each table's cache share holds two steps' pages)."""
-    keeps_last_step = cache // max(1, n) >= 2 * rows * page
-    return n * round(rows * (1 - (a.reuse_last_step if keeps_last_step else 0.0)))
+    ids = tier_rules.lookup_ids_per_owner(
+        t.local_batch_size, t.seq_len, t.grad_accum_steps, cfg.engram.num_heads, par.tp, par.cp
+    )
+    return tier_rules.step_rows(a.unique_rows_per_step, ids, local_rows)
 
 
 def nvme_tier(
@@ -108,9 +85,10 @@ def nvme_tier(
     n = len(local)
     cache = int(cfg.engram.nvme_host_cache_gib * GIB)
     rows = max((step_rows(cfg, a, r) for r in local), default=0)
-    read = _pages_moved(a, rows, page, cache, n) * ranks_per_node
-    io_s = _io_seconds(read, page, a.nvme_drives_per_node, a.nvme_read_kiops, a.nvme_read_gbs)
-    io_s += _io_seconds(read, page, a.nvme_drives_per_node, a.nvme_write_kiops, a.nvme_write_gbs)
+    read = tier_rules.pages_read_per_step(a, rows, page, cache, n) * ranks_per_node
+    drives = a.nvme_drives_per_node
+    io_s = tier_rules.io_seconds(read, page, drives, a.nvme_read_kiops, a.nvme_read_gbs)
+    io_s += tier_rules.io_seconds(read, page, drives, a.nvme_write_kiops, a.nvme_write_gbs)
     drive = int(a.nvme_drives_per_node * a.nvme_tb_per_drive * 1e12)
     pages = sum(-(-r // per_page) for r in local)
     host_rank = (
@@ -131,7 +109,7 @@ def nvme_tier(
         pages_read_per_step=read,
         pages_written_per_step=read,  # steady state: each page read is written back dirty
         io_seconds_per_step=io_s,
-        drive_writes_per_day=read * page * SECONDS_PER_DAY / a.step_time_s / max(1, drive),
+        drive_writes_per_day=tier_rules.drive_writes_per_day(read * page, a.step_time_s, drive),
     )
     tier.problems = _nvme_problems(tier, n)
     return tier
@@ -141,12 +119,11 @@ def _nvme_problems(t: NvmeTier, n_tables: int) -> list[str]:
     """What does not fit, by name."""
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
     out = []
-    if t.drive_bytes_needed > t.drive_bytes:
-        out.append(
-            f"NVMe capacity: the page files need {gib(t.drive_bytes_needed)} per node, the "
-            f"drives hold {gib(t.drive_bytes)} (--nvme_drives_per_node x --nvme_tb_per_drive): "
-            "add drives or nodes, or shrink the tables"
-        )
+    space = tier_rules.page_space_problem(
+        t.drive_bytes_needed, t.drive_bytes, "per node",
+        "the drives (--nvme_drives_per_node x --nvme_tb_per_drive) hold",
+    )  # fmt: skip
+    out += [space] if space else []
     if t.host_bytes and t.host_bytes_needed > t.host_bytes:
         out.append(
             f"host memory: NVMe host caches + staging + page index need {gib(t.host_bytes_needed)} per node, "
@@ -174,6 +151,7 @@ def nvme_markdown(t: NvmeTier | None) -> list[str]:
         return []
     a = t.assumptions
     gib = lambda b: f"{b / GIB:.1f}"  # noqa: E731
+    wear = tier_rules.endurance_warning(t.drive_writes_per_day, a.rated_dwpd, "page write-backs")
     return [
         "",
         "### NVMe tables per node (planner/nvme.py; hardware figures are assumptions)",
@@ -191,7 +169,7 @@ def nvme_markdown(t: NvmeTier | None) -> list[str]:
         f"{a.step_time_s} s step ({a.nvme_read_kiops:g}k / {a.nvme_write_kiops:g}k IOPS, "
         f"{a.nvme_read_gbs:g} / {a.nvme_write_gbs:g} GB/s per drive)",
         f"- endurance: {t.drive_writes_per_day:.3f} drive writes per day (before write "
-        "amplification)",
+        "amplification)" + (f": **{wear}**" if wear else ""),
         f"- NVMe tier: **{'fits' if not t.problems else 'does NOT fit'}**"
         + "".join(f"\n  - {p}" for p in t.problems),
     ]

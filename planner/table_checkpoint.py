@@ -2,10 +2,12 @@
 incremental (the rows touched since the previous save, with their row ids).
 
 Full: a rank's shards as DCP saves them, fp32 weight + state columns per row (`record_bytes`).
-Incremental: the rows a save interval of I steps touches per table and rank, from the measured
-reuse (docs/host_tables.md): a step touches u rows, of which `reuse_window` were touched in the
-last few steps, so I steps touch u x (1 + (I - 1) x (1 - reuse_window)) rows, at most the shard;
-each saved row carries an int64 id. Time: bytes per node / --checkpoint_write_gbs.
+Incremental: the rows a save interval touches per table and rank, from the measured reuse, with
+their row ids (engram/checkpoint/capacity.py `touched_rows`, the rule the run's start-up checks
+use too). Time: bytes per node / --checkpoint_write_gbs. The cadence table
+(`cadence_rows`): for checkpoint.table_full_every = f, the bytes a save writes on average, the
+checkpoint folder at its fullest under checkpoint.keep_latest_k (capacity.py
+`kept_checkpoint_bytes`) and the drive writes per day at the save interval.
 
 Host memory of a full save of NVMe tables (engram/checkpoint/streamed_dcp.py): a synchronous
 save reads one chunk of one column at a time per rank (CHUNK_BYTES, engram/rowstore/
@@ -17,18 +19,22 @@ refused when both exceed the host's memory.
 
 from __future__ import annotations
 
+from engram.checkpoint.capacity import (
+    ROW_ID_BYTES,
+    async_save_host_problem,
+    kept_checkpoint_bytes,
+    touched_rows,
+)
 from engram.config import JobConfig
 from engram.rowstore.streamed_columns import CHUNK_BYTES
+from engram.rowstore.tier_rules import drive_writes_per_day, endurance_warning
 from planner.nvme import record_bytes, step_rows
 from planner.results import GIB, RankMemory
 from planner.tier_results import TableCheckpoint, TierAssumptions
 
-ROW_ID_BYTES = 8
+__all__ = ["cadence_rows", "table_checkpoint", "table_checkpoint_markdown", "touched_rows"]
 
-
-def touched_rows(per_step: int, interval: int, reuse_window: float, local_rows: int) -> int:
-    """Distinct rows of one shard touched over `interval` steps (see the module docstring)."""
-    return min(local_rows, round(per_step * (1 + (interval - 1) * (1 - reuse_window))))
+CADENCES = (1, 2, 5, 10, 20)  # checkpoint.table_full_every values the report compares
 
 
 def table_checkpoint(
@@ -52,6 +58,12 @@ def table_checkpoint(
         host_bytes=host_bytes,
         save_host_bytes=(ranks_per_node * largest_chunk if streams else full) if nvme else 0,
         streams=streams,
+        keep_latest_k=cfg.checkpoint.keep_latest_k,
+        table_full_every=cfg.checkpoint.table_full_every,
+        saves=-(-cfg.training.steps // interval),
+        step_time_s=a.step_time_s,
+        drive_bytes=int(a.nvme_drives_per_node * a.nvme_tb_per_drive * 1e12),
+        rated_dwpd=a.rated_dwpd,
     )
 
 
@@ -59,17 +71,28 @@ def table_checkpoint_problems(c: TableCheckpoint, tier_host_bytes: int) -> list[
     """What a full save of NVMe tables cannot do, by name: an asynchronous save's whole
     columns with the NVMe tier's host memory (`tier_host_bytes`, its staging copy included)
     above the host's."""
-    if c.streams or not c.save_host_bytes or not c.host_bytes:
+    if c.streams:
         return []
-    if c.save_host_bytes + tier_host_bytes <= c.host_bytes:
-        return []
-    return [
-        f'checkpoint host memory: checkpoint.async_mode = "async" reads the NVMe tables\' '
-        f"shards whole ({c.save_host_bytes / GIB:.1f} GiB per node) next to the NVMe tier's "
-        f"{tier_host_bytes / GIB:.1f} GiB (caches, async staging copy), more than the "
-        f"{c.host_bytes / GIB:.1f} GiB of host memory: set checkpoint.async_mode = "
-        '"disabled" (a synchronous save streams the tables chunk by chunk)'
-    ]
+    problem = async_save_host_problem(
+        c.save_host_bytes, tier_host_bytes, c.host_bytes,
+        "engram.host_memory_gib / --host_memory_gib",
+    )  # fmt: skip
+    return [problem] if problem else []
+
+
+def cadence_rows(c: TableCheckpoint) -> list[tuple[int, float, float, float]]:
+    """(table_full_every, GiB a save writes on average, GiB the folder holds at its fullest
+    under keep_latest_k, drive writes per day of the saves) per node for each of CADENCES and
+    the config's own cadence."""
+    rows = []
+    for f in sorted({*CADENCES, c.table_full_every}):
+        per_save = (c.full_bytes + (f - 1) * c.incremental_bytes) / f
+        kept = kept_checkpoint_bytes(
+            c.full_bytes, c.incremental_bytes, c.keep_latest_k, f, max(c.saves, 1)
+        )
+        dwpd = drive_writes_per_day(per_save / c.interval_steps, c.step_time_s, c.drive_bytes)
+        rows.append((f, per_save / GIB, kept / GIB, dwpd))
+    return rows
 
 
 def table_checkpoint_markdown(c: TableCheckpoint | None, location: str) -> list[str]:
@@ -88,7 +111,23 @@ def table_checkpoint_markdown(c: TableCheckpoint | None, location: str) -> list[
         f"table per rank, + row ids): {gib(c.incremental_bytes)} GiB, "
         f"{c.incremental_seconds:.1f} s ({c.incremental_bytes / max(1, c.full_bytes):.1%} of "
         "full; checkpoint.table_full_every > 1 writes them between full saves)",
+        "",
+        f"| table_full_every | GiB per save (mean) | GiB kept at keep_latest_k = "
+        f"{c.keep_latest_k} | drive writes / day (if on the NVMe drives) |",
+        "|---|---|---|---|",
+        *[
+            f"| {f}{' (config)' if f == c.table_full_every else ''} | {save:.1f} | "
+            f"{kept:.1f} | {dwpd:.3f} |"
+            for f, save, kept, dwpd in cadence_rows(c)
+        ],
+        "",
+        "(a resume replays a base and at most table_full_every - 1 deltas: "
+        "engram/checkpoint/table_delta.py)",
     ]
+    config_row = next(r for r in cadence_rows(c) if r[0] == c.table_full_every)
+    warning = endurance_warning(config_row[3], c.rated_dwpd, "the table saves")
+    if warning:
+        lines.append(f"- **{warning}**")
     if location == "nvme" and c.streams:
         lines.append(
             f"- a full save streams the NVMe shards: {c.save_host_bytes / 2**20:.0f} MiB of "

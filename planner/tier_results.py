@@ -1,46 +1,15 @@
 """The result types of the Engram table tiers' plan (planner/nvme.py,
 planner/table_checkpoint.py) and the assumptions they are planned with; MemoryEstimate holds
-them (planner/results.py)."""
+them (planner/results.py). TierAssumptions is engram/rowstore/tier_rules.py's: the run's
+start-up checks plan with it too."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engram.rowstore.tier_rules import TierAssumptions
 
-@dataclass(frozen=True)
-class TierAssumptions:
-    """Hardware and workload figures the NVMe and table-checkpoint terms use (CLI flags)."""
-
-    nvme_drives_per_node: int = 8
-    nvme_tb_per_drive: float = 7.68
-    """Usable TB (10^12 B) per drive for the page files."""
-    nvme_read_kiops: float = 875.0
-    """Random 4 KiB reads per second per drive, thousands (data-centre Gen4 spec sheets)."""
-    nvme_write_kiops: float = 200.0
-    nvme_read_gbs: float = 6.8
-    """Sequential-size read GB/s per drive (caps large pages)."""
-    nvme_write_gbs: float = 4.0
-    step_time_s: float = 30.0
-    """The step time the I/O must fit in (the prefetch overlaps it with compute)."""
-    unique_rows_per_step: int = 132_000
-    """Distinct rows of one table a step touches per owner rank (measured max 132,035 at 64
-    ranks on the 1T config's 7.8B-row tables, 131,743 on 1.56B-row ones, with a 77k-token
-    byte-level BPE; 28k with the 2k debug tokenizer: docs/host_tables.md, "Row reuse on real
-    text")."""
-    reuse_last_step: float = 0.264
-    """Share of a step's rows touched in the step before (measured 26.4% on the 1T config's
-    tables, 26.5% on 1.56B-row ones)."""
-    reuse_window: float = 0.444
-    """Share of a step's rows touched in the last few steps (measured 44.4% over 4 steps):
-    new rows per step over a save interval are (1 - this) of a step's rows."""
-    reuse_source: str = (
-        "a 77,166-token byte-level BPE of Qwen2.5's shape (benchmarks/local_bpe.py; the local "
-        "corpus ran out of merges before 151,665) on Vim help + Node.js docs, 64 ranks"
-    )
-    """Where the three reuse figures above were measured (the tokenizer and the corpus): the
-    plan prints it beside them."""
-    checkpoint_write_gbs: float = 5.0
-    """GB/s a node writes checkpoint files at (to the checkpoint folder's storage)."""
+__all__ = ["NvmeTier", "TableCheckpoint", "TierAssumptions"]
 
 
 @dataclass
@@ -86,6 +55,14 @@ class TableCheckpoint:
     column whole (its staging copy is counted with the NVMe tier); 0: not modelled, the tables' own memory is counted elsewhere)."""
     streams: bool = False
     """Whether a full save streams the tables (NVMe tables, synchronous saves)."""
+    keep_latest_k: int = 3
+    table_full_every: int = 1
+    saves: int = 1
+    """Saves over the run (training.steps / checkpoint.interval)."""
+    step_time_s: float = 30.0
+    drive_bytes: int = 0
+    """The NVMe drives per node (the endurance column assumes the checkpoints go there)."""
+    rated_dwpd: float = 1.0
 
     @property
     def full_seconds(self) -> float:

@@ -1,7 +1,8 @@
 """What assembles a run and owns the one training step.
 
 The model placed on this rank (model_parts.py: pipeline stages, parallelisms, materialised and
-initialised); the one training step (step.py TrainStep: the context-parallel cut, host-table
+initialised; start_checks.py: what it refuses before step 1 by the planner's rules, drive space,
+async-save host memory, the checkpoint folder, and the table tier's start-up lines); the one training step (step.py TrainStep: the context-parallel cut, host-table
 prefetch, forward / backward per micro-batch or the pipeline schedule, clip, the non-finite
 guard, the update), run by both recipes, by the trial step on a config's cut (trial_step.py:
 check_cluster's `real_step`, benchmarks/bench_mfu.py) and, with the engine's parts

@@ -126,7 +126,10 @@ class TrainRun:
         )
         throughput = Throughput(self.flops, device, proc.world_size, cfg.metrics.peak_tflops)
         dp_size = train_step.dims.dp_size
-        self.progress = Progress(cfg, dp_size, self.state, self.metrics, loader, device, throughput)
+        self.progress = Progress(
+            cfg, dp_size, self.state, self.metrics, loader, device, throughput,
+            telemetry=train_step.telemetry,
+        )  # fmt: skip
         with train_step.loss_fn.context(), profile as self.profiler:
             yield self
 

@@ -3,7 +3,7 @@ parallelised in parallelize.py's order, materialised and initialised; the loss o
 under PP, the schedules that run them.
 
 It lives in runner/ because it assembles a run from the placement code (split_stages,
-parallelize_model, the host-memory check, the schedule builders), while the pieces it returns
+parallelize_model, the host-memory check and the start-up checks, the schedule builders), while the pieces it returns
 (LanguageModelLoss, PipelineRun) are engram/train's: runner/ imports parallelisms/ and engram/,
 never the reverse.
 """
@@ -32,6 +32,7 @@ from parallelisms.pipeline import (
     check_schedule,
     split_stages,
 )
+from runner.start_checks import refuse_at_start, report_tiers
 
 
 def local_numel(p: torch.Tensor) -> int:
@@ -65,9 +66,13 @@ def build_model_parts(
         ranks_per_node,
         cfg.engram.host_memory_gib,
     )
+    # What would fail hours later (drive space, async-save host memory, the checkpoint folder)
+    # is refused now, by the planner's rules: runner/start_checks.py.
+    refuse_at_start(model_parts, cfg, dims, device)
     for part in model_parts:
         part.to_empty(device=device)  # host tables materialise on the host
         part.init_weights(seed=cfg.job.seed)  # requires_grad: set by parallelize_model
+    report_tiers(model_parts, cfg)  # host / NVMe tables: a line per rank, the drive probe
     # One loss for every forward path (see engram/train/loss.py); TP loss parallel keeps the
     # logits sharded over the vocabulary (see tensor_parallel.py).
     sharded_logits = dims.tp_enabled and cfg.parallelism.tp_loss_parallel

@@ -17,9 +17,11 @@ device) and runs, in this order:
     the non-finite guard (before any update), the update or its skip, the schedules
 
 and returns the logged loss, the gradient norm, whether the guard skipped the update, the
-learning rate the update used and the step's target tokens. The pieces it calls
-(TargetTokens.count, forward_backward, the PP schedule, ranks_sum, step_optimizers) are
-engram/train/'s; the order and the layout's rules are here, once.
+learning rate the update used and the step's target tokens. On log steps its telemetry
+(engram/train/telemetry.py) records the Engram blocks' gate statistics during forward / backward
+and the table update's touched rows and size; the run's Progress reads them with the loss. The
+pieces it calls (TargetTokens.count, forward_backward, the PP schedule, ranks_sum,
+step_optimizers) are engram/train/'s; the order and the layout's rules are here, once.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from engram.train.step import (
     ranks_sum,
     step_optimizers,
 )
+from engram.train.telemetry import StepTelemetry
 from parallelisms.context_parallel import split_batch
 from parallelisms.fsdp import defer_grad_sync
 from parallelisms.parallel_dims import ParallelDims
@@ -96,6 +99,7 @@ class TrainStep:
             self.prefetches_tables and cfg.engram.enabled and cfg.engram.table_location != "device"
         )
         self.pieces = self.pp.microbatches if self.pp is not None else 1  # per batch, under PP
+        self.telemetry = StepTelemetry(cfg, model_parts, optimizers)
 
     def __call__(
         self, batches: list[Batch], step: int, ahead: list[Batch] | None = None
@@ -109,13 +113,15 @@ class TrainStep:
         if self.prefetch and ahead:  # after this step's prefetches: they are queued first
             ahead_ids = [self.cut(batch)["hash_ids"] for batch in ahead]
             page_in_nvme_tables(self.model_parts, ahead_ids, self.pieces)
-        loss_share = self.forward_backward(batches, tokens)
+        with self.telemetry.recording(step):  # gate statistics, on log steps
+            loss_share = self.forward_backward(batches, tokens)
         grad_norm = self.clip()
         loss = ranks_sum(loss_share, self.dp_group)
         grad_norm = grad_norm.detach().float().to(loss.device)
         skip = self.guard.skip(step, torch.stack([loss, grad_norm])) if self.guard else False
         lr = scheduled_lr(self.schedulers[0], self.cfg.optimizer.lr) if self.schedulers else 0.0
-        self.update(skip)
+        with self.telemetry.update(step, skip):  # rows touched, update size, on log steps
+            self.update(skip)
         return StepResult(loss, grad_norm, skip, lr, tokens.total)
 
     def cut(self, batch: Batch) -> Batch:

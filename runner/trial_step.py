@@ -218,16 +218,20 @@ class Trial:
 
     def timed_step(self) -> TimedStep:
         """One optimizer step, timed (wall and CPU) from the batch on the device to the update
-        (the next step's batch read before the clock starts, as the loop's data time)."""
+        (the next step's batch read before the clock starts, as the loop's data time), and on a
+        log step the loss and the telemetry read as the loop's Progress reads them."""
         self.steps += 1
         batches, ahead = self.data.take(self.steps)
         with self.loss_fn.context():
             dev.synchronize(self.device)
             t0, c0 = time.perf_counter(), time.process_time()
             result = self.train_step(batches, self.steps, ahead)
+            if self.train_step.telemetry.is_log_step(self.steps):
+                self.train_step.telemetry.metrics()
+            loss = float(result.loss)
             dev.synchronize(self.device)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        return TimedStep(wall, cpu, float(result.loss))
+        return TimedStep(wall, cpu, loss)
 
 
 def one_process_trial(argv: list[str]) -> Trial:

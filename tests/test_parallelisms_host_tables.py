@@ -12,8 +12,10 @@ FIFO worker, prefetch, async host update, replay under recompute), not page-lock
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -73,9 +75,9 @@ def _train(
     if slow_update:
         update_all = RowSparseOptimizer._update_all
 
-        def slow(self, work):
+        def slow(self, work, stats=None):
             time.sleep(slow_update)
-            update_all(self, work)
+            update_all(self, work, stats)
 
         RowSparseOptimizer._update_all = slow
     if nan_steps:
@@ -89,11 +91,20 @@ def _train(
             if ".table." in n:
                 tables[n] = p.full_tensor().detach().clone() if isinstance(p, DTensor) else p
                 where[n] = (p.to_local() if isinstance(p, DTensor) else p).device.type
+    run = Path(raw["job"]["dump_folder"]) / raw["job"]["run_name"]
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]  # a step's record, not an eval_loss one
+    telemetry = [  # rank 0's Engram telemetry of this run's steps (engram/train/telemetry.py;
+        # runs resuming each other share the run folder and append to its metrics.jsonl)
+        {k: v for k, v in r.items() if k.startswith("engram/")}
+        for r in steps[len(steps) - len(result.losses) :]
+    ] if rank == 0 else []  # fmt: skip
     return {
         "losses": result.losses,
         "norms": result.grad_norms,
         "tables": tables,
         "counts": counts,
+        "telemetry": telemetry,
         "host_tables": [
             type(m).__name__ for m in result.model.modules() if "Host" in type(m).__name__
         ],
@@ -113,6 +124,13 @@ def _assert_bitwise(host: list[dict], device: list[dict], label: str) -> None:
         assert h["tables"].keys() == d["tables"].keys()
         for n, t in d["tables"].items():
             assert np.array_equal(h["tables"][n], t), f"{where}: table {n} differs"
+        # Engram telemetry (gates, rows touched, the update's RMS from the host worker): equal,
+        # up to the order a sum of squares adds in (out_rms_ratio 6e-8 apart after the 4 -> 2
+        # reshard resume, its losses and tables bitwise)
+        assert len(h["telemetry"]) == len(d["telemetry"]), where
+        for ht, dt in zip(h["telemetry"], d["telemetry"], strict=True):
+            assert ht == pytest.approx(dt, rel=1e-6, abs=0), where
+        assert rank or all(len(t) % 6 == 0 and t for t in h["telemetry"]), h["telemetry"]
 
 
 def _pair(tmp, name, world, opt, extra=None, nan_steps=()):

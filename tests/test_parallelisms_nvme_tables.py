@@ -8,6 +8,8 @@ loop reads the loader one step ahead)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -192,11 +194,24 @@ def test_nvme_needs_dirs_and_a_row_sparse_optimizer():
                 config_from_dict({"engram": {"table_location": location, **setting}})
 
 
+def _stores_of(model_parts) -> list:
+    from parallelisms.engram_tables import NvmeShardedEngramTable
+
+    return [
+        m._engram_store for part in model_parts for m in part.modules()
+        if isinstance(m, NvmeShardedEngramTable)
+    ]  # fmt: skip
+
+
 def _train(rank: int, world: int, raw: dict, chunk_bytes: int = 0) -> dict:
     """Train `raw`; the losses, grad norms, every table and per NVMe store its page counts (at
     the first step: what the init or the resume read and wrote) and the largest write of rows
-    into it by a resume (`load`, inside the checkpoint's load). `chunk_bytes`: the checkpoint's
-    streamed chunks (CHUNK_BYTES), if not the default."""
+    into it by a resume (`load`, inside the checkpoint's load); the stores' I/O counters' growth
+    from the step's build to the end, rank 0's metrics and the tier's start-up lines.
+    `chunk_bytes`: the checkpoint's streamed chunks (CHUNK_BYTES), if not the default."""
+    import logging
+    from pathlib import Path
+
     import engram.checkpoint.manager as manager
     import engram.rowstore.streamed_columns as sc
     import recipes.train as recipe
@@ -205,6 +220,20 @@ def _train(rank: int, world: int, raw: dict, chunk_bytes: int = 0) -> dict:
     from engram.rowstore.host_worker import row_store_of
     from engram.rowstore.nvme_store import NvmeRowStore
     from parallelisms.engram_tables import NvmeShardedEngramTable
+    from runner.step import TrainStep
+
+    # The stores' own page counters when the step is built (after init) and at the end; the
+    # start-up lines the run logged.
+    init, at_build, lines = TrainStep.__init__, [], []
+
+    def counted_from_here(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        at_build.extend(s.io_counters() for s in _stores_of(self.model_parts))
+
+    TrainStep.__init__ = counted_from_here
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("engram").addHandler(handler)
 
     sc.CHUNK_BYTES = chunk_bytes or sc.CHUNK_BYTES
     update, call, load = RowSparseOptimizer._update, step_mod.TrainStep.__call__, NvmeRowStore.load
@@ -242,10 +271,11 @@ def _train(rank: int, world: int, raw: dict, chunk_bytes: int = 0) -> dict:
         store = row_store_of(p)
         if store is not None and rows.numel():
             unpinned[0] += not bool(store.cache.pinned(store._pages(rows)).all())
-        update(self, p, hyper, rows, g)
+        return update(self, p, hyper, rows, g)
 
     RowSparseOptimizer._update = checked
     result = recipe.train(config_from_dict(raw))
+    at_end = [s.io_counters() for s in _stores_of(result.model_parts)]  # before the read-out
     tables, stores = {}, []
     for part in result.model_parts:
         state = part.state_dict()  # an NVMe table's rows come from its store
@@ -261,9 +291,15 @@ def _train(rank: int, world: int, raw: dict, chunk_bytes: int = 0) -> dict:
                      "table": s.rows * s.columns["weight"] * 4, "pages": s.pages,
                      "start": at_start.get(id(s)), "largest_load": loads.get(id(s), 0)}
                 )  # fmt: skip
+    grew = {
+        k: sum(e[k] - b[k] for b, e in zip(at_build, at_end, strict=True)) for k in at_end[0]
+    } if at_end else {}  # fmt: skip
+    metrics = Path(raw["job"]["dump_folder"]) / raw["job"]["run_name"] / "metrics.jsonl"
     return {
         "losses": result.losses, "norms": result.grad_norms, "tables": tables, "stores": stores,
-        "unpinned": unpinned[0],
+        "unpinned": unpinned[0], "io_grew": grew,
+        "metrics": [json.loads(x) for x in metrics.read_text().splitlines()] if rank == 0 else [],
+        "tier_lines": [x for x in lines if x.startswith("table tier:")],
     }  # fmt: skip
 
 
@@ -274,6 +310,9 @@ def _run(tmp, name, world, location, opt):
                             "nvme_host_cache_gib": CACHE_MIB / world / 1024}  # fmt: skip
     raw = _raw(str(tmp), name, world, location, opt, extra)
     raw["training"]["steps"] = STEPS
+    raw["metrics"]["log_freq"] = 1  # every step's telemetry (engram/train/telemetry.py)
+    if location == "nvme":
+        raw["engram"]["nvme_probe_s"] = 0.0  # no drive probe (test_nvme_equals_device has one)
     return raw
 
 
@@ -281,10 +320,15 @@ def _run(tmp, name, world, location, opt):
 @pytest.mark.parametrize("opt", ["lazy_adam", "rowwise_adagrad"])
 @pytest.mark.parametrize("world", [1, 2])
 def test_nvme_equals_device(tmp_path, world, opt):
-    runs = {
-        loc: run_distributed(_train, world, _run(tmp_path, f"{opt}{world}", world, loc, opt))
-        for loc in ("device", "nvme")
-    }
+    """... and logs, per rank, the tier's start-up line and, per step, Engram telemetry equal
+    to the device run's and page counters that add up to the stores' own counts."""
+    runs = {}
+    for loc in ("device", "nvme"):
+        raw = _run(tmp_path, f"{opt}{world}", world, loc, opt)
+        if loc == "nvme":
+            raw["engram"]["nvme_probe_s"] = 0.05
+            raw["metrics"]["enable_tensorboard"] = True
+        runs[loc] = run_distributed(_train, world, raw)
     assert not list(tmp_path.glob("nvme_*/*.pages"))  # the ranks deleted their page files
     for rank, (n, d) in enumerate(zip(runs["nvme"], runs["device"], strict=True)):
         where = f"{opt} world {world} rank {rank}"
@@ -303,6 +347,38 @@ def test_nvme_equals_device(tmp_path, world, opt):
             assert s["pins"] == STEPS, s  # every step's rows came pinned by a prefetch
             assert s["paged_in"] > 0, s  # steps 2-6 were paged in while the step before ran
         assert n["unpinned"] == 0, where  # and stayed pinned until their update
+    _check_telemetry(runs, world, tmp_path / f"{opt}{world}_nvme")
+
+
+def _check_telemetry(runs: dict, world: int, nvme_run) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    nvme, device = runs["nvme"][0], runs["device"][0]
+    assert [m["step"] for m in nvme["metrics"] if "loss" in m] == list(range(1, STEPS + 1))
+    for n, d in zip(nvme["metrics"], device["metrics"], strict=True):
+        engram = {k: v for k, v in d.items() if k.startswith("engram/")}
+        assert len(engram) == 6 and engram["engram/layer_1/rows_touched"] > 0, d
+        assert {k: n[k] for k in engram} == engram  # NVMe tables: the same numbers, bitwise
+        assert not any(k.startswith("tier/") for k in d)
+    # The page counters of the windows add up to what the stores counted from the first step on.
+    grew = {k: sum(r["io_grew"][k] for r in runs["nvme"]) for k in runs["nvme"][0]["io_grew"]}
+    for key in ("pages_read_demand", "pages_read_ahead", "pages_written"):
+        assert sum(m[f"tier/{key}"] for m in nvme["metrics"]) == grew[key], key
+    assert grew["pages_read_ahead"] > 0 and grew["pages_written"] > 0, grew
+    assert sum(m["tier/page_in_wait_s"] for m in nvme["metrics"]) == pytest.approx(
+        grew["page_in_wait_s"], rel=1e-4, abs=1e-6
+    )
+    assert all(0 <= m["tier/cache_hit_pct"] <= 100 for m in nvme["metrics"])
+    assert all(m["tier/io_mb_s"] >= 0 for m in nvme["metrics"])
+    # One start-up line per rank, on rank 0's log.
+    lines = nvme["tier_lines"]
+    assert len(lines) == world and all(f"rank {r}: " in lines[r] for r in range(world)), lines
+    assert "NVMe table(s), page files" in lines[0] and "page I/O" in lines[0], lines
+    assert "O_DIRECT" in lines[0] and "random 4 KiB reads/s" in lines[0], lines
+    acc = EventAccumulator(str(nvme_run / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"engram/layer_1/gate_mean", "engram/layer_1/update_rms", "tier/pages_written"} <= tags
 
 
 @pytest.mark.slow
@@ -363,6 +439,7 @@ def test_nvme_equals_device_fsdp2_tp2_and_pp2(tmp_path):
         "pp2": (2, {"parallelism": {"dp_shard": 1, "pp": 2}, **pp}, 2 * STEPS, CACHE_MIB),
         "pp2tp2": (4, {"parallelism": {"dp_shard": 1, "pp": 2, "tp": 2}, **pp}, 2 * STEPS, 2.3),
     }  # fmt: skip
+    telemetry = {}  # label -> rank 0's metrics of the NVMe run
     for label, (world, extra, prefetches, cache_mib) in layouts.items():
         runs = {}
         for loc in ("device", "nvme"):
@@ -385,6 +462,17 @@ def test_nvme_equals_device_fsdp2_tp2_and_pp2(tmp_path):
                 assert s["paged_in"] > 0, f"{where}: {s}"  # paged in while the step before ran
                 assert s["table"] >= 8 * s["cache"], s
             assert n["unpinned"] == 0, where
+        telemetry[label] = runs["nvme"][0]["metrics"]
+        for n, d in zip(runs["nvme"][0]["metrics"], runs["device"][0]["metrics"], strict=True):
+            assert {k: v for k, v in n.items() if k.startswith("engram/")} == {
+                k: v for k, v in d.items() if k.startswith("engram/")
+            }, label
+    # Engram telemetry of both stages' layers, each rank's own tokens: PP2 x TP2 = PP2 at step 1
+    # (same weights, same global batch; sums in another order)
+    for key, value in telemetry["pp2"][0].items():
+        if key.startswith("engram/"):
+            assert telemetry["pp2tp2"][0][key] == pytest.approx(value, rel=1e-5), key
+    assert {"engram/layer_0/gate_mean", "engram/layer_2/rows_touched"} <= telemetry["pp2"][0].keys()
 
 
 def test_buffered_fallback_when_o_direct_is_refused(tmp_path, monkeypatch, caplog):

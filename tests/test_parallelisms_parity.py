@@ -19,6 +19,9 @@ by 2 / 4 real gloo ranks under DDP, FSDP2 (both reshard policies) and HSDP 2x2, 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -58,7 +61,13 @@ def _train(rank: int, world: int, raw: dict) -> dict:
     for name, p in result.model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
         weights[clean_fqn(name)] = full.detach().clone()  # no activation-checkpoint wrapper prefix
-    return {"losses": result.losses, "grad_norms": result.grad_norms, "weights": weights}
+    run = Path(raw["job"]["dump_folder"]) / raw["job"]["run_name"]
+    telemetry = [  # rank 0's Engram telemetry per step (engram/train/telemetry.py)
+        {k: v for k, v in json.loads(line).items() if k.startswith("engram/")}
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+    ] if rank == 0 else None  # fmt: skip
+    return {"losses": result.losses, "grad_norms": result.grad_norms, "weights": weights,
+            "telemetry": telemetry}  # fmt: skip
 
 
 def _initial_weights(raw: dict) -> dict[str, np.ndarray]:
@@ -131,6 +140,21 @@ def test_layouts_match_single_process(tmp_path, mode):
         for rank, got in enumerate(run_distributed(_train, world, raw)):
             where = f"{label} (world {world}, rank {rank}, {mode})"
             _assert_matches(got, ref, init, where, grad_rtol)
+            if rank == 0:
+                _assert_telemetry_matches(got["telemetry"], ref["telemetry"], where)
+
+
+def _assert_telemetry_matches(got: list[dict], ref: list[dict], where: str) -> None:
+    """Engram telemetry (gates over every rank's tokens, rows touched over every owner, the
+    update's RMS) = the single process's: step 1 to fp32 summation order (same weights), rows
+    touched at every step (the same ids; activation checkpointing does not count a recompute)."""
+    assert len(got) == len(ref) == STEPS, where
+    assert len(ref[0]) == 2 * 6, ref[0]  # two Engram layers
+    for key, value in ref[0].items():
+        assert got[0][key] == pytest.approx(value, rel=1e-4), f"{where}: {key} step 1"
+    for g, r in zip(got, ref, strict=True):
+        touched = [k for k in r if k.endswith("rows_touched")]
+        assert {k: g[k] for k in touched} == {k: r[k] for k in touched}, where
 
 
 def _assert_losses_and_norms_match(

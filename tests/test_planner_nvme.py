@@ -17,7 +17,7 @@ from planner.estimate import estimate
 from planner.nvme import nvme_tier, page_file_bytes, record_bytes
 from planner.registry import check_modelled
 from planner.results import GIB, RankMemory
-from planner.table_checkpoint import table_checkpoint, table_checkpoint_problems
+from planner.table_checkpoint import cadence_rows, table_checkpoint, table_checkpoint_problems
 from planner.tier_results import TierAssumptions
 
 # Small hardware so the numbers are easy to count: 2 drives of 1 TB per node.
@@ -223,6 +223,10 @@ def test_1t_table_configs_plan_on_64_npus(path, location):
     assert est.fits and usable - peak >= 0.10 * usable
     header = open(path).read().split("\n[job]")[0]
     assert f"peak {peak / GIB:.1f} GiB of {usable_memory_gib('npu'):g} usable" in header
+    # incremental table checkpoints, at the cadence the planner's table justifies in the header
+    every = cfg.checkpoint.table_full_every
+    _, per_save, kept, _ = next(r for r in cadence_rows(est.table_checkpoint) if r[0] == every)
+    assert every > 1 and f"{every}: {per_save:.0f} / {kept:.0f}" in header.replace("\n# ", " ")
     if location == "nvme":
         assert est.nvme.problems == []
         # a full save streams: 8 ranks x one 64 MiB chunk, not the 1396 GiB of tables per node

@@ -20,6 +20,8 @@ One file per job, lowest first (a file imports only files above it in this list)
   apart, reading DeepSpeed's files weights-only, and reading one into an unsharded model
   (export, generation); imported by name, not part of the API below.
 - `save_errors.py`: the message of a failed save (full disk: free and needed bytes).
+- `capacity.py`: what checkpoints need of disk (keep_latest_k, incremental tables) and of host
+  memory (an async save's staging), the rules the planner and the run's start-up checks share.
 - `streamed_dcp.py`: the DCP planners and writer that move NVMe tables' columns one row chunk
   at a time; `streamed_read.py`: the reader that loads them into the store a window of whole
   records at a time, every column together, from where the stored chunks sit in the files.

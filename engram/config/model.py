@@ -124,9 +124,10 @@ class Engram:
     engram.nvme_dirs with a host cache of engram.nvme_host_cache_gib; same optimizers). Bitwise
     equal to device on CPU; see docs/host_tables.md."""
     host_memory_gib: float = 0.0
-    """With table_location = host: host memory per node the table shards, their optimizer state
-    and staging may use (GiB). 0: the node's MemAvailable (/proc/meminfo) at start. A run whose
-    host tables need more fails at start, before allocating them."""
+    """Host memory per node the run's host-side state may use (GiB): host table shards, their
+    optimizer state and staging, NVMe host caches, and an asynchronous checkpoint's staging
+    copy (checkpoint.async_mode = "async"). 0: the node's MemAvailable (/proc/meminfo) at start.
+    A run that needs more fails at start, before allocating it (runner/start_checks.py)."""
     nvme_dirs: list[str] = field(default_factory=list)
     """With table_location = nvme: directories on local disks (one per drive) for the table
     shards' page files; each shard's pages stripe over them. Scratch space, not the checkpoint:
@@ -135,6 +136,10 @@ class Engram:
     """With table_location = nvme: host memory per rank for the cache of table pages (GiB),
     split over the rank's tables. A step's rows are pinned in it from prefetch to their update,
     so they must fit; the run fails naming this setting otherwise."""
+    nvme_probe_s: float = 1.0
+    """With table_location = nvme: seconds of random 4 KiB reads of the page files at start
+    (after init), set against the page reads a step needs; a drive too slow for them is warned
+    about, naming both numbers (runner/start_checks.py). 0: no probe."""
     nvme_create_dirs: bool = False
     """With table_location = nvme: create an engram.nvme_dirs entry that does not exist yet
     (its parent must: a drive's mount point). false: a missing entry is refused at start, so a
@@ -185,6 +190,8 @@ class Engram:
         check(self.host_memory_gib >= 0, "engram.host_memory_gib must be >= 0 (0: MemAvailable)")
         check_finite(self.nvme_host_cache_gib, "engram.nvme_host_cache_gib")
         check(self.nvme_host_cache_gib > 0, "engram.nvme_host_cache_gib must be > 0")
+        check_finite(self.nvme_probe_s, "engram.nvme_probe_s")
+        check(self.nvme_probe_s >= 0, "engram.nvme_probe_s must be >= 0 (0: no probe)")
         check(
             self.table_location != "nvme" or bool(self.nvme_dirs),
             'engram.table_location = "nvme" needs engram.nvme_dirs: directories on local disks '

@@ -480,6 +480,11 @@ class Metrics:
     enable_tensorboard: bool = True
     tb_folder: str = "tb"
     """Sub-folder of the run folder for TensorBoard events."""
+    telemetry: bool = True
+    """On log steps, per Engram layer: the gates' mean, share open and entropy, the branch's
+    output RMS over the residual's, table rows touched and the update's RMS; with NVMe tables
+    the page I/O of the window (docs/telemetry.md). Costs one all-reduce and one host read per
+    log step. false: none of these keys."""
     peak_tflops: float = 0.0
     """Peak TFLOP/s per device that `mfu` divides by. 0: the dense bf16 figure of engram/runtime/device_specs.py for the device's name, or on cpu (and devices the table lacks) a short GEMM measured at start (logged as "measured"; the key is then `mfu_indicative`, a figure that moves with the machine's load)."""
 

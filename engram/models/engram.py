@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engram.config import Engram as EngramConfig
+from engram.models import engram_stats
 from engram.models.decode_cache import LayerCache
 from engram.models.table_grad import embedding_lookup
 
@@ -153,9 +154,13 @@ def document_conv(
 class EngramBlock(nn.Module):
     """Engram conditional memory for one decoder layer; returns the residual update."""
 
-    def __init__(self, dim: int, engram_cfg: EngramConfig, table_rows: int) -> None:
+    def __init__(
+        self, dim: int, engram_cfg: EngramConfig, table_rows: int, layer_id: int = -1
+    ) -> None:
         super().__init__()
         self.dim = dim
+        self.layer_id = layer_id
+        """The decoder layer it sits in (the key of its log-step statistics, engram_stats.py)."""
         self.hc_mult = engram_cfg.hc_mult
         self.num_heads = engram_cfg.num_heads
         self.init_mode = engram_cfg.init
@@ -214,6 +219,9 @@ class EngramBlock(nn.Module):
         gate = torch.stack(gates, dim=2).unsqueeze(-1)  # [B, T, hc, 1]
         value = gate * self.value_proj(e).unsqueeze(2)  # W_v shared over branches
         out = value + self.short_conv(value, cache, doc_positions)
+        stats = engram_stats.sink()  # None except on log steps: no graph break then
+        if stats is not None:
+            stats.add(self.layer_id, gate, out, hidden)
         return out.squeeze(2) if squeeze else out
 
     def init_weights(self, seed: int, prefix: str, std: float = 0.02) -> None:

@@ -192,7 +192,7 @@ class TransformerBlock(nn.Module):
         self.engram: EngramBlock | None = None
         if engram is not None:
             assert table_rows is not None
-            self.engram = EngramBlock(args.dim, engram, table_rows)
+            self.engram = EngramBlock(args.dim, engram, table_rows, layer_id)
 
     def forward(
         self,

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from engram.models.table_grad import clear_row_grad, coalesce_rows, row_grad
 from engram.optim.touched_rows import TouchedRows
+from engram.optim.update_stats import TableUpdateStats
 from engram.rowstore.host_worker import HOST_WORKER, is_host_resident, row_store_of, wait_host_work
 from engram.rowstore.streamed_columns import ColumnSource, placeholder, source_of, streaming
 from engram.runtime.distributed import placed_like
@@ -66,7 +67,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = []
+        work, stats = [], self.update_stats
         for group in self.param_groups:
             hyper = {k: v for k, v in group.items() if k != "params"}  # lr moves on after step
             for p in group["params"]:
@@ -75,45 +76,55 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                     work.append((p, hyper, rg))
                     if self.touched is not None:  # incremental table checkpoints
                         self.touched.add(p, rg[0])
+                    if stats is not None:  # a log step (engram/train/telemetry.py)
+                        stats.add_rows(p, rg[0].numel())
         if any(is_host_resident(p) for p, _, _ in work):
-            HOST_WORKER.submit(self._update_all, work)
+            HOST_WORKER.submit(self._update_all, work, stats)
         else:
-            self._update_all(work)
+            self._update_all(work, stats)
         return loss
 
     @torch.no_grad()  # grad mode is per thread: the host worker needs its own
-    def _update_all(self, work: list) -> None:
+    def _update_all(self, work: list, stats: TableUpdateStats | None = None) -> None:
         for p, hyper, rg in work:
-            self._update(p, hyper, *rg)
+            delta = self._update(p, hyper, *rg)
+            if stats is not None and delta is not None:
+                stats.add_update(p, delta)
 
     touched: TouchedRows | None = None
     """Set by the checkpointer when it saves incremental table checkpoints: every step records
     the rows it updates there (engram/optim/touched_rows.py)."""
+
+    update_stats: TableUpdateStats | None = None
+    """Set on log steps (engram/train/telemetry.py): the step records its touched rows and the
+    size of its update there (engram/optim/update_stats.py); values are unchanged."""
 
     ROW_STATE: dict[str, bool] = {}
     """The optimizer's state tensors: name -> one value per table parameter (True, shaped like
     the table) or one per row (False). A row store (engram.table_location = nvme) keeps them
     next to each row's weight."""
 
-    def _update(self, p: torch.Tensor, hyper: dict, rows: torch.Tensor, g: torch.Tensor) -> None:
+    def _update(
+        self, p: torch.Tensor, hyper: dict, rows: torch.Tensor, g: torch.Tensor
+    ) -> torch.Tensor | None:
         """Update rows `rows` of `p` with their gradient `g`: in `p`'s tensors, or for a table in
         a row store on its rows read out, updated by the same code, and written back (equal
-        values: the update is element-wise per row)."""
+        values: the update is element-wise per row). Returns what it added to the rows."""
         state = self.state[p]
         store = row_store_of(p)
         if store is None:
             if not state:
                 self._init_state(p, state, tensors=True)
             tensors = {"weight": _local(p), **{k: _local(state[k]) for k in self.ROW_STATE}}
-            self._update_rows(tensors, state, hyper, rows, g)
-            return
+            return self._update_rows(tensors, state, hyper, rows, g)
         if not state:
             self._init_state(p, state, tensors=False)
         compact = store.read_columns(rows) if rows.numel() else {}
-        self._update_rows(compact, state, hyper, torch.arange(rows.numel()), g)
+        delta = self._update_rows(compact, state, hyper, torch.arange(rows.numel()), g)
         if rows.numel():
             store.write_columns(rows, compact)
         store.release_all()  # the step's lookups and update are done with its pinned rows
+        return delta
 
     def _init_state(self, p: torch.Tensor, state: dict, tensors: bool) -> None:
         """The state of a table's first update: its ROW_STATE tensors, or without `tensors`
@@ -124,8 +135,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
     def _update_rows(
         self, t: dict, state: dict, hyper: dict, rows: torch.Tensor, g: torch.Tensor
-    ) -> None:
-        """The update of rows `rows` of t["weight"] and the ROW_STATE tensors in `t`."""
+    ) -> torch.Tensor | None:
+        """The update of rows `rows` of t["weight"] and the ROW_STATE tensors in `t`; returns
+        what it added to the rows (weight decay aside), None when no row."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -210,10 +222,11 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         param.index_copy_(0, rows, param.index_select(0, rows).mul_(factor))
 
     @staticmethod
-    def _add_rows(param: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:
-        """param[rows] += delta for UNIQUE rows (read, add, write back)."""
+    def _add_rows(param: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """param[rows] += delta for UNIQUE rows (read, add, write back); returns delta."""
         new = param.index_select(0, rows).float().add_(delta)
         param.index_copy_(0, rows, new.to(param.dtype))
+        return delta
 
 
 class LazyAdam(RowSparseOptimizer):
@@ -246,7 +259,7 @@ class LazyAdam(RowSparseOptimizer):
         state["step"] += 1  # every rank, also one that owns no touched row
         step = int(state["step"].item())
         if rows.numel() == 0:
-            return
+            return None
         param, exp_avg, exp_avg_sq = t["weight"], t["exp_avg"], t["exp_avg_sq"]
         if weight_decay != 0:
             self._decay_rows(param, rows, 1 - lr * weight_decay)
@@ -263,7 +276,7 @@ class LazyAdam(RowSparseOptimizer):
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
         step_size = lr * math.sqrt(bias_correction2) / bias_correction1
-        self._add_rows(param, rows, numer.div_(denom).mul_(-step_size))
+        return self._add_rows(param, rows, numer.div_(denom).mul_(-step_size))
 
 
 class RowwiseAdagrad(RowSparseOptimizer):
@@ -289,11 +302,11 @@ class RowwiseAdagrad(RowSparseOptimizer):
     ) -> None:
         lr, eps, weight_decay = float(hyper["lr"]), hyper["eps"], hyper["weight_decay"]
         if rows.numel() == 0:
-            return
+            return None
         param, acc = t["weight"], t["sum"]
         if weight_decay != 0:
             self._decay_rows(param, rows, 1 - lr * weight_decay)
         new_acc = acc.index_select(0, rows).add_(g.pow(2).mean(dim=1))
         acc.index_copy_(0, rows, new_acc)
         std = new_acc.sqrt_().add_(eps)
-        self._add_rows(param, rows, (g / std.unsqueeze(1)).mul_(-lr))
+        return self._add_rows(param, rows, (g / std.unsqueeze(1)).mul_(-lr))

@@ -25,6 +25,9 @@ backend (sharding.py `LOCATION_BACKENDS`).
 - `nvme_checks.py`: the start-time refusals of the NVMe settings by name
   (`check_nvme_settings`: missing, duplicate, unwritable directories; the host cache's size).
 - `linux_aio.py`: batched native Linux AIO (io_submit / io_getevents) for O_DIRECT pages.
+- `tier_rules.py`: the NVMe tier's rules the planner and the run's start-up checks share (page
+  file bytes, page I/O per step, drive writes per day, the capacity problem, the warnings).
+- `drive_probe.py`: a second of random 4 KiB reads, the way the store reads its pages.
 - `host_worker.py`: the one FIFO thread per process that runs every host-side table job (the
   exactness argument of host and NVMe tables), and the markers on a table parameter (where its
   shard lives; the row store that holds it).

@@ -93,6 +93,7 @@ class NvmeRowStore(ColumnRowStore):
         self.cache = PageCache(self.io, self.pages, self.cache_pages)
         self.pins_taken = 0
         self.read_out_bytes = self.read_out_peak = 0  # columns read out (checkpoints)
+        self.read_out_pages = 0  # pages read from the files for those (`read_range`)
 
     # -- what tests and benchmarks count ------------------------------------------------------
     @property
@@ -127,6 +128,24 @@ class NvmeRowStore(ColumnRowStore):
     @property
     def cached_bytes(self) -> int:
         return len(self.cache.cached()) * self.page_bytes
+
+    def io_counters(self) -> dict[str, float]:
+        """Cumulative page I/O since the store was made (engram/train/telemetry.py logs their
+        growth per log window): pages read on demand and ahead (pages never written are not
+        read: page_io.py), pages written back, pages the step's lookups pinned and of them
+        those already resident (cached or read ahead), seconds loads waited for page-ins still
+        in flight, bytes moved; pages read out for checkpoints (`read_range`), apart."""
+        c, io = self.cache, self.io
+        return {
+            "pages_read_demand": io.reads - io.reads_ahead - self.read_out_pages,
+            "pages_read_ahead": io.reads_ahead,
+            "pages_read_out": self.read_out_pages,
+            "pages_written": io.writes,
+            "lookup_pages": c.lookup_pages,
+            "lookup_hits": c.lookup_hits,
+            "page_in_wait_s": c.page_in_wait_s,
+            "bytes_moved": (io.reads + io.writes) * self.page_bytes,
+        }
 
     # -- records --------------------------------------------------------------------------
     def _pages(self, idx: torch.Tensor) -> torch.Tensor:
@@ -207,7 +226,7 @@ class NvmeRowStore(ColumnRowStore):
 
     def _read_to(self, idx: torch.Tensor, device: torch.device, pin: bool):
         pages = self._pages(idx)
-        self.cache.load(pages)
+        self.cache.load(pages, lookup=pin)  # a pinned read is a step's lookup
         if pin:
             self.pins_taken += 1
             self.cache.hold(pages)
@@ -258,7 +277,9 @@ class NvmeRowStore(ColumnRowStore):
             pages = torch.arange(p0, min(p0 + DEPTH, -(-end // rpp)))
             slots = self.cache.slot_of[pages]
             on_disk = slots < 0
+            reads = self.io.reads
             self.io.read_now(pages[on_disk], torch.arange(int(on_disk.sum())), into=scratch)
+            self.read_out_pages += self.io.reads - reads
             records = torch.empty(len(pages), rpp, self.record_floats)
             records[~on_disk] = self._records(slots[~on_disk])
             per = rpp * self.record_floats

@@ -43,6 +43,7 @@ rows a step sees stay exactly those of the device tier:
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -84,6 +85,8 @@ class PageCache:
         self._ahead_rest = _NONE  # those it had no room for yet
         self.paged_in = 0  # pages read ahead by page_in
         self.page_in_waits = 0  # page-ins still in flight when a load needed the page
+        self.page_in_wait_s = 0.0  # seconds loads waited for those
+        self.lookup_pages = self.lookup_hits = 0  # pages lookups pinned; of them, resident
 
     # -- what the store and tests ask -------------------------------------------------------
     def cached(self) -> torch.Tensor:
@@ -107,9 +110,11 @@ class PageCache:
         they read become cached (most recently used)."""
         for i in list(self.tasks) if ids is None else ids:
             task = self.tasks.pop(i)
-            if len(task.slots) and not task.future.done():
-                self.page_in_waits += 1
+            waited, t0 = len(task.slots) and not task.future.done(), time.perf_counter()
             task.future.result()
+            if waited:
+                self.page_in_waits += 1
+                self.page_in_wait_s += time.perf_counter() - t0
             self.loading[task.slots] = 0
             self.writing[task.written] = False
             self.last_use[task.slots] = self._clock
@@ -204,13 +209,19 @@ class PageCache:
         self.paged_in += len(missing)
 
     # -- demand loads, pins, dirty ----------------------------------------------------------
-    def load(self, pages: torch.Tensor, overwrite: torch.Tensor | None = None) -> None:
+    def load(
+        self, pages: torch.Tensor, overwrite: torch.Tensor | None = None, lookup: bool = False
+    ) -> None:
         """Bring `pages` into the cache (LRU unpinned pages out, dirty ones written back).
-        `overwrite`: a mask of `pages` the caller overwrites whole: not read, zero-filled."""
+        `overwrite`: a mask of `pages` the caller overwrites whole: not read, zero-filled.
+        `lookup`: a step's lookup pins them (counted: lookup_pages, lookup_hits)."""
         self._clock += 1
         self._wait_for(pages)  # being read ahead or written back: wait for it
         slots = self.slot_of[pages]
         hit = slots >= 0
+        if lookup:
+            self.lookup_pages += len(pages)
+            self.lookup_hits += int(hit.sum())
         self.last_use[slots[hit]] = self._clock
         missing = pages[~hit]
         if not len(missing):

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 __all__ = [
-    "DeadPageFile", "create_page_file", "dead_page_files", "page_io_error",
+    "DeadPageFile", "create_page_file", "dead_page_file_bytes", "dead_page_files", "page_io_error",
     "remove_dead_page_files", "sweep_dead_page_files",
 ]  # fmt: skip
 
@@ -155,6 +155,12 @@ def sweep_dead_page_files(folder: str) -> list[DeadPageFile]:
             ", ".join(os.path.basename(f.path) for f in files),
         )  # fmt: skip
     return removed
+
+
+def dead_page_file_bytes(folder: str) -> int:
+    """Bytes on disk of the page files in `folder` that no live process holds: the next
+    store's sweep frees them (start-up counts them as free space)."""
+    return sum(f.bytes for f in dead_page_files(folder)) if os.path.isdir(folder) else 0
 
 
 def create_page_file(

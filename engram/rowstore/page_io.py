@@ -91,6 +91,7 @@ class PageIO:
             self.remove_files()
             raise
         self.direct = not reasons
+        self.buffered_why = "; ".join(sorted(reasons))  # empty with O_DIRECT
         for reason in sorted(reasons):
             log.warning("NVMe Engram table %s: buffered I/O: %s", name, reason)
         self.buffer = PageBuffer(cache_pages, self.page_bytes)  # the cache's slots
@@ -101,11 +102,13 @@ class PageIO:
             self.aio = AioContexts()
         else:
             log.info("NVMe Engram table %s: page I/O by preadv / pwritev: %s", name, no_aio)
+        self.engine = "native AIO" if no_aio is None else f"preadv / pwritev ({no_aio})"
         self.parallel = 1 if self.aio is not None else threads
         """Tasks a batch is best split into (native AIO: one; the kernel runs it in parallel)."""
         self.written = torch.zeros(pages, dtype=torch.bool)  # else the file holds zeros there
         self.sums = torch.zeros(pages, dtype=torch.int32)  # of the pages written (page_sums.py)
         self.reads = self.writes = 0  # pages moved, for tests and benchmarks
+        self.reads_ahead = 0  # of `reads`, those of page-in tasks (`start`)
 
     # -- moves: synchronous, or a task on the pool -------------------------------------------
     def read_now(self, pages: torch.Tensor, slots: torch.Tensor, into: PageBuffer | None = None):
@@ -124,7 +127,9 @@ class PageIO:
         """One task on the pool that writes pages back, then reads pages (a slot is reused only
         after its write); returns at once."""
         self.note_writes(write_pages)
-        self.reads += int(self.written[read_pages].sum())
+        on_disk = int(self.written[read_pages].sum())
+        self.reads += on_disk
+        self.reads_ahead += on_disk
         return self._pool.submit(
             self._write_then_read, write_pages, write_slots, read_pages, read_slots, None
         )

@@ -9,6 +9,8 @@
   fallback, with sources (the planner's default budget; the recipe logs the measured total and
   the match beside it; MFU's denominator, or a GEMM measured on cpu).
 - `affinity.py`: pins the process to its device's NUMA node (job.cpu_affinity = "numa").
+- `filesystems.py`: which file system a path is on (/proc/mounts), free and total bytes, and
+  the warning for a "drive" that is tmpfs or a network file system.
 - `logs.py`: one console format for every logger of the repository ("[rank0] 12:00:00 WARNING
   ..."), set once at process start (`init_logging`).
 - `faults.py`: deterministic fault points for tests (`ENGRAM_FAULTS`: kill -9 or an I/O error

@@ -13,6 +13,8 @@ runner/'s (engine_step.py, deepspeed_engine.py).
 - `progress.py`: the loop's running record (checkpointed counters, per-step loss and gradient
   norm, a log step's metrics).
 - `metrics.py`: per-step metrics (metrics.jsonl, console, TensorBoard).
+- `telemetry.py`: the log step's Engram and table-tier telemetry (gates, rows touched, the
+  table update's size, NVMe page I/O; docs/telemetry.md), read with one all-reduce.
 - `flops.py`: FLOPs per token of the model as built (the numerator of TFLOP/s and MFU).
 - `throughput.py`: the throughput keys of a log step (tflops, mfu, device memory, data time)
   and the start-up device-memory log.

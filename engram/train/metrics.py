@@ -9,9 +9,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engram.config import Metrics, sections_to_toml
+from engram.config import JobConfig, Metrics, sections_to_toml
 
 logger = logging.getLogger("engram")
+
+
+def is_log_step(cfg: JobConfig, step: int) -> bool:
+    """Whether step `step` writes its metrics: every metrics.log_freq steps and the last."""
+    return step % cfg.metrics.log_freq == 0 or step == cfg.training.steps
 
 
 def _fmt_value(key: str, value: float) -> str:

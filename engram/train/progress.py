@@ -18,7 +18,8 @@ from engram.checkpoint import TrainState
 from engram.config import JobConfig
 from engram.data.loader import DataLoader
 from engram.runtime import device as dev
-from engram.train.metrics import MetricsLogger
+from engram.train.metrics import MetricsLogger, is_log_step
+from engram.train.telemetry import StepTelemetry
 from engram.train.throughput import Throughput
 
 
@@ -48,11 +49,12 @@ class Progress:
         train_loader: DataLoader,
         device: torch.device,
         throughput: Throughput | None = None,
+        telemetry: StepTelemetry | None = None,
     ) -> None:
         t = cfg.training
         self.cfg, self.dp_size, self.state = cfg, dp_size, state
         self.metrics, self.train_loader, self.device = metrics, train_loader, device
-        self.throughput = throughput
+        self.throughput, self.telemetry = throughput, telemetry
         self.tokens_per_step = t.local_batch_size * t.seq_len * t.grad_accum_steps  # this rank's
         self.losses: list[torch.Tensor] = []  # the step's token mean per step, on the device
         self.grad_norms: list[torch.Tensor] = []
@@ -65,7 +67,7 @@ class Progress:
         return self.throughput.data_timer() if self.throughput else nullcontext()
 
     def is_log_step(self, step: int) -> bool:
-        return step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps
+        return is_log_step(self.cfg, step)
 
     def record(
         self,
@@ -96,6 +98,8 @@ class Progress:
         extra = (
             self.throughput.metrics(tokens_per_s, dt, self.window_steps) if self.throughput else {}
         )
+        # Engram gates / tables and the table tiers (engram/train/telemetry.py): one collective
+        telemetry = self.telemetry.metrics() if self.telemetry else {}
         self.metrics.log(
             step,
             {
@@ -117,6 +121,7 @@ class Progress:
                     for name, n in self.train_loader.samples_per_source().items()
                 },
                 **extra,  # tflops, mfu, device memory, data time (engram/train/throughput.py)
+                **telemetry,
             },
         )
 
