@@ -212,7 +212,8 @@ class _Stage(PipelineStage):
 
     When a schedule (re)initialises its stages (its first step, and a switch between eval and
     train) torch runs each stage's forward once more on micro-batch 0, to infer the shapes it
-    sends; host / NVMe tables look that forward's rows up when it runs, off their prefetch
+    sends (and a backward of it for the gradients' shapes); host / NVMe tables look that
+    forward's rows up when it runs, off their prefetch
     queues (parallelisms/table_prefetch.py queues the step's real lookups only), and Engram
     blocks record no log-step statistics (engram/models/engram_stats.py). If a torch
     version infers elsewhere, the first real lookup finds its ids differ from its queue's head
@@ -221,6 +222,14 @@ class _Stage(PipelineStage):
     def _prepare_forward_infra(self, *args, **kwargs):
         with lookups_off_queue(), engram_stats.paused():  # nor one of the step's statistics
             return super()._prepare_forward_infra(*args, **kwargs)
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        # torch infers the gradients' shapes by a backward of that same forward: with activation
+        # checkpointing it recomputes the forward, which must see the channel as the forward
+        # did (closed) or torch.compile picks the log-step graph and the recompute's saved
+        # tensors differ from the forward's (CheckpointError)
+        with engram_stats.paused():
+            return super()._prepare_backward_infra(*args, **kwargs)
 
 
 def build_schedule(

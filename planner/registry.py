@@ -137,6 +137,8 @@ NO_MEMORY_EFFECT = frozenset(
         *("comm.init_timeout_s", "comm.train_timeout_s"),  # how long a collective may wait
         "compile.allow_on_npu",  # an opt-in; compile itself is estimated as eager
         "engram.nvme_create_dirs",  # whether a missing page-file directory is created at start
+        "engram.nvme_probe_s",  # seconds of 4 KiB reads at start, into one small buffer
+        "metrics.telemetry",  # a few float sums per Engram layer, read on log steps
         "lora.alpha",  # a scale factor
         "lora.init_a",  # the adapters' initial values, not their size
         "model.hf_checkpoint",  # loaded into the same parameters

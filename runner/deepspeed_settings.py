@@ -58,6 +58,7 @@ HONOURED = frozenset(
         "checkpoint.async_mode",
         *("metrics.log_freq", "metrics.enable_tensorboard", "metrics.tb_folder"),
         "metrics.peak_tflops",
+        "metrics.telemetry",  # EngineStep is TrainStep: the same log-step statistics
         *("profiling.enable_profiling", "profiling.profile_freq", "profiling.traces_folder"),
         "profiling.memory_snapshot",
         *("deepspeed.zero_stage", "deepspeed.offload_optimizer", "deepspeed.offload_param"),
@@ -101,7 +102,12 @@ IRRELEVANT = {
     # The config refuses them unless engram.table_location = "nvme", which is refused above
     # (engram/config/model.py Engram: the same check for both recipes).
     **dict.fromkeys(
-        ("engram.nvme_dirs", "engram.nvme_host_cache_gib", "engram.nvme_create_dirs"),
+        (
+            "engram.nvme_dirs",
+            "engram.nvme_host_cache_gib",
+            "engram.nvme_create_dirs",
+            "engram.nvme_probe_s",
+        ),
         'read only with engram.table_location = "nvme": refused by the config otherwise',
     ),
     **dict.fromkeys(
