@@ -474,23 +474,18 @@ def test_no_package_exports_a_name_that_is_also_its_submodule():
     first import of a submodule of that name rebinds the package attribute (6 tests failed in
     CI at 7f093da). A package's exported names and its submodules' names stay apart."""
     clashes = []
-    for init in sorted((ROOT / "engram").rglob("__init__.py")):
-        tree = ast.parse(init.read_text())
-        exported = set()
-        for node in tree.body:
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                exported |= {a.asname or a.name for a in node.names}
+    for init in sorted(p for top in TOP_LEVEL for p in (ROOT / top).rglob("__init__.py")):
+        package = init.parent.relative_to(ROOT).as_posix().replace("/", ".")
+        # names imported from elsewhere; `from <the package> import <its submodule>` is no clash
+        exported = {
+            a.asname or a.name
+            for node in ast.parse(init.read_text()).body
+            if isinstance(node, ast.ImportFrom)
+            and (node.module, node.level) not in ((package, 0), (None, 1))
+            for a in node.names
+        }
         subs = {p.stem for p in init.parent.glob("*.py")} | {
             p.name for p in init.parent.iterdir() if (p / "__init__.py").exists()
         }
-        own = {n for n in exported if n in subs}
-        # `from engram.x import y` where y is the submodule itself is no clash
-        own -= {
-            a.asname or a.name
-            for node in tree.body
-            if isinstance(node, ast.ImportFrom)
-            and node.module == init.parent.relative_to(ROOT).as_posix().replace("/", ".")
-            for a in node.names
-        }
-        clashes += [f"{init.parent.relative_to(ROOT)}: {n}" for n in sorted(own)]
+        clashes += [f"{package}: {n}" for n in sorted(exported & subs)]
     assert not clashes, f"exported names that are also submodules (rename the module): {clashes}"
