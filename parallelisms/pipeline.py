@@ -213,11 +213,11 @@ class _Stage(PipelineStage):
     When a schedule (re)initialises its stages (its first step, and a switch between eval and
     train) torch runs each stage's forward once more on micro-batch 0, to infer the shapes it
     sends (and a backward of it for the gradients' shapes); host / NVMe tables look that
-    forward's rows up when it runs, off their prefetch
-    queues (parallelisms/table_prefetch.py queues the step's real lookups only), and Engram
-    blocks record no log-step statistics (engram/models/engram_stats.py). If a torch
-    version infers elsewhere, the first real lookup finds its ids differ from its queue's head
-    and fails naming the prefetch (never rows of other ids)."""
+    forward's rows up when it runs, off their prefetch queues (parallelisms/table_prefetch.py
+    queues the step's real lookups only), and Engram blocks record no log-step statistics
+    (engram/models/engram_stats.py). If a torch version infers elsewhere, the first real lookup
+    finds its ids differ from its queue's head and fails naming the prefetch (never rows of
+    other ids)."""
 
     def _prepare_forward_infra(self, *args, **kwargs):
         with lookups_off_queue(), engram_stats.paused():  # nor one of the step's statistics
