@@ -1,8 +1,11 @@
 """A Qwen2.5-shaped byte-level BPE tokenizer trained on local text (nothing downloaded), for
 measuring Engram table row reuse at the 32B configs' vocabulary size (bench_table_reuse.py
---bpe_vocab). Not a tokenizer to train with: only its size and shape match Qwen2.5's.
+--tokenizer). Not a tokenizer to train with: only its size and shape match Qwen2.5's.
 
-    python benchmarks/local_bpe.py --corpus FILES... --out outputs/tokenizers/local_bpe_vim_node
+    python benchmarks/local_bpe.py --corpus FILES... --out outputs/tokenizers/local_bpe151k
+
+205 MiB of local text reach the full 151,665 tokens in about a minute (docs/host_tables.md,
+"Row reuse on real text", has the corpus and how to rebuild it); 24 MB ran out at 77k.
 
 Shape (as Qwen2.5's tokenizer.json): NFC normalization, Qwen2's pre-tokenizer regex split then
 byte-level bytes, a BPE of `vocab` - 22 tokens (151,643 for Qwen2.5's 151,665), then Qwen2.5's

@@ -57,23 +57,22 @@ class TierAssumptions:
     nvme_write_gbs: float = 4.0
     step_time_s: float = 30.0
     """The step time the I/O must fit in (the prefetch overlaps it with compute)."""
-    unique_rows_per_step: int = 132_000
-    """Distinct rows of one table a step touches per owner rank (measured max 132,035 at 64
-    ranks on the 1T config's 7.8B-row tables, 131,743 on 1.56B-row ones, with a 77k-token
+    unique_rows_per_step: int = 130_000
+    """Distinct rows of one table a step touches per owner rank (measured max 129,885 at 64
+    ranks on the 1T config's 7.8B-row tables, 129,780 on 1.56B-row ones, with a 151,665-token
     byte-level BPE; 28k with the 2k debug tokenizer: docs/host_tables.md, "Row reuse on real
     text")."""
-    reuse_last_step: float = 0.264
-    """Share of a step's rows touched in the step before (measured 26.4% on the 1T config's
-    tables, 26.5% on 1.56B-row ones)."""
-    reuse_window: float = 0.444
-    """Share of a step's rows touched in the last few steps (measured 44.4% over 4 steps):
+    reuse_last_step: float = 0.263
+    """Share of a step's rows touched in the step before (measured 26.3% on the 1T config's
+    tables, 26.4% on 1.56B-row ones)."""
+    reuse_window: float = 0.438
+    """Share of a step's rows touched in the last few steps (measured 43.8% over 4 steps):
     new rows per step over a save interval are (1 - this) of a step's rows."""
     reuse_source: str = (
-        "a 77,166-token byte-level BPE of Qwen2.5's shape (benchmarks/local_bpe.py; the local "
-        "corpus ran out of merges before 151,665) on Vim help + Node.js docs, 64 ranks"
+        "a 151,665-token byte-level BPE of Qwen2.5's shape (benchmarks/local_bpe.py, trained on "
+        "205 MiB of local Vim help, Node.js docs and Python sources) on Vim help + Node.js docs, "
+        "64 ranks"
     )
-    """Where the three reuse figures above were measured (the tokenizer and the corpus): the
-    plan prints it beside them."""
     checkpoint_write_gbs: float = 5.0
     """GB/s a node writes checkpoint files at (to the checkpoint folder's storage)."""
     rated_dwpd: float = 1.0
