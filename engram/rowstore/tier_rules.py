@@ -73,6 +73,8 @@ class TierAssumptions:
         "205 MiB of local Vim help, Node.js docs and Python sources) on Vim help + Node.js docs, "
         "64 ranks"
     )
+    """Where the three reuse figures above were measured (the tokenizer and the corpus): the
+    plan prints it beside them."""
     checkpoint_write_gbs: float = 5.0
     """GB/s a node writes checkpoint files at (to the checkpoint folder's storage)."""
     rated_dwpd: float = 1.0
