@@ -1,11 +1,11 @@
 """Run-level parity: every data-parallel layout reproduces the single-process run.
 
-The debug model is trained for 5 steps on the same global batch (8 sequences) by one process and
+The debug model is trained for 3 steps (PARITY_STEPS; other files' runs of `_config`: 5) on the same global batch (8 sequences) by one process and
 by 2 / 4 real gloo ranks under DDP, FSDP2 (both reshard policies) and HSDP 2x2, in `full` and
 `engram_only` modes, and must match the single-process run:
 
 - per-step losses to rtol 1e-5; the global (pre-clip) gradient norm of step 1 (identical weights)
-  to rtol 1e-6, later steps to 1e-3 (3e-3 in `engram_only` mode: measured 2.3e-3, DDP step 5,
+  to rtol 1e-6, later steps to 1e-3 (3e-3 in `engram_only` mode: measured 2.3e-3, DDP step 5 of 5,
   where only the gated Engram path trains). The gradient norm is what catches a wrong divisor or a shard
   counted twice: Adam itself is blind to gradient scale.
 - final fp32 weights: per tensor, the update (final - initial) agrees to 0.3% relative (Frobenius;
@@ -37,6 +37,7 @@ from engram.models.transformer import clean_fqn
 
 GLOBAL_BATCH = 8
 STEPS = 5
+PARITY_STEPS = 3  # this file's runs: steps 1-3 show a wrong divisor, a lost shard or a stale state
 LR = 1e-3
 TABLE_LR_MULT = 5.0
 
@@ -79,8 +80,15 @@ def _initial_weights(raw: dict) -> dict[str, np.ndarray]:
     return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
 
 
+def _parity_config(tmp_path: str, world: int, mode: str, layout: dict) -> dict:
+    """`_config` at this file's PARITY_STEPS."""
+    raw = _config(tmp_path, world, mode, layout)
+    raw["training"]["steps"] = PARITY_STEPS
+    return raw
+
+
 def _single_process(tmp_path, mode: str, extra: dict) -> dict:
-    raw = _with(_config(str(tmp_path / "ref"), 1, mode, {}), extra)
+    raw = _with(_parity_config(str(tmp_path / "ref"), 1, mode, {}), extra)
     return shared_run(_train, 1, raw)[0]
 
 
@@ -116,7 +124,7 @@ def _local_batch(world: int, extra: dict) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "engram_only"])
 def test_layouts_match_single_process(tmp_path, mode):
-    init = _initial_weights(_config(str(tmp_path), 1, mode, {}))
+    init = _initial_weights(_parity_config(str(tmp_path), 1, mode, {}))
     refs: dict[str, dict] = {}
     for label, (world, layout, extra) in LAYOUTS.items():
         # The reference shares everything but the layout: lazy Adam is another optimizer, while
@@ -131,7 +139,7 @@ def test_layouts_match_single_process(tmp_path, mode):
             if mode == "engram_only":
                 assert all(".engram." in f".{n}" for n in changed), changed
         ref = refs[key]
-        raw = _with(_config(str(tmp_path / label), world, mode, layout), extra)
+        raw = _with(_parity_config(str(tmp_path / label), world, mode, layout), extra)
         raw["training"]["local_batch_size"] = _local_batch(world, extra)
         # engram_only, steps 2+: measured up to 2.3e-3 (DDP, step 5). Only the Engram path trains,
         # so the signed-sqrt gate's amplification of the all-reduce's fp32 summation order is not
@@ -148,7 +156,7 @@ def _assert_telemetry_matches(got: list[dict], ref: list[dict], where: str) -> N
     """Engram telemetry (gates over every rank's tokens, rows touched over every owner, the
     update's RMS) = the single process's: step 1 to fp32 summation order (same weights), rows
     touched at every step (the same ids; activation checkpointing does not count a recompute)."""
-    assert len(got) == len(ref) == STEPS, where
+    assert len(got) == len(ref) == PARITY_STEPS, where
     assert len(ref[0]) == 2 * 6, ref[0]  # two Engram layers
     for key, value in ref[0].items():
         assert got[0][key] == pytest.approx(value, rel=1e-4), f"{where}: {key} step 1"
@@ -194,7 +202,7 @@ def _assert_matches(got: dict, ref: dict, init: dict, where: str, grad_rtol: flo
 def test_bf16_mixed_precision_tracks_fp32(tmp_path):
     """FSDP2 with bf16 compute / fp32 reduce (the accelerator default) stays close to fp32."""
     ref = _single_process(tmp_path, "full", {})
-    raw = _config(
+    raw = _parity_config(
         str(tmp_path / "bf16"), 2, "full", {"dp_shard": 2, "mixed_precision_param": "bfloat16"}
     )
     got = run_distributed(_train, 2, raw)[0]

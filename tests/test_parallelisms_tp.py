@@ -243,7 +243,7 @@ def test_init_and_hf_load_identical_across_tp_layouts(tmp_path):
 def _resume_raw(folder: str, load_step: int) -> dict:
     raw = _raw(folder, 4, 2, "full", "llama3", {"tp": 2, "dp_shard": 2}, MIDDLE)
     raw["job"]["run_name"] = "resume"
-    raw["training"]["steps"] = 4
+    raw["training"]["steps"] = 3  # saved at step 2, resumed for one step
     raw["checkpoint"] = {"enable": True, "interval": 2, "keep_latest_k": 0, "load_step": load_step}
     return raw
 

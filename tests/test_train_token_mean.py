@@ -5,7 +5,7 @@ Prompt-masked data: the loaders' labels are masked (-100) to one span per sample
 targets whichever rank or micro-batch holds it, and a step's targets are spread very unevenly
 over ranks, micro-batches, context-parallel pieces and pipeline micro-batches. Against one
 process on the same global batch of 8 (fp32, tests/test_parallelisms_parity.py's job: Engram at
-layers 0 and 2, lr 1e-3, 5 steps), one 2-rank launch runs DP 2, FSDP 2 x grad-accum 2 (also with
+layers 0 and 2, lr 1e-3, 3 steps), one 2-rank launch runs DP 2, FSDP 2 x grad-accum 2 (also with
 the chunked loss), CP 2, PP 2, TP 2 (each x grad-accum 2), LoRA FSDP 2 (against a one-process
 LoRA run) and DeepSpeed ZeRO-2 x grad-accum 2:
 
@@ -13,7 +13,7 @@ LoRA run) and DeepSpeed ZeRO-2 x grad-accum 2:
   Frobenius) and the global gradient norm within 1e-6 relative, every parameter's gradient
   within 1e-5 (measured: whole gradient 6.6e-9 (DP 2) to 4.1e-7 (TP 2); worst tensor 1.2e-6, an
   Engram key projection under TP 2, 6.3e-7 under CP 2, <= 2.3e-7 elsewhere);
-- steps 1-5: losses at the fp32 floor (rtol 1e-5), gradient norms 1e-3 (the parity test's);
+- steps 1-3: losses at the fp32 floor (rtol 1e-5), gradient norms 1e-3 (the parity test's);
 - the held-out loss (masked the same way, the same 16 samples) to 1e-5, and the logged
   `target_tokens` of every step equal to the one process's.
 
@@ -164,11 +164,13 @@ def _run(raw: dict, deepspeed: bool = False) -> dict:
 
 
 EVAL_SAMPLES = 16
+STEPS = 3  # step 1 is the test's point; later steps see other, as uneven, counts
 
 
 def _raw(root: str, label: str, world: int, mode: str, layout: dict, extra: dict) -> dict:
     raw = _with(parity_config(f"{root}/{label}", world, mode, layout), extra)
     raw["optimizer"]["table_optimizer"] = "adam"  # dense table gradients (p.grad)
+    raw["training"]["steps"] = STEPS
     # The same held-out samples at every layout (eval_batches counts local batches).
     p = raw["parallelism"]
     dp = world // (p.get("cp", 1) * p.get("tp", 1) * p.get("pp", 1))
