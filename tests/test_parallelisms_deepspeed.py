@@ -118,6 +118,11 @@ VARIANTS = {
 }
 # Resumed from step 3 of the run above (checkpoint interval 3): steps 4-5 must be identical.
 RESUMED = ("zero1_adam", "zero2_lazy_adam", "zero3_adam")
+# Variants that write checkpoints (steps 3 and 5): those resumed, zero2_adam (its step 3 is
+# resumed from the universal format by _refusals) and the offload layouts (a save under offload
+# is its own path). The others train without saving: no check reads their folders, and two
+# 67 MiB saves per run were most of their wall time.
+SAVED = (*RESUMED, "zero2_adam", "zero2_adam_offload_optimizer", "zero3_adam_offload_param")
 
 
 def _parity_and_resume(rank: int, world: int, root: str) -> dict:
@@ -130,7 +135,7 @@ def _parity_and_resume(rank: int, world: int, root: str) -> dict:
             f"{root}/{label}",
             world,
             opt,
-            checkpoint={"enable": True, "interval": 3, "keep_latest_k": 0},
+            checkpoint={"enable": label in SAVED, "interval": 3, "keep_latest_k": 0},
             **{"deepspeed": {"zero_stage": stage}, **extra},
         )
         out[label] = _run_deepspeed(raw)
