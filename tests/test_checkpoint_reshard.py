@@ -31,15 +31,15 @@ TABLE_LR_MULT = 5.0  # the config default
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3, 4
 SEQ = 32
 LEGS = [  # (world, dp_replicate, dp_shard, tp, pp, last step)
-    (1, 1, 1, 1, 1, 2),
-    (2, 1, 2, 1, 1, 4),
-    (4, 2, 2, 1, 1, 6),
-    (2, 1, 1, 2, 1, 8),  # TP 2
-    (4, 1, 2, 1, 2, 10),  # PP 2 x FSDP 2
-    (2, 1, 1, 1, -2, 12),  # PP 2, Interleaved1F1B: stages 0 + 2 on rank 0, 1 + 3 on rank 1
-    (3, 3, 1, 1, 1, 14),
-    (1, 1, 1, 1, 1, 16),
-]
+    (1, 1, 1, 1, 1, 1),
+    (2, 1, 2, 1, 1, 2),
+    (4, 2, 2, 1, 1, 3),
+    (2, 1, 1, 2, 1, 4),  # TP 2
+    (4, 1, 2, 1, 2, 5),  # PP 2 x FSDP 2
+    (2, 1, 1, 1, -2, 6),  # PP 2, Interleaved1F1B: stages 0 + 2 on rank 0, 1 + 3 on rank 1
+    (3, 3, 1, 1, 1, 7),
+    (1, 1, 1, 1, 1, 8),
+]  # one step per leg, saved at every step: a leg loads, checks and replays one step
 
 
 def _pipeline(pp: int) -> tuple[int, dict]:
@@ -59,7 +59,7 @@ def _raw(folder: str, world: int, rep: int, shard: int, tp: int, pp: int, steps:
         "optimizer": {"lr": LR, "eps": 1e-6, "table_optimizer": "lazy_adam"},
         "lr_scheduler": {"decay_type": "constant"},  # lr independent of steps
         "pipeline": pipeline,
-        "checkpoint": {"enable": True, "interval": 2, "keep_latest_k": 0},
+        "checkpoint": {"enable": True, "interval": 1, "keep_latest_k": 0},
         "metrics": {"log_freq": 1},
     }
     layout = {"dp_replicate": rep, "dp_shard": shard, "tp": tp, "pp": pp}

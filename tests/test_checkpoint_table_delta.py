@@ -50,6 +50,11 @@ def _read_one_process(tmp, name: str) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _train_each(rank: int, world: int, raws: list[dict]) -> list[dict]:
+    """_train of each config in turn, in the same ranks (one launch)."""
+    return [_train(rank, world, raw) for raw in raws]
+
+
 def _assert_equal(got: list[dict], want: list[dict], first: int, label: str) -> None:
     for g, w in zip(got, want, strict=True):
         assert _same(g["losses"], w["losses"][first:]), (label, g["losses"], w["losses"])
@@ -93,13 +98,14 @@ def test_resume_from_delta_is_bitwise_and_prune_keeps_the_chain(tmp_path, where,
 def test_delta_resumes_at_another_world_size_and_missing_delta_is_refused(tmp_path):
     """Saved by 2 ranks (steps 1-3: base 1, deltas 2 and 3), resumed by 1 and by 2 ranks from
     delta step 3: equal to the same resume from a full checkpoint of step 3 of the same 2-rank
-    run. Then a deleted delta file of step 2 is refused by name."""
-    run_distributed(_train, 2, _job(tmp_path, "inc2", 2, 3, 3))
-    run_distributed(_train, 2, _job(tmp_path, "full2", 2, 3, 1))
+    run. Then a deleted delta file of step 2 is refused by name. (The delta and the full run
+    train one after the other in one launch, each resume pair too; one step after the resume.)"""
+    saves = [("inc2", 3), ("full2", 1)]  # run name, checkpoint.table_full_every
+    run_distributed(_train_each, 2, [_job(tmp_path, name, 2, 3, every) for name, every in saves])
     assert _steps(tmp_path, "inc2") == ["step-1", "step-2", "step-3"]
     for world in (1, 2):  # 2 -> 1 ranks, and 2 -> 2 ranks
-        from_delta = run_distributed(_train, world, _job(tmp_path, "inc2", world, 5, 1, 3))
-        from_full = run_distributed(_train, world, _job(tmp_path, "full2", world, 5, 1, 3))
+        resumes = [_job(tmp_path, name, world, 4, 1, 3) for name, _ in saves]
+        from_delta, from_full = zip(*run_distributed(_train_each, world, resumes), strict=True)
         _assert_equal(from_delta, from_full, 0, f"2 -> {world} ranks from delta step 3")
     # one process (generation, export) reads delta step 3 as the full step 3
     read = {name: _read_one_process(tmp_path, name) for name in ("inc2", "full2")}
@@ -108,7 +114,7 @@ def test_delta_resumes_at_another_world_size_and_missing_delta_is_refused(tmp_pa
         assert torch.equal(read["inc2"][n], t), f"one-process read of delta step 3: {n} differs"
     (tmp_path / "inc2_host" / "checkpoint" / "step-2" / "table_delta.rank1.pt").unlink()
     with pytest.raises(Exception, match=r"step-2 \(a delta\).*table_delta\.rank1\.pt is missing"):
-        run_distributed(_train, 1, _job(tmp_path, "inc2", 1, 5, 3, load_step=3))
+        run_distributed(_train, 1, _job(tmp_path, "inc2", 1, 4, 3, load_step=3))
 
 
 def test_table_full_every_needs_a_row_sparse_table_optimizer():

@@ -1,11 +1,11 @@
 """kill -9 with NVMe (and host) Engram tables through the real entry point (run_train.sh ->
-torchrun -> recipes/train.py via tests/fault_train.py), checkpoints every 2 of 6 steps:
+torchrun -> recipes/train.py via tests/fault_train.py), checkpoints every 2 of 4 steps:
 
 - one 1-rank NVMe job that torchrun restarts 3 times (as tests/test_recipes_faults_restart.py
-  does for device tables): ENOSPC on a page write-back in step 5 stops try 0 naming the file and
+  does for device tables): ENOSPC on a page write-back in step 3 stops try 0 naming the file and
   the fix; try 1 is killed mid-write-back (SIGKILL at a page an NVMe store wrote back, with the
   rest of that eviction batch in flight; ENGRAM_FAULTS, engram/runtime/faults.py), try 2
-  mid-step (after backward, before the optimizer update of step 5; FAULTS); every try resumes
+  mid-step (after backward, before the optimizer update of step 3; FAULTS); every try resumes
   from the newest complete checkpoint in fresh page files, and every logged loss and grad norm
   equals the uninterrupted run's bit for bit; host tables killed mid-step likewise;
 - 2 ranks, rank 1 killed mid-write-back without restarts: torchrun tears the job down (rank 0
@@ -16,9 +16,9 @@ torchrun -> recipes/train.py via tests/fault_train.py), checkpoints every 2 of 6
 - without a next run, scripts/page_files.py lists and removes exactly a killed run's files, never
   a live store's in the same directories.
 
-The write-back faults are armed when step 5 starts (after step 4's checkpoint was committed or
-resumed from) and fire at the second page written back from then on: step 5's pin or step 6's
-page-in evicts pages steps 3-4 updated (the cache is ~10x smaller than the shard), so a
+The write-back faults are armed when step 3 starts (after step 2's checkpoint was committed or
+resumed from) and fire at the second page written back from then on: step 3's pin or step 4's
+page-in evicts pages steps 1-2 updated (the cache is ~10x smaller than the shard), so a
 write-back follows for certain, whenever the asynchronous page-in runs it (tests/fault_train.py).
 
 The uninterrupted reference of the host-table run is the NVMe one: host and NVMe tables train
@@ -43,7 +43,8 @@ from engram.config import config_from_dict, to_toml
 from engram.rowstore.nvme_store import NvmeRowStore
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 6
+STEPS = 4
+FAULT = 3  # the step every fault hits: the first after step 2's checkpoint
 
 
 def _config(tmp: Path, name: str, world: int, location: str) -> Path:
@@ -142,17 +143,17 @@ def _swept(out: str, rank: int) -> None:
 
 @pytest.mark.slow
 def test_nvme_enospc_then_kills_mid_write_back_and_mid_step_resume_bitwise(tmp_path, reference):
-    """Try 0: ENOSPC on a page write-back in step 5 (on an I/O thread: step 5's pin or step 6's
+    """Try 0: ENOSPC on a page write-back in step 3 (on an I/O thread: step 3's pin or step 4's
     page-in); the run stops with the error naming the file and the fix (raised on the main
-    thread by the prefetch that needs the batch's pages: step 5's or step 6's) and saves nothing
-    after it. Try 1: killed mid-write-back in step 5. Try 2: killed mid-step 5. Each resumes
-    from step 4's checkpoint; every logged step equals the uninterrupted run's bitwise. (A lost
-    write-back of a page step 5 does not use leaves step 5 exact: its rows came pinned and are
+    thread by the prefetch that needs the batch's pages: step 3's or step 4's) and saves nothing
+    after it. Try 1: killed mid-write-back in step 3. Try 2: killed mid-step 3. Each resumes
+    from step 2's checkpoint; every logged step equals the uninterrupted run's bitwise. (A lost
+    write-back of a page step 3 does not use leaves step 3 exact: its rows came pinned and are
     in the cache.)"""
-    faults = "0:nospace:0:5,1:write:0:5,2:step:0:5"
+    faults = f"0:nospace:0:{FAULT},1:write:0:{FAULT},2:step:0:{FAULT}"
     rc, out, _ = _launch(tmp_path, "run", 1, "nvme", 3, faults=faults)
     assert rc == 0, out[-6000:]
-    assert _attempts(tmp_path, "run") == [([], 0)] + [([2, 4], 4)] * 3, out[-6000:]
+    assert _attempts(tmp_path, "run") == [([], 0)] + [([2], 2)] * 3, out[-6000:]
     named = (
         r"OSError: \[Errno 28\] NVMe Engram table: No space left on device.* writing a page back "
     )
@@ -160,9 +161,9 @@ def test_nvme_enospc_then_kills_mid_write_back_and_mid_step_resume_bitwise(tmp_p
         named + r"to \S+\.pages: free space on that drive, point engram.nvme_dirs", out
     ), out[-6000:]
     _check_replay(tmp_path, "run", reference(1))
-    # Step 6 logged once: no try before the last got past step 5's update and step 6's prefetch
-    # (the ENOSPC try stopped by then, so it saved nothing after step 4).
-    assert [step for step, *_ in _logged(tmp_path, "run")].count(6) == 1
+    # Step 4 logged once: no try before the last got past step 3's update and step 4's prefetch
+    # (the ENOSPC try stopped by then, so it saved nothing after step 2).
+    assert [step for step, *_ in _logged(tmp_path, "run")].count(STEPS) == 1
     assert out.count("left by a run that ended") == 4, out[-6000:]  # tries 1, 2: 2 files each
     _swept(out, 0)
     _no_page_files_left(tmp_path)
@@ -170,23 +171,23 @@ def test_nvme_enospc_then_kills_mid_write_back_and_mid_step_resume_bitwise(tmp_p
 
 @pytest.mark.slow
 def test_host_tables_kill_mid_step_resumes_bitwise(tmp_path, reference):
-    rc, out, _ = _launch(tmp_path, "run", 1, "host", 1, faults="0:step:0:5")
+    rc, out, _ = _launch(tmp_path, "run", 1, "host", 1, faults=f"0:step:0:{FAULT}")
     assert rc == 0, out[-6000:]
-    assert _attempts(tmp_path, "run") == [([], 0), ([2, 4], 4)]
+    assert _attempts(tmp_path, "run") == [([], 0), ([2], 2)]
     _check_replay(tmp_path, "run", reference(1))
 
 
 @pytest.mark.slow
 def test_two_ranks_one_killed_mid_write_back_then_resumed(tmp_path, reference):
     """No restarts: rank 1 dies, torchrun stops rank 0 (blocked in a collective or not) and the
-    job fails; launched again, it resumes from step 4 bitwise and sweeps both ranks' files."""
-    rc, out, took = _launch(tmp_path, "run", 2, "nvme", 0, faults="0:write:1:5")
+    job fails; launched again, it resumes from step 2 bitwise and sweeps both ranks' files."""
+    rc, out, took = _launch(tmp_path, "run", 2, "nvme", 0, faults=f"0:write:1:{FAULT}")
     assert rc != 0 and "SIGKILL" in out, out[-6000:]
     print(f"2 ranks, rank 1 killed mid-write-back: the job ended (rc {rc}) after {took:.1f} s")
     assert len(os.listdir(tmp_path / "nvme_a")) == 3  # the lock + both ranks' files
     rc, out, _ = _launch(tmp_path, "run", 2, "nvme", 0)
     assert rc == 0, out[-6000:]
-    assert _attempts(tmp_path, "run") == [([], 0), ([2, 4], 4)]
+    assert _attempts(tmp_path, "run") == [([], 0), ([2], 2)]
     _check_replay(tmp_path, "run", reference(2))
     assert out.count("left by a run that ended") == 4, out[-6000:]  # 2 ranks x 2 dirs
     _no_page_files_left(tmp_path)
@@ -210,7 +211,7 @@ def test_killed_runs_page_files_are_listed_and_removed_by_hand(tmp_path):
         d.mkdir()
     live = NvmeRowStore(5000, {"weight": 8}, list(map(str, dirs)), 4 * 4096, name="live")
     try:
-        rc, out, _ = _launch(tmp_path, "run", 1, "nvme", 0, faults="0:step:0:2")
+        rc, out, _ = _launch(tmp_path, "run", 1, "nvme", 0, faults="0:step:0:1")
         assert rc != 0 and "SIGKILL" in out, out[-6000:]
         left = sorted(str(p) for d in dirs for p in d.glob("*.pages") if str(p) not in live.paths)
         assert len(left) == 2, left  # the killed run's table, striped over both drives

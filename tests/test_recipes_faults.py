@@ -77,6 +77,11 @@ def _train(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) ->
     }
 
 
+def _train_each(rank: int, world: int, raws: list[dict]) -> list[dict]:
+    """_train of each config in turn, in the same process (one launch)."""
+    return [_train(rank, world, raw) for raw in raws]
+
+
 def _files(folder: Path) -> dict[str, str]:
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -232,11 +237,12 @@ def test_changed_hyperparameters_apply_from_the_first_resumed_step(tmp_path):
     (first,) = run_distributed(_train, 1, _raw(str(tmp_path), steps=2))
     assert first["start"] == 0
     resume = {"checkpoint": {"load_step": 2}}
-    (same,) = run_distributed(_train, 1, _raw(str(tmp_path), steps=4, **resume))
     wd = {"optimizer": {"weight_decay": 50.0}}
-    (decayed,) = run_distributed(_train, 1, _raw(str(tmp_path), steps=4, **resume, **wd))
     lr = {"optimizer": {"lr": 3e-2}}
-    (faster,) = run_distributed(_train, 1, _raw(str(tmp_path), steps=4, **resume, **lr))
+    # the three resumes of step 2, one after the other in one launch (the last one, `faster`,
+    # writes the metrics read below)
+    resumes = [_raw(str(tmp_path), steps=4, **resume, **change) for change in ({}, wd, lr)]
+    ((same, decayed, faster),) = run_distributed(_train_each, 1, resumes)
     for out in (same, decayed, faster):
         assert out["start"] == 2, out
     # Step 3's loss is computed before its update; its update (the first resumed one) uses
