@@ -13,17 +13,16 @@ from torch.distributed.tensor import DTensor
 from engram.config import JobConfig
 from parallelisms.fsdp import fsdp_wraps, reshard_after_forward
 from parallelisms.parallel_dims import ParallelDims
-from planner.measure import is_in
 from planner.results import FsdpBuffers, dtype_bytes
 
 
 def _fsdp_units(model: nn.Module, table_params: list[nn.Parameter]) -> list[tuple[str, list]]:
     """(name, parameters FSDP manages in that unit), inner units first, the root last."""
     units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
-    out, claimed = [], []
+    out, claimed = [], {id(p) for p in table_params}  # ids: the model holds the parameters
     for name, module in sorted(units, key=lambda u: -len(u[0])):  # deepest name first
-        own = [p for p in module.parameters() if not is_in(p, table_params + claimed)]
-        claimed.extend(own)
+        own = [p for p in module.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in own)
         out.append((name or "<root>", own))
     return out
 

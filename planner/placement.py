@@ -16,24 +16,45 @@ from planner.measure import is_in, table_layers
 from planner.results import AllRanks
 
 
-def _local_shapes_by_rank(p: DTensor, world_mesh) -> dict[int, tuple[int, ...]]:
+def _local_shapes_by_rank(p: DTensor, world: _WorldMesh) -> dict[int, tuple[int, ...]]:
     """Global rank -> local shape of `p` on that rank, for every rank of the world: p's mesh is
     one rank's slice of the world mesh (e.g. its tp or dp_shard group); every other rank holds
     the shape of its own coordinate along the same named dims."""
     mesh = p.device_mesh
     shapes = _local_shapes(tuple(p.shape), tuple(mesh.shape), tuple(p.placements))
-    wshape, wnames = tuple(world_mesh.mesh.shape), world_mesh.mesh_dim_names
-    out = {}
-    for idx in itertools.product(*(range(n) for n in wshape)):
-        flat = 0  # row-major index of this rank's coordinate in p's mesh
-        for name, size in zip(mesh.mesh_dim_names, mesh.shape, strict=True):
-            coord = 0
-            for part in FLATTENED.get(name, (name,)):
-                i = wnames.index(part)
-                coord = coord * wshape[i] + idx[i]
-            flat = flat * size + coord
-        out[int(world_mesh.mesh[idx])] = shapes[flat]
-    return out
+    coords = world.coords(tuple(mesh.mesh_dim_names), tuple(mesh.shape))
+    return {rank: shapes[flat] for rank, flat in coords}
+
+
+class _WorldMesh:
+    """The world mesh's ranks, read once (DeviceMesh.mesh rebuilds its tensor on every access,
+    which dominated a 64-rank plan), with each sub-mesh's (rank, coordinate) pairs memoised."""
+
+    def __init__(self, world_mesh) -> None:
+        ranks = world_mesh.mesh
+        self.shape = tuple(ranks.shape)
+        self.names = world_mesh.mesh_dim_names
+        self.ranks = [int(r) for r in ranks.flatten().tolist()]  # row-major, as product() walks
+        self._coords: dict[tuple, list[tuple[int, int]]] = {}
+
+    def coords(self, names: tuple[str, ...], sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+        """(global rank, row-major index of its coordinate in a mesh of these named dims)."""
+        key = (names, sizes)
+        if key not in self._coords:
+            out = []
+            for rank, idx in zip(
+                self.ranks, itertools.product(*(range(n) for n in self.shape)), strict=True
+            ):
+                flat = 0
+                for name, size in zip(names, sizes, strict=True):
+                    coord = 0
+                    for part in FLATTENED.get(name, (name,)):
+                        i = self.names.index(part)
+                        coord = coord * self.shape[i] + idx[i]
+                    flat = flat * size + coord
+                out.append((rank, flat))
+            self._coords[key] = out
+        return self._coords[key]
 
 
 @functools.cache
@@ -56,6 +77,7 @@ def stage_ranks_summary(
     world_mesh = dims.mesh()
     pp_coord = dims.mesh("pp").get_local_rank()
     same_stage = {int(r) for r in world_mesh.mesh[pp_coord].flatten()}
+    world = _WorldMesh(world_mesh)
     dense = dict.fromkeys(same_stage, 0)
     for part in parts:
         for p in part.parameters():
@@ -64,13 +86,13 @@ def stage_ranks_summary(
             if not isinstance(p, DTensor):  # no FSDP / TP: every rank of the stage holds it whole
                 dense = {r: n + p.numel() for r, n in dense.items()}
                 continue
-            for rank, shape in _local_shapes_by_rank(p, world_mesh).items():
+            for rank, shape in _local_shapes_by_rank(p, world).items():
                 if rank in same_stage:
                     dense[rank] += math.prod(shape)
     rows = {}
     for layer, p in table_layers(parts, table_params):
         if isinstance(p, DTensor):
-            by_rank = _local_shapes_by_rank(p, world_mesh)
+            by_rank = _local_shapes_by_rank(p, world)
             rows[layer] = {r: by_rank[r][0] for r in same_stage}
         else:
             rows[layer] = dict.fromkeys(same_stage, p.shape[0])

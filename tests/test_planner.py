@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from launcher import run_distributed, run_isolated
+from planner_runs import planned
 from small_job import load_shipped
 
 from engram.config import PIPELINE_SCHEDULES, ConfigError
@@ -393,16 +394,12 @@ def test_compare_on_the_32b_config_at_64_ranks(capfd):
 def test_long_context_config_needs_tensor_parallelism():
     """32b_gpu_32k.toml (TP 4 x FSDP 16, seq_len 32768) fits in 80 GB (79.11 GiB usable); the same model and
     sequence on FSDP-64 does not (the fp32 loss of one 32768-token sequence alone is 55.7 GiB)."""
-    cfg = _cfg("train_configs/32b_gpu_32k.toml")
+    path = "train_configs/32b_gpu_32k.toml"
+    cfg = _cfg(path)
     assert cfg.training.seq_len == 32768 and cfg.parallelism.tp == 4
-    est = run_isolated(estimate, cfg, 64, ranks=[0])
+    est = planned(path, world=64, ranks=[0])
     assert est.fits and est.device_memory_bytes == int(79.11 * 2**30)  # usable, not 80
-    fsdp = _cfg(
-        "train_configs/32b_gpu_32k.toml",
-        "--parallelism.tp=1",
-        "--training.local_batch_size=1",
-        "--training.grad_accum_steps=1",
-    )
-    no_tp = run_isolated(estimate, fsdp, 64, ranks=[0])
+    fsdp = ("--parallelism.tp=1", "--training.local_batch_size=1", "--training.grad_accum_steps=1")
+    no_tp = planned(path, *fsdp, world=64, ranks=[0])
     assert not no_tp.fits
     assert no_tp.ranks[0].activations.loss_bytes > 55 * 2**30

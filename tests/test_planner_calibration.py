@@ -6,8 +6,6 @@ steps (a dispatch-mode count of live storages) of a cut whose loss sets the peak
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import weakref
 from pathlib import Path
 
@@ -208,23 +206,35 @@ EAGER_CAP, COMPILED_CAP = 1.15, 1.20
 QUOTED = 0.005
 
 
-def _planned_gib(row: str) -> float:
-    """scripts/cluster_step.py (check_cluster's planner child: the cut planned on CPU for a cuda
-    device, live tensors only) for one H200 row."""
-    _, layers, (config, *overrides) = H200_ROWS[row]
-    out = subprocess.run(
-        [
-            *(sys.executable, "scripts/cluster_step.py", "--world", "1", "--layers", str(layers)),
-            *("--job.config_file", config, F32, *overrides),
-        ],
-        capture_output=True, text=True, timeout=600, check=True, cwd=ROOT,
-    )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_gib"]
+def _planned_gibs(rows: list[str]) -> dict[str, float]:
+    """scripts/cluster_step.py's main (check_cluster's planner child: the cut planned on CPU for
+    a cuda device, live tensors only) for each H200 row, in one process (the child runs it as
+    a script; test_scripts_check_cluster runs it that way)."""
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("cluster_step", ROOT / "scripts/cluster_step.py")
+    cluster_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cluster_step)
+    planned = {}
+    for row in rows:
+        _, layers, (config, *overrides) = H200_ROWS[row]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            cluster_step.main(
+                [
+                    *("--world", "1", "--layers", str(layers)),
+                    *("--job.config_file", config, F32, *overrides),
+                ]
+            )
+        planned[row] = json.loads(out.getvalue().strip().splitlines()[-1])["peak_gib"]
+    return planned
 
 
 @pytest.fixture(scope="module")
 def h200_plans() -> dict[str, float]:
-    return {row: _planned_gib(row) for row in H200_ROWS}
+    return run_isolated(_planned_gibs, list(H200_ROWS), timeout=600)
 
 
 @pytest.mark.parametrize("row", list(H200_ROWS))

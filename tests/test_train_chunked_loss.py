@@ -326,34 +326,26 @@ def test_planner_counts_one_chunk_of_logits():
 def test_planner_fits_32b_at_32k_on_64_npus_with_cp():
     """Against the usable 60.96 GiB of a "64 GB" NPU (the planner's default budget), the shipped
     CP 2 x FSDP 32 fits; the earlier FSDP-64 + CPU offload layout fits only the nameplate."""
-    from launcher import run_isolated
+    from planner_runs import planned
 
     from engram.config import load_config
-    from planner.estimate import estimate
 
     cfg = load_config(["--job.config_file", NPU_32K])
     assert cfg.training.seq_len == 32768 and cfg.parallelism.tp == 1 and cfg.parallelism.pp == 1
     assert cfg.parallelism.cp == 2
-    est = run_isolated(estimate, cfg, 64, ranks=[0])
+    est = planned(NPU_32K, world=64, ranks=[0])  # also test_planner_cp's long-context plan
     assert est.fits and est.device_memory_bytes == int(60.96 * 2**30)  # the usable budget
     # The previous layout (FSDP-64 without cp, CPU offload) fitted the 64 GiB nameplate only.
-    no_cp = load_config(
-        ["--job.config_file", NPU_32K, "--parallelism.cp=1", "--training.grad_accum_steps=1",
-         "--parallelism.cpu_offload=true"]
-    )  # fmt: skip
-    fsdp64 = run_isolated(estimate, no_cp, 64, ranks=[0])
+    no_cp = (
+        "--parallelism.cp=1",
+        "--training.grad_accum_steps=1",
+        "--parallelism.cpu_offload=true",
+    )
+    fsdp64 = planned(NPU_32K, *no_cp, world=64, ranks=[0])
     assert not fsdp64.fits
     assert 61 * 2**30 < fsdp64.ranks[0].peak_bytes < 64 * 2**30
     # FSDP-64 without context parallelism (the config runs CP 2): one sequence's loss alone.
-    unchunked = load_config(
-        [
-            "--job.config_file",
-            NPU_32K,
-            "--training.loss_chunks=1",
-            "--parallelism.cp=1",
-            "--training.grad_accum_steps=1",
-        ]
-    )
-    no_chunks = run_isolated(estimate, unchunked, 64, ranks=[0])
+    unchunked = ("--training.loss_chunks=1", "--parallelism.cp=1", "--training.grad_accum_steps=1")
+    no_chunks = planned(NPU_32K, *unchunked, world=64, ranks=[0])
     assert not no_chunks.fits
     assert no_chunks.ranks[0].activations.loss_bytes > 55 * 2**30
