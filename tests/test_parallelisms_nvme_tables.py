@@ -372,10 +372,10 @@ def _check_telemetry(runs: dict, world: int, nvme_run) -> None:
 def test_nvme_checkpoint_resumes_bitwise(tmp_path, first):
     """Steps 1-4 with `first`, saved at 2 (DCP, the rows and moments read from the store),
     resumed at steps 3-4 with NVMe tables in fresh page files: equal to 4 device-table steps
-    (2 ranks). Saved in chunks of 64 KiB: the resume writes the store a window of at most 64 KiB
+    (2 ranks). Saved in chunks of 256 KiB: the resume writes the store a window of at most 256 KiB
     of records at a time (a device table's checkpoint holds a rank's whole column as one chunk:
     ~1.6 MB) and reads no page back."""
-    chunk = 64 << 10
+    chunk = 256 << 10
 
     def ckpt(location: str, load_step: int) -> dict:
         raw = _run(tmp_path, "ckpt", 2, location, "lazy_adam")
