@@ -1,9 +1,9 @@
 """The device-table twins that the host- and NVMe-table tests compare against
 (tests/test_parallelisms_host_tables.py, tests/test_parallelisms_nvme_tables.py).
 
-Both files train their device twins with `device_twin` through tests/shared_runs.py, so a layout
-that both compare (FSDP2 x TP2, PP2 x TP2 at the NVMe test's table size, `layout_raw`) trains its
-device tables once per session, and so does a run that several tests of one file compare to."""
+Both files train their device twins with `device_twin` through tests/shared_runs.py, so a run
+that several tests compare to trains once per session (per pytest-xdist worker: a file's tests
+share runs; the two files share nothing they rely on)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def nvme_raw(tmp, name: str, world: int, location: str, opt: str, extra: dict | 
 
 
 PP = {"pipeline": {"schedule": "1F1B", "microbatches": 2}, "engram": {"layer_ids": [0, 2]}}
-# Layouts both files train at the NVMe size (host and NVMe tables against one device twin).
+# Layouts both files train (the host file at its own table size).
 SHARED_LAYOUTS = {
     "fsdp2tp2": (4, {"parallelism": {"dp_shard": 2, "tp": 2}}),
     "pp2tp2": (4, {"parallelism": {"dp_shard": 1, "pp": 2, "tp": 2}, **PP}),

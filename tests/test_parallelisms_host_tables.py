@@ -22,7 +22,7 @@ import pytest
 import torch
 from launcher import run_distributed
 from shared_runs import shared_run
-from tables_twins import PP, SHARED_LAYOUTS, STEPS, device_twin, nvme_raw, table_raw
+from tables_twins import PP, SHARED_LAYOUTS, device_twin, table_raw
 
 from engram.config import ConfigError, config_from_dict
 
@@ -121,8 +121,8 @@ def _assert_bitwise(host: list[dict], device: list[dict], label: str) -> None:
 
 def _pair(tmp, name, world, opt, extra=None, nan_steps=(), raw=_raw):
     """The host run and its device twin of one config (`raw`: how to write it), each trained
-    once per session (tests/shared_runs.py: the twin with tests/test_parallelisms_nvme_tables.py,
-    the 2-rank lazy_adam runs with test_checkpoint_interchange_host_device's references)."""
+    once per session (tests/shared_runs.py: the 2-rank lazy_adam runs are also
+    test_checkpoint_interchange_host_device's references)."""
     args = (nan_steps,) if nan_steps else ()
     host = shared_run(_train, world, raw(str(tmp), name, world, "host", opt, extra), *args)
     device = shared_run(device_twin, world, raw(str(tmp), name, world, "device", opt, extra), *args)
@@ -186,9 +186,7 @@ def test_host_equals_device_fsdp2_tp2_and_pp2(tmp_path):
     + 3 (eval at step 2: a metadata forward, 2 micro-batches) + 1 (step 3 re-initialises for
     training) + 3 (eval at step 4) = 8. Interleaved1F1B (4 stages, rank 0 holds the tables of
     layers 0 and 2, rank 1 of layer 1) with every layer checkpointed: a stage's recompute replays
-    its rows. CP2 x TP2: each rank looks up its TP piece of its CP chunks. FSDP2 x TP2 and
-    PP2 x TP2 at the NVMe tests' table size (tests/tables_twins.py): their device twins are
-    test_nvme_equals_device_fsdp2_tp2_and_pp2's."""
+    its rows. CP2 x TP2: each rank looks up its TP piece of its CP chunks."""
     steps = 4
     evals = {"eval_every": 2, "eval_batches": 1}
     interleaved = {
@@ -209,13 +207,9 @@ def test_host_equals_device_fsdp2_tp2_and_pp2(tmp_path):
                        "training": {"seq_len": 128}, "engram": {"layer_ids": [0, 2]}},
                    [2 * s] * 4, [0] * 4),
     }  # fmt: skip
-    assert STEPS == steps  # the shared layouts' runs (nvme_raw) train as many steps
     for label, (world, extra, lookups, late) in layouts.items():
-        if label in SHARED_LAYOUTS:
-            host, device = _pair(tmp_path, label, world, "lazy_adam", extra, raw=nvme_raw)
-        else:
-            extra = {**extra, "training": {**extra.get("training", {}), "steps": steps}}
-            host, device = _pair(tmp_path, label, world, "lazy_adam", extra)
+        extra = {**extra, "training": {**extra.get("training", {}), "steps": steps}}
+        host, device = _pair(tmp_path, label, world, "lazy_adam", extra)
         _assert_bitwise(host, device, label)
         for rank, h in enumerate(host):
             n, m = lookups[rank], late[rank]
