@@ -22,28 +22,14 @@ import pytest
 import torch
 from launcher import run_distributed
 from shared_runs import shared_run
-from small_job import small_job
+from tables_twins import PP, SHARED_LAYOUTS, device_twin, table_raw
 
 from engram.config import ConfigError, config_from_dict
 
 ROW_SPARSE = ("lazy_adam", "rowwise_adagrad")
 
 
-def _raw(tmp: str, name: str, world: int, location: str, opt: str, extra: dict | None = None):
-    extra = extra or {}
-    sections = {
-        "engram": {"table_location": location},
-        "optimizer": {"table_optimizer": opt},
-        **{k: v for k, v in extra.items() if k not in ("engram", "optimizer")},
-    }
-    for key in ("engram", "optimizer"):
-        sections[key] = {**sections[key], **extra.get(key, {})}
-    raw = small_job(tmp, f"{name}_{location}", world, 4, sections)
-    accum = raw["training"].get("grad_accum_steps", 1)
-    par = raw["parallelism"]
-    dp = par.get("dp_shard", world) * par.get("dp_replicate", 1)
-    raw["training"]["local_batch_size"] = 8 // dp // accum
-    return raw
+_raw = table_raw  # tests/test_checkpoint_table_delta.py imports it from here
 
 
 def _train(
@@ -133,12 +119,14 @@ def _assert_bitwise(host: list[dict], device: list[dict], label: str) -> None:
         assert rank or all(len(t) % 6 == 0 and t for t in h["telemetry"]), h["telemetry"]
 
 
-def _pair(tmp, name, world, opt, extra=None, nan_steps=()):
-    runs = {}
-    for loc in ("device", "host"):
-        raw = _raw(str(tmp), name, world, loc, opt, extra)
-        runs[loc] = run_distributed(_train, world, raw, nan_steps)
-    return runs["host"], runs["device"]
+def _pair(tmp, name, world, opt, extra=None, nan_steps=(), raw=_raw):
+    """The host run and its device twin of one config (`raw`: how to write it), each trained
+    once per session (tests/shared_runs.py: the 2-rank lazy_adam runs are also
+    test_checkpoint_interchange_host_device's references)."""
+    args = (nan_steps,) if nan_steps else ()
+    host = shared_run(_train, world, raw(str(tmp), name, world, "host", opt, extra), *args)
+    device = shared_run(device_twin, world, raw(str(tmp), name, world, "device", opt, extra), *args)
+    return host, device
 
 
 @pytest.mark.slow
@@ -154,9 +142,10 @@ def test_host_equals_device_lazy_adam(tmp_path, world):
 def test_host_tables_learn(tmp_path):
     """The compared runs update the tables (a frozen table would also compare equal)."""
     raw = _raw(str(tmp_path), "learn", 1, "host", "lazy_adam")
+    (four,) = shared_run(_train, 1, raw)  # test_host_equals_device_lazy_adam[1]'s host run
     steps0 = {**raw, "training": {**raw["training"], "steps": 1}}
+    steps0["job"] = {**raw["job"], "run_name": "learn_one_step"}
     (one,) = run_distributed(_train, 1, steps0)
-    (four,) = run_distributed(_train, 1, raw)
     for n, t in one["tables"].items():
         assert not np.array_equal(t, four["tables"][n])
 
@@ -189,37 +178,37 @@ def test_host_equals_device_hsdp_compile_engram_only(tmp_path):
 
 @pytest.mark.slow
 def test_host_equals_device_fsdp2_tp2_and_pp2(tmp_path):
-    """FSDP2 x TP2, PP2 (1F1B), PP2 x TP2, interleaved PP2 and CP2 x TP2 over 6 steps, prefetch on: every lookup's rows
-    were prefetched (each TP rank its own sequence piece, each stage its tables per schedule
-    micro-batch, parallelisms/table_prefetch.py). The only lookups routed and gathered when
-    they run are torch's pipeline metadata forwards, which leave the queues alone (one each time
-    the schedule initialises its stage), and PP2's held-out evaluation: 1 (step 1) + 3 (eval at
-    step 3: a metadata forward, 2 micro-batches) + 1 (step 4 re-initialises for training) + 3
-    (eval at step 6) = 8. Interleaved1F1B (4 stages, rank 0 holds the tables of layers 0 and 2,
-    rank 1 of layer 1) with every layer checkpointed: a stage's recompute replays its rows.
-    CP2 x TP2: each rank looks up its TP piece of its CP chunks."""
-    pp = {"pipeline": {"schedule": "1F1B", "microbatches": 2}, "engram": {"layer_ids": [0, 2]}}
-    evals = {"eval_every": 3, "eval_batches": 1}
+    """FSDP2 x TP2, PP2 (1F1B), PP2 x TP2, interleaved PP2 and CP2 x TP2 over 4 steps, prefetch
+    on: every lookup's rows were prefetched (each TP rank its own sequence piece, each stage its
+    tables per schedule micro-batch, parallelisms/table_prefetch.py). The only lookups routed and
+    gathered when they run are torch's pipeline metadata forwards, which leave the queues alone
+    (one each time the schedule initialises its stage), and PP2's held-out evaluation: 1 (step 1)
+    + 3 (eval at step 2: a metadata forward, 2 micro-batches) + 1 (step 3 re-initialises for
+    training) + 3 (eval at step 4) = 8. Interleaved1F1B (4 stages, rank 0 holds the tables of
+    layers 0 and 2, rank 1 of layer 1) with every layer checkpointed: a stage's recompute replays
+    its rows. CP2 x TP2: each rank looks up its TP piece of its CP chunks."""
+    steps = 4
+    evals = {"eval_every": 2, "eval_batches": 1}
     interleaved = {
         "pipeline": {"schedule": "Interleaved1F1B", "virtual_stages": 2, "microbatches": 2},
         "engram": {"layer_ids": [0, 1, 2]},
         "activation_checkpoint": {"mode": "full"},
     }
+    s = steps
     layouts = {  # label: (ranks, extra, per rank: lookups (tables x micro-batches x steps), late)
-        "fsdp2tp2": (4, {"parallelism": {"dp_shard": 2, "tp": 2}}, [6] * 4, [0] * 4),
-        "pp2": (2, {"parallelism": {"dp_shard": 1, "pp": 2}, **pp, "data": evals}, [12] * 2,
+        "fsdp2tp2": (*SHARED_LAYOUTS["fsdp2tp2"], [s] * 4, [0] * 4),
+        "pp2": (2, {"parallelism": {"dp_shard": 1, "pp": 2}, **PP, "data": evals}, [2 * s] * 2,
                 [8] * 2),
-        "pp2tp2": (4, {"parallelism": {"dp_shard": 1, "pp": 2, "tp": 2}, **pp}, [12] * 4,
-                   [1] * 4),
+        "pp2tp2": (*SHARED_LAYOUTS["pp2tp2"], [2 * s] * 4, [1] * 4),
         "pp2_interleaved_ac": (2, {"parallelism": {"dp_shard": 1, "pp": 2}, **interleaved},
-                               [24, 12], [2, 1]),
+                               [4 * s, 2 * s], [2, 1]),
         "cp2tp2": (4, {"parallelism": {"dp_shard": 1, "cp": 2, "tp": 2,
                                        "cp_method": "allgather_kv"},
                        "training": {"seq_len": 128}, "engram": {"layer_ids": [0, 2]}},
-                   [12] * 4, [0] * 4),
+                   [2 * s] * 4, [0] * 4),
     }  # fmt: skip
     for label, (world, extra, lookups, late) in layouts.items():
-        extra = {**extra, "training": {**extra.get("training", {}), "steps": 6}}
+        extra = {**extra, "training": {**extra.get("training", {}), "steps": steps}}
         host, device = _pair(tmp_path, label, world, "lazy_adam", extra)
         _assert_bitwise(host, device, label)
         for rank, h in enumerate(host):
@@ -255,7 +244,9 @@ def _ckpt_raw(
 def test_checkpoint_interchange_host_device(tmp_path, first, second):
     """Steps 1-2 with one location, resume steps 3-4 with the other: equal to 4 steps with the
     second location throughout (2 ranks)."""
-    ref = shared_run(_train, 2, _raw(str(tmp_path / "ref"), "ref", 2, second, "lazy_adam"))
+    # test_host_equals_device_lazy_adam[2]'s run (and twin)
+    fn = device_twin if second == "device" else _train
+    ref = shared_run(fn, 2, _raw(str(tmp_path / "ref"), "ref", 2, second, "lazy_adam"))
     run_distributed(_train, 2, _ckpt_raw(str(tmp_path), 2, first, -1))
     resumed = run_distributed(_train, 2, _ckpt_raw(str(tmp_path), 2, second, 2))
     for r, got in zip(ref, resumed, strict=True):
@@ -531,17 +522,18 @@ ASYNC_LAYOUTS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ASYNC_LAYOUTS)
 def test_host_async_save_equals_sync_and_resumes(tmp_path, layout):
-    """Host tables, steps 1-4 saving at 2 and 4, once with a sync save and once with
+    """Host tables, steps 1-3 saving at 2 and 3, once with a sync save and once with
     checkpoint.async_mode = "async" (step 2's save runs in the background while step 3's host
     update is queued). Every host update first sleeps 0.2 s, so a save that does not wait for
     step 2's update would hold step 1's rows. The step-2 checkpoints hold the same tensors
     bitwise (tables and their optimizer state included), and resuming the async one at the same
-    layout replays steps 3-4 bitwise (losses, grad norms, every table row)."""
+    layout replays step 3 bitwise (losses, grad norms, every table row)."""
     world, opt, extra = ASYNC_LAYOUTS[layout]
     runs = {}
     for mode in ("disabled", "async"):
         raw = _ckpt_raw(str(tmp_path / mode), world, "host", -1, opt, extra)
         raw["checkpoint"]["async_mode"] = mode
+        raw["training"]["steps"] = 3
         runs[mode] = run_distributed(_train, world, raw, (), 0.2)
     for a, b in zip(runs["async"], runs["disabled"], strict=True):
         assert a["host_tables"] and _same(a["losses"], b["losses"]), layout
@@ -552,9 +544,9 @@ def test_host_async_save_equals_sync_and_resumes(tmp_path, layout):
     assert any(k.startswith(".optimizer.") for k in table_keys), table_keys
     for k, t in sync.items():
         assert torch.equal(done[k], t), f"{layout}: async checkpoint differs at {k}"
-    resumed = run_distributed(
-        _train, world, _ckpt_raw(str(tmp_path / "async"), world, "host", 2, opt, extra)
-    )
+    again = _ckpt_raw(str(tmp_path / "async"), world, "host", 2, opt, extra)
+    again["training"]["steps"] = 3
+    resumed = run_distributed(_train, world, again)
     for rank, (got, full) in enumerate(zip(resumed, runs["async"], strict=True)):
         where = f"{layout} rank {rank}"
         assert _same(got["losses"], full["losses"][2:]), where

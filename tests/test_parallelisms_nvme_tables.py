@@ -1,7 +1,7 @@
 """NVMe-resident Engram tables (engram.table_location = "nvme", parallelisms/engram_tables/nvme.py
 over engram/rowstore/nvme_store.py): the row store alone (pages, cache, pins, write-back,
 O_DIRECT, page-ins racing updates and evictions) and training bitwise equal to device tables (losses, grad norms,
-every table row) over 6 steps at 1 and 2 gloo ranks for both row-sparse optimizers, with a host
+every table row) over 4 steps at 1 and 2 gloo ranks for both row-sparse optimizers, with a host
 cache many times smaller than the table, on the local disk (pytest's tmp dir), so pages are
 evicted and read back mid-run, and each step's pages paged in while the step before runs (the
 loop reads the loader one step ahead)."""
@@ -14,18 +14,13 @@ import numpy as np
 import pytest
 import torch
 from launcher import run_distributed
-from test_parallelisms_host_tables import _raw, _same
+from shared_runs import shared_run
+from tables_twins import CACHE_MIB, PP, SHARED_LAYOUTS, STEPS, device_twin, nvme_raw
+from test_parallelisms_host_tables import _same
 
 from engram.config import ConfigError, config_from_dict
 from engram.rowstore import page_io
 from engram.rowstore.nvme_store import INDEX_BYTES_PER_PAGE, NvmeRowStore, page_layout
-
-# Big enough that a step's rows are a small share of the pages: 800k rows x 16 (51 MB of fp32
-# weights per table, 3x with lazy_adam's moments) against a host cache of 5 MiB / ranks (a
-# rank's shard is still 10x its cache; a step's rows, at most 4 MiB / ranks of pages, fit).
-VOCAB = [200003, 199999]
-CACHE_MIB = 5
-STEPS = 6
 
 
 def _mkdirs(root, *names: str) -> None:
@@ -304,16 +299,7 @@ def _train(rank: int, world: int, raw: dict, chunk_bytes: int = 0) -> dict:
 
 
 def _run(tmp, name, world, location, opt):
-    extra = {"engram": {"vocab_size_per_ngram": VOCAB}}
-    if location == "nvme":
-        extra["engram"] |= {"nvme_dirs": [f"{tmp}/nvme_a", f"{tmp}/nvme_b"], "nvme_create_dirs": True,
-                            "nvme_host_cache_gib": CACHE_MIB / world / 1024}  # fmt: skip
-    raw = _raw(str(tmp), name, world, location, opt, extra)
-    raw["training"]["steps"] = STEPS
-    raw["metrics"]["log_freq"] = 1  # every step's telemetry (engram/train/telemetry.py)
-    if location == "nvme":
-        raw["engram"]["nvme_probe_s"] = 0.0  # no drive probe (test_nvme_equals_device has one)
-    return raw
+    return nvme_raw(tmp, name, world, location, opt)
 
 
 @pytest.mark.slow
@@ -322,13 +308,13 @@ def _run(tmp, name, world, location, opt):
 def test_nvme_equals_device(tmp_path, world, opt):
     """... and logs, per rank, the tier's start-up line and, per step, Engram telemetry equal
     to the device run's and page counters that add up to the stores' own counts."""
-    runs = {}
-    for loc in ("device", "nvme"):
-        raw = _run(tmp_path, f"{opt}{world}", world, loc, opt)
-        if loc == "nvme":
-            raw["engram"]["nvme_probe_s"] = 0.05
-            raw["metrics"]["enable_tensorboard"] = True
-        runs[loc] = run_distributed(_train, world, raw)
+    # the device twin: test_nvme_checkpoint_resumes_bitwise[nvme]'s reference at 2 ranks
+    runs = {"device": shared_run(device_twin, world, _run(tmp_path, f"{opt}{world}", world,
+                                                          "device", opt))}  # fmt: skip
+    raw = _run(tmp_path, f"{opt}{world}", world, "nvme", opt)
+    raw["engram"]["nvme_probe_s"] = 0.05
+    raw["metrics"]["enable_tensorboard"] = True
+    runs["nvme"] = run_distributed(_train, world, raw)
     assert not list(tmp_path.glob("nvme_*/*.pages"))  # the ranks deleted their page files
     for rank, (n, d) in enumerate(zip(runs["nvme"], runs["device"], strict=True)):
         where = f"{opt} world {world} rank {rank}"
@@ -384,29 +370,29 @@ def _check_telemetry(runs: dict, world: int, nvme_run) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("first", ["nvme", "device"])
 def test_nvme_checkpoint_resumes_bitwise(tmp_path, first):
-    """Steps 1-6 with `first`, saved at 3 (DCP, the rows and moments read from the store),
-    resumed at steps 4-6 with NVMe tables in fresh page files: equal to 6 device-table steps
-    (2 ranks). Saved in chunks of 64 KiB: the resume writes the store a window of at most 64 KiB
+    """Steps 1-4 with `first`, saved at 2 (DCP, the rows and moments read from the store),
+    resumed at steps 3-4 with NVMe tables in fresh page files: equal to 4 device-table steps
+    (2 ranks). Saved in chunks of 256 KiB: the resume writes the store a window of at most 256 KiB
     of records at a time (a device table's checkpoint holds a rank's whole column as one chunk:
     ~1.6 MB) and reads no page back."""
-    chunk = 64 << 10
+    chunk = 256 << 10
 
     def ckpt(location: str, load_step: int) -> dict:
         raw = _run(tmp_path, "ckpt", 2, location, "lazy_adam")
         raw["job"]["run_name"] = "resume"
-        raw["checkpoint"] = {"enable": True, "interval": 3, "keep_latest_k": 0,
+        raw["checkpoint"] = {"enable": True, "interval": 2, "keep_latest_k": 0,
                              "load_step": load_step}  # fmt: skip
         return raw
 
-    saved = run_distributed(_train, 2, ckpt(first, -1), chunk)  # 6 steps, saved at 3 and 6
-    ref = (
+    saved = run_distributed(_train, 2, ckpt(first, -1), chunk)  # 4 steps, saved at 2 and 4
+    ref = (  # test_nvme_equals_device[2-lazy_adam]'s device twin
         saved
         if first == "device"
-        else run_distributed(_train, 2, _run(tmp_path / "ref", "ref", 2, "device", "lazy_adam"))
+        else shared_run(device_twin, 2, _run(tmp_path / "ref", "ref", 2, "device", "lazy_adam"))
     )
-    resumed = run_distributed(_train, 2, ckpt("nvme", 3), chunk)
+    resumed = run_distributed(_train, 2, ckpt("nvme", 2), chunk)
     for r, got in zip(ref, resumed, strict=True):
-        assert _same(got["losses"], r["losses"][3:]), (got["losses"], r["losses"])
+        assert _same(got["losses"], r["losses"][2:]), (got["losses"], r["losses"])
         for n, t in r["tables"].items():
             assert np.array_equal(got["tables"][n], t), n
         for s in got["stores"]:  # the resume's windows: each at most a chunk
@@ -428,28 +414,24 @@ def test_planner_models_nvme():
 @pytest.mark.slow
 def test_nvme_equals_device_fsdp2_tp2_and_pp2(tmp_path):
     """FSDP2 x TP2 (4 ranks), PP2 and PP2 x TP2 (1F1B, 2 micro-batches, Engram on both stages):
-    bitwise like device tables over 6 steps, with prefetch: every lookup's rows came pinned by
+    bitwise like device tables over 4 steps, with prefetch: every lookup's rows came pinned by
     a prefetch (each TP rank its own sequence piece, each stage per schedule micro-batch) and
     stayed pinned until the optimizer's update, and the next step's pages were paged in while a
     step ran (the same lookups, a step ahead)."""
-    pp = {"pipeline": {"schedule": "1F1B", "microbatches": 2}, "engram": {"layer_ids": [0, 2]}}
     layouts = {  # label: (ranks, extra, prefetches per table and rank, cache MiB per rank)
-        "fsdp2tp2": (4, {"parallelism": {"dp_shard": 2, "tp": 2}}, STEPS, CACHE_MIB / 4),
+        "fsdp2tp2": (*SHARED_LAYOUTS["fsdp2tp2"], STEPS, CACHE_MIB / 4),
         # a stage's table over 1 (2) ranks: ~10x its cache; it pins 2 micro-batches' rows
-        "pp2": (2, {"parallelism": {"dp_shard": 1, "pp": 2}, **pp}, 2 * STEPS, CACHE_MIB),
-        "pp2tp2": (4, {"parallelism": {"dp_shard": 1, "pp": 2, "tp": 2}, **pp}, 2 * STEPS, 2.3),
+        "pp2": (2, {"parallelism": {"dp_shard": 1, "pp": 2}, **PP}, 2 * STEPS, CACHE_MIB),
+        "pp2tp2": (*SHARED_LAYOUTS["pp2tp2"], 2 * STEPS, 2.3),
     }  # fmt: skip
     telemetry = {}  # label -> rank 0's metrics of the NVMe run
     for label, (world, extra, prefetches, cache_mib) in layouts.items():
-        runs = {}
-        for loc in ("device", "nvme"):
-            raw = _run(tmp_path, label, world, loc, "lazy_adam")
-            for section, values in extra.items():
-                raw[section] = {**raw.get(section, {}), **values}
-            raw["training"]["local_batch_size"] = 8 // raw["parallelism"]["dp_shard"]
-            if loc == "nvme":
-                raw["engram"]["nvme_host_cache_gib"] = cache_mib / 1024
-            runs[loc] = run_distributed(_train, world, raw)
+        # FSDP2 x TP2's and PP2 x TP2's twins: test_host_equals_device_fsdp2_tp2_and_pp2's
+        twin = nvme_raw(tmp_path, label, world, "device", "lazy_adam", extra)
+        runs = {"device": shared_run(device_twin, world, twin)}
+        raw = nvme_raw(tmp_path, label, world, "nvme", "lazy_adam", extra)
+        raw["engram"]["nvme_host_cache_gib"] = cache_mib / 1024
+        runs["nvme"] = run_distributed(_train, world, raw)
         for rank, (n, d) in enumerate(zip(runs["nvme"], runs["device"], strict=True)):
             where = f"{label} rank {rank}"
             assert _same(n["losses"], d["losses"]), f"{where}: {n['losses']} != {d['losses']}"
