@@ -2,8 +2,8 @@
 (tests/test_parallelisms_host_tables.py, tests/test_parallelisms_nvme_tables.py).
 
 Both files train their device twins with `device_twin` through tests/shared_runs.py, so a run
-that several tests compare to trains once per session (per pytest-xdist worker: a file's tests
-share runs; the two files share nothing they rely on)."""
+that several tests compare to trains once per session (a file's tests share runs; the two
+files share nothing they rely on, so either can run alone)."""
 
 from __future__ import annotations
 
