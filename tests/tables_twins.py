@@ -45,20 +45,17 @@ def table_raw(tmp: str, name: str, world: int, location: str, opt: str, extra: d
 def nvme_raw(tmp, name: str, world: int, location: str, opt: str, extra: dict | None = None):
     """`table_raw` at the NVMe tests' table size over STEPS steps, every step logged; NVMe tables
     in two page folders under `tmp` with a host cache of CACHE_MIB / world, no drive probe.
-    `extra` (a layout's sections) is merged per section, and the per-rank batch is 8 / dp_shard."""
+    `extra` (a layout's sections) is merged per section, as table_raw does."""
+    extra = extra or {}
     engram = {"vocab_size_per_ngram": VOCAB}
     if location == "nvme":
         engram |= {"nvme_dirs": [f"{tmp}/nvme_a", f"{tmp}/nvme_b"], "nvme_create_dirs": True,
                    "nvme_host_cache_gib": CACHE_MIB / world / 1024}  # fmt: skip
-    raw = table_raw(str(tmp), name, world, location, opt, {"engram": engram})
+        engram["nvme_probe_s"] = 0.0  # no drive probe (test_nvme_equals_device has one)
+    layout = {**extra, "engram": {**engram, **extra.get("engram", {})}}
+    raw = table_raw(str(tmp), name, world, location, opt, layout)
     raw["training"]["steps"] = STEPS
     raw["metrics"]["log_freq"] = 1  # every step's telemetry (engram/train/telemetry.py)
-    if location == "nvme":
-        raw["engram"]["nvme_probe_s"] = 0.0  # no drive probe (test_nvme_equals_device has one)
-    if extra:
-        for section, values in extra.items():
-            raw[section] = {**raw.get(section, {}), **values}
-        raw["training"]["local_batch_size"] = 8 // raw["parallelism"]["dp_shard"]
     return raw
 
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 from launcher import run_distributed
-from test_parallelisms_host_tables import _raw, _same, _train
+from tables_twins import table_raw
+from test_parallelisms_host_tables import _same, _train
 from test_parallelisms_nvme_tables import _train as _nvme_train
 
 from engram.config import ConfigError, config_from_dict
@@ -23,7 +24,7 @@ VOCAB = [25013, 24989]
 def _job(
     tmp, name: str, world: int, steps: int, full_every: int, load_step=-1, keep=0, where="host"
 ):
-    raw = _raw(str(tmp), name, world, where, "lazy_adam",
+    raw = table_raw(str(tmp), name, world, where, "lazy_adam",
                {"engram": {"vocab_size_per_ngram": VOCAB}})  # fmt: skip
     raw["training"]["steps"] = steps
     raw["checkpoint"] = {"enable": True, "interval": 1, "keep_latest_k": keep,

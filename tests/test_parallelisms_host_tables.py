@@ -29,9 +29,6 @@ from engram.config import ConfigError, config_from_dict
 ROW_SPARSE = ("lazy_adam", "rowwise_adagrad")
 
 
-_raw = table_raw  # tests/test_checkpoint_table_delta.py imports it from here
-
-
 def _train(
     rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = (), slow_update: float = 0.0
 ) -> dict:
@@ -119,13 +116,15 @@ def _assert_bitwise(host: list[dict], device: list[dict], label: str) -> None:
         assert rank or all(len(t) % 6 == 0 and t for t in h["telemetry"]), h["telemetry"]
 
 
-def _pair(tmp, name, world, opt, extra=None, nan_steps=(), raw=_raw):
-    """The host run and its device twin of one config (`raw`: how to write it), each trained
+def _pair(tmp, name, world, opt, extra=None, nan_steps=()):
+    """The host run and its device twin of one config, each trained
     once per session (tests/shared_runs.py: the 2-rank lazy_adam runs are also
     test_checkpoint_interchange_host_device's references)."""
     args = (nan_steps,) if nan_steps else ()
-    host = shared_run(_train, world, raw(str(tmp), name, world, "host", opt, extra), *args)
-    device = shared_run(device_twin, world, raw(str(tmp), name, world, "device", opt, extra), *args)
+    host = shared_run(_train, world, table_raw(str(tmp), name, world, "host", opt, extra), *args)
+    device = shared_run(
+        device_twin, world, table_raw(str(tmp), name, world, "device", opt, extra), *args
+    )
     return host, device
 
 
@@ -141,7 +140,7 @@ def test_host_equals_device_lazy_adam(tmp_path, world):
 @pytest.mark.slow
 def test_host_tables_learn(tmp_path):
     """The compared runs update the tables (a frozen table would also compare equal)."""
-    raw = _raw(str(tmp_path), "learn", 1, "host", "lazy_adam")
+    raw = table_raw(str(tmp_path), "learn", 1, "host", "lazy_adam")
     (four,) = shared_run(_train, 1, raw)  # test_host_equals_device_lazy_adam[1]'s host run
     steps0 = {**raw, "training": {**raw["training"], "steps": 1}}
     steps0["job"] = {**raw["job"], "run_name": "learn_one_step"}
@@ -233,7 +232,7 @@ def _ckpt_raw(
     opt: str = "lazy_adam",
     extra: dict | None = None,
 ) -> dict:
-    raw = _raw(tmp, "ckpt", world, location, opt, extra)
+    raw = table_raw(tmp, "ckpt", world, location, opt, extra)
     raw["job"]["run_name"] = "interchange"  # one folder: the locations resume each other
     raw["checkpoint"] = {"enable": True, "interval": 2, "keep_latest_k": 0, "load_step": load_step}
     return raw
@@ -246,7 +245,7 @@ def test_checkpoint_interchange_host_device(tmp_path, first, second):
     second location throughout (2 ranks)."""
     # test_host_equals_device_lazy_adam[2]'s run (and twin)
     fn = device_twin if second == "device" else _train
-    ref = shared_run(fn, 2, _raw(str(tmp_path / "ref"), "ref", 2, second, "lazy_adam"))
+    ref = shared_run(fn, 2, table_raw(str(tmp_path / "ref"), "ref", 2, second, "lazy_adam"))
     run_distributed(_train, 2, _ckpt_raw(str(tmp_path), 2, first, -1))
     resumed = run_distributed(_train, 2, _ckpt_raw(str(tmp_path), 2, second, 2))
     for r, got in zip(ref, resumed, strict=True):
@@ -344,7 +343,7 @@ def test_shard_stays_on_host_and_adam_refused():
 @pytest.mark.slow
 def test_host_memory_too_small_fails_at_start(tmp_path):
     """The refusal names the bytes needed and available, before the tables are allocated."""
-    raw = _raw(str(tmp_path), "small", 1, "host", "lazy_adam")
+    raw = table_raw(str(tmp_path), "small", 1, "host", "lazy_adam")
     raw["engram"]["host_memory_gib"] = 0.01  # 10 MiB: less than one 64 MiB staging buffer
     with pytest.raises(RuntimeError, match=r"host Engram tables need 0\.06 GiB .* but 0\.01 GiB"):
         run_distributed(_train, 1, raw)

@@ -298,10 +298,6 @@ def _train(rank: int, world: int, raw: dict, chunk_bytes: int = 0) -> dict:
     }  # fmt: skip
 
 
-def _run(tmp, name, world, location, opt):
-    return nvme_raw(tmp, name, world, location, opt)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("opt", ["lazy_adam", "rowwise_adagrad"])
 @pytest.mark.parametrize("world", [1, 2])
@@ -309,9 +305,9 @@ def test_nvme_equals_device(tmp_path, world, opt):
     """... and logs, per rank, the tier's start-up line and, per step, Engram telemetry equal
     to the device run's and page counters that add up to the stores' own counts."""
     # the device twin: test_nvme_checkpoint_resumes_bitwise[nvme]'s reference at 2 ranks
-    runs = {"device": shared_run(device_twin, world, _run(tmp_path, f"{opt}{world}", world,
-                                                          "device", opt))}  # fmt: skip
-    raw = _run(tmp_path, f"{opt}{world}", world, "nvme", opt)
+    twin = nvme_raw(tmp_path, f"{opt}{world}", world, "device", opt)
+    runs = {"device": shared_run(device_twin, world, twin)}
+    raw = nvme_raw(tmp_path, f"{opt}{world}", world, "nvme", opt)
     raw["engram"]["nvme_probe_s"] = 0.05
     raw["metrics"]["enable_tensorboard"] = True
     runs["nvme"] = run_distributed(_train, world, raw)
@@ -378,7 +374,7 @@ def test_nvme_checkpoint_resumes_bitwise(tmp_path, first):
     chunk = 256 << 10
 
     def ckpt(location: str, load_step: int) -> dict:
-        raw = _run(tmp_path, "ckpt", 2, location, "lazy_adam")
+        raw = nvme_raw(tmp_path, "ckpt", 2, location, "lazy_adam")
         raw["job"]["run_name"] = "resume"
         raw["checkpoint"] = {"enable": True, "interval": 2, "keep_latest_k": 0,
                              "load_step": load_step}  # fmt: skip
@@ -388,7 +384,7 @@ def test_nvme_checkpoint_resumes_bitwise(tmp_path, first):
     ref = (  # test_nvme_equals_device[2-lazy_adam]'s device twin
         saved
         if first == "device"
-        else shared_run(device_twin, 2, _run(tmp_path / "ref", "ref", 2, "device", "lazy_adam"))
+        else shared_run(device_twin, 2, nvme_raw(tmp_path / "ref", "ref", 2, "device", "lazy_adam"))
     )
     resumed = run_distributed(_train, 2, ckpt("nvme", 2), chunk)
     for r, got in zip(ref, resumed, strict=True):
@@ -426,9 +422,9 @@ def test_nvme_equals_device_fsdp2_tp2_and_pp2(tmp_path):
     }  # fmt: skip
     telemetry = {}  # label -> rank 0's metrics of the NVMe run
     for label, (world, extra, prefetches, cache_mib) in layouts.items():
-        # FSDP2 x TP2's and PP2 x TP2's twins: test_host_equals_device_fsdp2_tp2_and_pp2's
+        # no other test trains these twins (the host file's layouts use their own table size)
         twin = nvme_raw(tmp_path, label, world, "device", "lazy_adam", extra)
-        runs = {"device": shared_run(device_twin, world, twin)}
+        runs = {"device": run_distributed(device_twin, world, twin)}
         raw = nvme_raw(tmp_path, label, world, "nvme", "lazy_adam", extra)
         raw["engram"]["nvme_host_cache_gib"] = cache_mib / 1024
         runs["nvme"] = run_distributed(_train, world, raw)
