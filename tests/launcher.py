@@ -160,6 +160,12 @@ def run_distributed(
         _log_call(fn, world_size, args, time.monotonic() - start)
 
 
+def in_turn(rank: int, world: int, fn: Callable[..., Any], configs: list[Any]) -> list[Any]:
+    """`fn(rank, world, config)` for each config in turn, in the same ranks: several runs in one
+    launch, `run_distributed(in_turn, world, fn, configs)` (fn module-level, so it pickles)."""
+    return [fn(rank, world, config) for config in configs]
+
+
 def _log_call(fn: Callable[..., Any], world_size: int, args: tuple, seconds: float) -> None:
     """TEST_RUN_LOG=FILE: one JSON line per call (test, function, world, seconds, config key),
     to find runs that several tests compute alike (candidates for shared_runs.shared_run)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from launcher import run_distributed
+from launcher import in_turn, run_distributed
 from test_checkpoint_table_delta import _job
 from test_parallelisms_host_tables import _same
 from test_parallelisms_nvme_tables import _train as _nvme_train
@@ -78,10 +78,6 @@ def _counted_train(rank: int, world: int, raw: dict) -> dict:
     return result
 
 
-def _nvme_train_each(rank: int, world: int, raws: list[dict]) -> list[dict]:
-    return [_nvme_train(rank, world, raw) for raw in raws]
-
-
 def _run(tmp, world, steps, full_every, location="nvme", load_step=-1):
     raw = _job(tmp, "stream", world, steps, full_every, load_step=load_step)
     raw["job"]["run_name"] = "stream"
@@ -123,7 +119,7 @@ def test_streamed_saves_hold_a_chunk_and_resume_bitwise(tmp_path):
     resumed = {(2, "device"): run_distributed(
         _nvme_train, 2, _run(tmp_path, 2, 4, 1, "device", load_step=3))}  # fmt: skip
     ones = [_run(tmp_path, 1, 4, 1, location, load_step=3) for location in ("nvme", "device")]
-    ((nvme, device),) = run_distributed(_nvme_train_each, 1, ones)  # one launch, in turn
+    ((nvme, device),) = run_distributed(in_turn, 1, _nvme_train, ones)  # one launch, in turn
     resumed[1, "nvme"], resumed[1, "device"] = [nvme], [device]
     # 2 ranks: like the uninterrupted run; 1 rank: NVMe like device tables (the same resume)
     for label, got_all, want_all, first in (

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from launcher import run_distributed
+from launcher import in_turn, run_distributed
 from tables_twins import table_raw
 from test_parallelisms_host_tables import _same, _train
 from test_parallelisms_nvme_tables import _train as _nvme_train
@@ -49,11 +49,6 @@ def _read_one_process(tmp, name: str) -> dict:
     path = find_checkpoint(cfg.run_folder / cfg.checkpoint.folder, 3)
     load_model_checkpoint(model, path, config_fingerprint(cfg, tok, hasher))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _train_each(rank: int, world: int, raws: list[dict]) -> list[dict]:
-    """_train of each config in turn, in the same ranks (one launch)."""
-    return [_train(rank, world, raw) for raw in raws]
 
 
 def _assert_equal(got: list[dict], want: list[dict], first: int, label: str) -> None:
@@ -102,11 +97,13 @@ def test_delta_resumes_at_another_world_size_and_missing_delta_is_refused(tmp_pa
     run. Then a deleted delta file of step 2 is refused by name. (The delta and the full run
     train one after the other in one launch, each resume pair too; one step after the resume.)"""
     saves = [("inc2", 3), ("full2", 1)]  # run name, checkpoint.table_full_every
-    run_distributed(_train_each, 2, [_job(tmp_path, name, 2, 3, every) for name, every in saves])
+    run_distributed(
+        in_turn, 2, _train, [_job(tmp_path, name, 2, 3, every) for name, every in saves]
+    )
     assert _steps(tmp_path, "inc2") == ["step-1", "step-2", "step-3"]
     for world in (1, 2):  # 2 -> 1 ranks, and 2 -> 2 ranks
         resumes = [_job(tmp_path, name, world, 4, 1, 3) for name, _ in saves]
-        from_delta, from_full = zip(*run_distributed(_train_each, world, resumes), strict=True)
+        from_delta, from_full = zip(*run_distributed(in_turn, world, _train, resumes), strict=True)
         _assert_equal(from_delta, from_full, 0, f"2 -> {world} ranks from delta step 3")
     # one process (generation, export) reads delta step 3 as the full step 3
     read = {name: _read_one_process(tmp_path, name) for name in ("inc2", "full2")}

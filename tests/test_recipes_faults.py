@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launcher import run_distributed
+from launcher import in_turn, run_distributed
 from small_job import small_job
 
 from engram.checkpoint import CheckpointError, fingerprint_mismatches
@@ -75,11 +75,6 @@ def _train(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) ->
         "weights": weights,
         "warned": warned,
     }
-
-
-def _train_each(rank: int, world: int, raws: list[dict]) -> list[dict]:
-    """_train of each config in turn, in the same process (one launch)."""
-    return [_train(rank, world, raw) for raw in raws]
 
 
 def _files(folder: Path) -> dict[str, str]:
@@ -242,7 +237,7 @@ def test_changed_hyperparameters_apply_from_the_first_resumed_step(tmp_path):
     # the three resumes of step 2, one after the other in one launch (the last one, `faster`,
     # writes the metrics read below)
     resumes = [_raw(str(tmp_path), steps=4, **resume, **change) for change in ({}, wd, lr)]
-    ((same, decayed, faster),) = run_distributed(_train_each, 1, resumes)
+    ((same, decayed, faster),) = run_distributed(in_turn, 1, _train, resumes)
     for out in (same, decayed, faster):
         assert out["start"] == 2, out
     # Step 3's loss is computed before its update; its update (the first resumed one) uses
