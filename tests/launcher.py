@@ -6,6 +6,7 @@ process group over 127.0.0.1 (no mocked collectives). This costs ~1 s instead of
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -75,6 +76,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# GC_FROZEN_AFTER_FORK: a forked or pooled process starts with gc.freeze(). What it inherits
+# from pytest (~330k objects: torch, the test modules) is then never traversed again by its
+# collections, which otherwise walk all of it at each full collection and at every pool call's
+# gc.collect (0.2-0.9 s a call) and touch every object's header (copy-on-write page faults).
+# Objects made after the fork are collected as usual.
+
+
 def _to_picklable(obj: Any) -> Any:
     """Tensors cross the process boundary as numpy arrays (torch shares them by file descriptor,
     which breaks once the worker has exited)."""
@@ -90,6 +98,7 @@ def _to_picklable(obj: Any) -> Any:
 
 
 def _worker(fn, rank, world_size, port, args, queue):
+    gc.freeze()  # see GC_FROZEN_AFTER_FORK
     import torch
     import torch.distributed as dist
 
@@ -238,6 +247,7 @@ def rank_failure(procs: list[Any], errors: list[str]) -> RuntimeError:
 
 
 def _isolated_worker(fn, args, kwargs, queue):
+    gc.freeze()  # see GC_FROZEN_AFTER_FORK
     import torch
 
     # The parent's OpenMP pool does not survive fork (libgomp): a multi-threaded op in the child

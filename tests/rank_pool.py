@@ -36,6 +36,7 @@ MAX_CALLS = 40
 # Pools are kept for these world sizes (an 8-rank pool would hold 8 idle processes' memory).
 POOLED_WORLDS = (1, 2, 4)
 ISOLATED = 0  # the "world size" of run_isolated's pool: one process, no process group
+_STOP = b"stop"  # what close() sends a waiting rank (a call is a pickle, never these bytes)
 # Module and class attributes a rank function may rebind (tests patch the code they check inside
 # the rank): the project's packages and the test modules fully, these torch modules' functions.
 _PROJECT = ("engram", "parallelisms", "runner", "recipes", "planner", "scripts", "benchmarks")
@@ -214,6 +215,7 @@ def _call(fn: Any, rank: int, world: int, args: tuple, kwargs: dict) -> tuple[bo
 
 def _serve(rank: int, world: int, port: int, conn: Any, parent_end: Any) -> None:
     parent_end.close()
+    gc.freeze()  # see launcher.GC_FROZEN_AFTER_FORK
     import torch
     import torch.distributed as dist
 
@@ -229,9 +231,12 @@ def _serve(rank: int, world: int, port: int, conn: Any, parent_end: Any) -> None
         while True:
             bindings.add_new_modules()
             try:
-                fn, args, kwargs, env, cwd = pickle.loads(conn.recv_bytes())
+                payload = conn.recv_bytes()
             except EOFError:
                 return
+            if payload == _STOP:
+                return
+            fn, args, kwargs, env, cwd = pickle.loads(payload)
             bindings.add_new_modules()  # the test module the call came from
             os.environ.clear()
             os.environ.update(env)
@@ -331,7 +336,14 @@ class RankPool:
 
     def close(self, kill: bool = False) -> None:
         for conn in self.conns:
-            conn.close()  # EOF: a rank waiting for a call ends
+            # Told to stop, not left to see EOF: every process forked since this pool (other
+            # pools' ranks, forked ranks) holds a copy of this end, and the pipe reaches EOF
+            # only once they have all closed it (a retiring pool waited out its 10 s join).
+            try:
+                conn.send_bytes(_STOP)
+            except OSError:
+                pass  # that rank is gone already
+            conn.close()
         for proc in self.procs:
             proc.join(timeout=0.5 if kill else 10)
             if proc.is_alive():
