@@ -11,6 +11,9 @@
   same config) goes through `shared_runs.shared_run(fn, world, raw)`: once per session and
   config ([job] dump_folder / run_name aside); never for a run whose folder is read afterwards.
 - The debug job: `small_job.small_job(...)`; build on it rather than on a private config.
+- The README runs the suite in two pytest-xdist workers, a file per worker at a time (`-n 2
+  --dist loadfile`): a test must not rely on another file's run having happened in its process,
+  and asks `launcher.free_port()` for a port (each worker has its own block).
 - Every process launch is counted (launcher.count_launches) and the total is printed at the end
   of the run with how many shared runs were reused and why rank pools retired.
 - A process of this session (this one, its forked and pooled ranks) times the CPU's GEMM peak,
@@ -21,6 +24,7 @@
 
 import logging
 import os
+from collections import Counter
 
 import launcher
 import pytest
@@ -81,18 +85,60 @@ def _gemm_peak_timed_once() -> None:
 
 
 def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Workers share the cores: one intra-op thread each, as the forked ranks use.
+        import torch
+
+        torch.set_num_threads(1)
     count_launches()
     _gemm_peak_timed_once()
+
+
+# Under pytest-xdist (README's command: -n 2) the tests run in worker processes: each sends its
+# counts to the controller at the end, which adds them up for the summary below.
+_FROM_WORKERS: dict[str, Counter] = {
+    "launches": Counter(),
+    "shared": Counter(),
+    "retired": Counter(),
+}
+
+
+def pytest_collection_modifyitems(items):
+    """Files with the most `slow` tests first (each file's tests in their order): under xdist's
+    --dist loadfile a worker takes a whole file, and a long file picked up last would run alone
+    at the end."""
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path, i)
+    items.sort(key=lambda item: (-slow[item.path], first[item.path]))
+
+
+def pytest_sessionfinish(session):
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:
+        out["launches"], out["shared"], out["retired"] = dict(LAUNCHES), dict(STATS), dict(RETIRED)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    for key, got in getattr(node, "workeroutput", {}).items():
+        if key in _FROM_WORKERS:
+            _FROM_WORKERS[key].update(got)
 
 
 def pytest_terminal_summary(terminalreporter):
     """The number of processes this run launched (forked ranks, other forks, subprocesses): the
     suite's cost is mostly launches, so the count is kept in sight."""
-    kinds = ", ".join(f"{k} {n}" for k, n in sorted(LAUNCHES.items()))
-    terminalreporter.write_sep("=", f"process launches: {sum(LAUNCHES.values())} ({kinds})")
+    launches = LAUNCHES + _FROM_WORKERS["launches"]
+    shared = Counter(STATS) + _FROM_WORKERS["shared"]
+    retired = RETIRED + _FROM_WORKERS["retired"]
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(launches.items()))
+    terminalreporter.write_sep("=", f"process launches: {sum(launches.values())} ({kinds})")
     terminalreporter.write_line(
-        f"shared runs: {STATS['computed']} computed, {STATS['shared']} reused (tests/shared_runs.py)"
+        f"shared runs: {shared['computed']} computed, {shared['shared']} reused "
+        "(tests/shared_runs.py)"
     )
-    if RETIRED:
-        why = ", ".join(f"{k} {n}" for k, n in RETIRED.most_common())
+    if retired:
+        why = ", ".join(f"{k} {n}" for k, n in retired.most_common())
         terminalreporter.write_line(f"rank pools retired: {why}")

@@ -70,10 +70,34 @@ def count_launches() -> None:
     subprocess.Popen.__init__ = counted_popen_init  # type: ignore[method-assign]
 
 
+# Under pytest-xdist each worker takes its ports from its own block below the kernel's ephemeral
+# range (32768-60999 here), so no other worker's bind(0) or outgoing connection can be handed a
+# port between free_port() and the rendezvous store binding it.
+_PORT_BLOCK, _PORT_BASE, _PORT_WORKERS = 1500, 10000, 14
+_next_port: dict[int, int] = {}
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    n = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else -1
+    if not 0 <= n < _PORT_WORKERS:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    # a forked rank that asks for a port starts elsewhere in the block than its parent
+    pid = os.getpid()
+    start = _next_port.get(pid, (pid * 7919) % _PORT_BLOCK)
+    for i in range(_PORT_BLOCK):
+        offset = (start + i) % _PORT_BLOCK
+        port = _PORT_BASE + n * _PORT_BLOCK + offset
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _next_port[pid] = offset + 1
+        return port
+    raise RuntimeError(f"no free port in {worker}'s block of {_PORT_BLOCK}")
 
 
 # GC_FROZEN_AFTER_FORK: a forked or pooled process starts with gc.freeze(). What it inherits
