@@ -13,7 +13,8 @@
 - The debug job: `small_job.small_job(...)`; build on it rather than on a private config.
 - The README runs the suite in two pytest-xdist workers, a file per worker at a time (`-n 2
   --dist loadfile`): a test must not rely on another file's run having happened in its process,
-  and asks `launcher.free_port()` for a port (each worker has its own block).
+  and asks `launcher.free_port()` for a port (each worker has its own block). A call of more
+  ranks than the machine has cores waits while the other worker runs one (launcher.py).
 - Every process launch is counted (launcher.count_launches) and the total is printed at the end
   of the run with how many shared runs were reused and why rank pools retired.
 - A process of this session (this one, its forked and pooled ranks) times the CPU's GEMM peak,

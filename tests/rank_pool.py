@@ -32,7 +32,7 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
 
-MAX_CALLS = 40
+MAX_CALLS = 60
 # Pools are kept for these world sizes (an 8-rank pool would hold 8 idle processes' memory).
 POOLED_WORLDS = (1, 2, 4)
 ISOLATED = 0  # the "world size" of run_isolated's pool: one process, no process group
