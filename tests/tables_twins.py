@@ -49,9 +49,9 @@ def nvme_raw(tmp, name: str, world: int, location: str, opt: str, extra: dict | 
     extra = extra or {}
     engram = {"vocab_size_per_ngram": VOCAB}
     if location == "nvme":
+        # nvme_probe_s 0: no drive probe (test_nvme_equals_device has one)
         engram |= {"nvme_dirs": [f"{tmp}/nvme_a", f"{tmp}/nvme_b"], "nvme_create_dirs": True,
-                   "nvme_host_cache_gib": CACHE_MIB / world / 1024}  # fmt: skip
-        engram["nvme_probe_s"] = 0.0  # no drive probe (test_nvme_equals_device has one)
+                   "nvme_host_cache_gib": CACHE_MIB / world / 1024, "nvme_probe_s": 0.0}  # fmt: skip
     layout = {**extra, "engram": {**engram, **extra.get("engram", {})}}
     raw = table_raw(str(tmp), name, world, location, opt, layout)
     raw["training"]["steps"] = STEPS
@@ -70,7 +70,8 @@ SHARED_LAYOUTS = {
 def device_twin(rank: int, world: int, raw: dict, nan_steps: tuple[int, ...] = ()) -> dict:
     """Train `raw` (device tables); return what both files compare: losses, grad norms, every
     table's full rows (by parameter name), rank 0's metrics records and the Engram telemetry of
-    its steps, and the names of any host / NVMe table modules (none). `nan_steps`: steps whose loss is poisoned."""
+    its steps, and the names of any host / NVMe table modules (none). `nan_steps`: steps whose
+    loss is poisoned."""
     from torch.distributed.tensor import DTensor
 
     import recipes.train as recipe

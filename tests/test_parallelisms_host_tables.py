@@ -117,8 +117,8 @@ def _assert_bitwise(host: list[dict], device: list[dict], label: str) -> None:
 
 
 def _pair(tmp, name, world, opt, extra=None, nan_steps=()):
-    """The host run and its device twin of one config, each trained
-    once per session (tests/shared_runs.py: the 2-rank lazy_adam runs are also
+    """The host run and its device twin of one config, each trained once per session
+    (tests/shared_runs.py: the 2-rank lazy_adam runs are also
     test_checkpoint_interchange_host_device's references)."""
     args = (nan_steps,) if nan_steps else ()
     host = shared_run(_train, world, table_raw(str(tmp), name, world, "host", opt, extra), *args)

@@ -1,8 +1,9 @@
 """Run-level parity: every data-parallel layout reproduces the single-process run.
 
-The debug model is trained for 3 steps (PARITY_STEPS; other files' runs of `_config`: 5) on the same global batch (8 sequences) by one process and
-by 2 / 4 real gloo ranks under DDP, FSDP2 (both reshard policies) and HSDP 2x2, in `full` and
-`engram_only` modes, and must match the single-process run:
+The debug model is trained for 3 steps (PARITY_STEPS; other files' runs of `_config`: 5) on the
+same global batch (8 sequences) by one process and by 2 / 4 real gloo ranks under DDP, FSDP2 (both
+reshard policies) and HSDP 2x2, in `full` and `engram_only` modes, and must match the
+single-process run:
 
 - per-step losses to rtol 1e-5; the global (pre-clip) gradient norm of step 1 (identical weights)
   to rtol 1e-6, later steps to 1e-3 (3e-3 in `engram_only` mode: measured 2.3e-3, DDP step 5 of 5,

@@ -16,7 +16,7 @@ import pytest
 import torch
 from launcher import run_distributed
 from shared_runs import shared_run
-from test_parallelisms_parity import _assert_matches, _config, _initial_weights, _with
+from test_parallelisms_parity import _assert_matches, _initial_weights, _parity_config, _with
 from torch.distributed.tensor import DTensor
 
 from engram.config import ConfigError, Pipeline, config_from_dict
@@ -26,9 +26,6 @@ from engram.models.transformer import clean_fqn
 from parallelisms.pipeline import check_schedule, plan_stages, prune_to_stage, stage_ranks
 
 GLOBAL_BATCH = 8
-# Steps of a parity run: a schedule that mis-orders micro-batches or loses a stage's gradient is
-# off from step 1, an optimizer state kept per stage from step 2 on.
-PP_STEPS = 3
 
 
 # ----------------------------------------------------------------------------- splits (no ranks)
@@ -140,9 +137,9 @@ def _train(rank: int, world: int, raw: dict) -> dict:
 
 
 def _raw(folder, world: int, layout: dict, extra: dict) -> dict:
-    raw = _config(str(folder), world, "full", layout)
-    raw["training"]["steps"] = PP_STEPS
-    raw = _with(raw, extra)  # extra's [training] may set other steps
+    # The parity file's steps (PARITY_STEPS): a schedule that mis-orders micro-batches or loses a
+    # stage's gradient is off from step 1, an optimizer state kept per stage from step 2 on.
+    raw = _with(_parity_config(str(folder), world, "full", layout), extra)  # extra may set steps
     dp = world // layout.get("pp", 1) // layout.get("tp", 1)
     raw["training"]["local_batch_size"] = GLOBAL_BATCH // dp
     raw["data"]["eval_batches"] = 2  # held-out loss at the last step, under PP too
